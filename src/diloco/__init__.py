@@ -1,0 +1,42 @@
+"""diloco: low-communication training of language models (DiLoCo, asynchronous Local-SGD).
+
+Library use, around your own model and data (see README.md for a runnable example):
+
+    from diloco import DiLoCo, Nesterov
+    trainer = DiLoCo(make_model, make_inner_opt, batch_iterators, inner_steps=50,
+                     loss_fn=my_loss, outer_opt=Nesterov(lr=0.7, momentum=0.9))
+    for _ in range(rounds):
+        trainer.round()          # trainer.model holds the global parameters
+"""
+
+from diloco.codec import Codec, Fp32Codec
+from diloco.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, TrainConfig
+from diloco.errors import UserError
+from diloco.inner import InnerResult, Worker
+from diloco.model import GPT
+from diloco.outer import SGD, Adam, Nesterov, OuterOpt, weighted_average
+from diloco.runtime.sim import DataParallel, DiLoCo, RoundStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GPT",
+    "SGD",
+    "Adam",
+    "Codec",
+    "DataConfig",
+    "DataParallel",
+    "DiLoCo",
+    "Fp32Codec",
+    "InnerConfig",
+    "InnerResult",
+    "ModelConfig",
+    "Nesterov",
+    "OuterConfig",
+    "OuterOpt",
+    "RoundStats",
+    "TrainConfig",
+    "UserError",
+    "Worker",
+    "weighted_average",
+]

@@ -1,0 +1,7 @@
+"""`python -m diloco ...` is the `diloco` command (torchrun launches modules this way)."""
+
+import sys
+
+from diloco.cli import main
+
+sys.exit(main())

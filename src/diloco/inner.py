@@ -1,0 +1,111 @@
+"""The inner loop (ALGORITHMS.md §1): a worker runs H AdamW steps from the global parameters
+and returns outer_grad = θ_start − θ_local.
+
+A worker owns its model replica, its inner optimizer state (kept across rounds, never sent),
+its step count (which drives its lr schedule) and its data iterator.
+
+    python -m pytest tests/unit/test_inner.py
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Loss for diloco's own GPT and batches: (inputs_BT, targets_BT)."""
+    inputs_BT, targets_BT = batch
+    return model(inputs_BT, targets_BT)
+
+
+@dataclass
+class InnerResult:
+    """What a worker reports after its local steps."""
+
+    outer_grad: list[torch.Tensor]  # θ_start − θ_local, one tensor per parameter
+    steps: int
+    mean_loss: float  # mean training loss over the steps
+    last_lr: float
+
+
+class Worker:
+    """One DiLoCo worker: a model replica, its inner optimizer and its data.
+
+    `lr_schedule(step) -> lr` (optional) sets the optimizer's lr before each step from the
+    worker's own step count; `grad_clip` > 0 clips the global gradient norm.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batches: Iterator,
+        *,
+        loss_fn: LossFn = gpt_loss,
+        lr_schedule: Callable[[int], float] | None = None,
+        grad_clip: float = 0.0,
+    ):
+        self.model = model
+        self.optimizer = optimizer
+        self.batches = batches
+        self.loss_fn = loss_fn
+        self.lr_schedule = lr_schedule
+        self.grad_clip = grad_clip
+        self.step = 0  # inner steps taken so far, over all rounds
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def train_step(self) -> tuple[float, float]:
+        """One inner step on the next batch; returns (loss, lr)."""
+        if self.lr_schedule is not None:
+            lr = self.lr_schedule(self.step)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        lr = self.optimizer.param_groups[0]["lr"]
+        loss = self.loss_fn(self.model, next(self.batches))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        return loss.item(), lr
+
+    @torch.no_grad()
+    def load_params(self, params: list[torch.Tensor]) -> None:
+        for p, src in zip(self.params, params, strict=True):
+            p.copy_(src)
+
+    def run(self, start: list[torch.Tensor], steps: int) -> InnerResult:
+        """θ_local ← start; `steps` inner steps; return outer_grad = start − θ_local."""
+        self.load_params(start)
+        total_loss, lr = 0.0, 0.0
+        for _ in range(steps):
+            loss, lr = self.train_step()
+            total_loss += loss
+        with torch.no_grad():
+            outer_grad = [s - p for s, p in zip(start, self.params, strict=True)]
+        return InnerResult(outer_grad, steps, total_loss / steps, lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+        }
+        if hasattr(self.batches, "state_dict"):
+            state["batches"] = self.batches.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        if "batches" in state:
+            self.batches.load_state_dict(state["batches"])

@@ -1,0 +1,130 @@
+"""Outer optimizers and outer_grad averaging (ALGORITHMS.md §1).
+
+The averaged outer_grad Δ = Σ w_i Δ_i is used as a gradient on the global parameters θ:
+- Nesterov (the paper's choice, lr 0.7, momentum 0.9), in the PyTorch form
+  m ← βm + Δ;  θ ← θ − ε(Δ + βm);
+- SGD with optional heavy-ball momentum (lr 1.0 without momentum is FedAvg: θ ← mean θ_i);
+- Adam (FedOpt), which the paper found needs eps ≈ 0.1 to be stable.
+
+All updates are in place on the given parameter tensors, in a fixed order, so every runtime
+that applies the same Δ gets bit-identical parameters.
+
+    python -m pytest tests/unit/test_outer.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diloco.config import OuterConfig
+
+Tensors = list[torch.Tensor]
+
+
+def weighted_average(outer_grads: list[Tensors], weights: list[float]) -> Tensors:
+    """Σ_i w_i Δ_i, summed in worker order (the order matters for bitwise reproducibility)."""
+    if len(outer_grads) != len(weights):
+        raise ValueError(f"{len(outer_grads)} outer_grads but {len(weights)} weights")
+    out = [torch.zeros_like(t) for t in outer_grads[0]]
+    for grads, w in zip(outer_grads, weights, strict=True):
+        for acc, g in zip(out, grads, strict=True):
+            acc.add_(g, alpha=w)
+    return out
+
+
+class OuterOpt:
+    """An optimizer on the global parameters whose gradient is the averaged outer_grad."""
+
+    def step(self, params: Tensors, grads: Tensors) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class SGD(OuterOpt):
+    """SGD with optional momentum, as torch.optim.SGD with dampening 0 and no weight decay.
+
+    m ← βm + Δ (m starts at the first Δ, as in torch); the step is Δ + βm with Nesterov,
+    m without, Δ without momentum.
+    """
+
+    def __init__(self, lr: float = 1.0, momentum: float = 0.0, *, nesterov: bool = False):
+        if not lr > 0 or not 0 <= momentum < 1:
+            raise ValueError(f"outer SGD needs lr > 0 and 0 <= momentum < 1, got {lr}, {momentum}")
+        self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
+        self.buf: Tensors | None = None
+
+    @torch.no_grad()
+    def step(self, params: Tensors, grads: Tensors) -> None:
+        if self.momentum == 0:
+            for p, g in zip(params, grads, strict=True):
+                p.add_(g, alpha=-self.lr)
+            return
+        if self.buf is None:
+            self.buf = [g.clone() for g in grads]
+        else:
+            for m, g in zip(self.buf, grads, strict=True):
+                m.mul_(self.momentum).add_(g)
+        for p, m, g in zip(params, self.buf, grads, strict=True):
+            p.add_(g.add(m, alpha=self.momentum) if self.nesterov else m, alpha=-self.lr)
+
+    def state_dict(self) -> dict:
+        return {"buf": self.buf} if self.buf is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buf = [t.clone() for t in state["buf"]] if "buf" in state else None
+
+
+class Nesterov(SGD):
+    """The DiLoCo outer optimizer: SGD with Nesterov momentum (default lr 0.7, momentum 0.9)."""
+
+    def __init__(self, lr: float = 0.7, momentum: float = 0.9):
+        super().__init__(lr, momentum, nesterov=True)
+
+
+class Adam(OuterOpt):
+    """Adam on outer_grads (FedOpt), as torch.optim.Adam without weight decay."""
+
+    def __init__(self, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 0.1):
+        self.lr, self.betas, self.eps = lr, betas, eps
+        self.t = 0
+        self.m: Tensors | None = None
+        self.v: Tensors | None = None
+
+    @torch.no_grad()
+    def step(self, params: Tensors, grads: Tensors) -> None:
+        b1, b2 = self.betas
+        if self.m is None:
+            self.m = [torch.zeros_like(g) for g in grads]
+            self.v = [torch.zeros_like(g) for g in grads]
+        self.t += 1
+        c1, c2 = 1 - b1**self.t, 1 - b2**self.t
+        for p, g, m, v in zip(params, grads, self.m, self.v, strict=True):
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v.sqrt() / c2**0.5).add_(self.eps)
+            p.addcdiv_(m, denom, value=-self.lr / c1)
+
+    def state_dict(self) -> dict:
+        if self.m is None:
+            return {"t": self.t}
+        return {"t": self.t, "m": self.m, "v": self.v}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.t = int(state["t"])
+        self.m = [t.clone() for t in state["m"]] if "m" in state else None
+        self.v = [t.clone() for t in state["v"]] if "v" in state else None
+
+
+def build_outer_opt(cfg: OuterConfig) -> OuterOpt:
+    if cfg.opt == "nesterov":
+        return Nesterov(cfg.lr, cfg.momentum)
+    if cfg.opt == "sgd":
+        return SGD(cfg.lr, cfg.momentum)
+    if cfg.opt == "adam":
+        return Adam(cfg.lr, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps)
+    raise ValueError(f"unknown outer optimizer {cfg.opt!r}")

@@ -1,0 +1,1 @@
+"""Runtimes move tensors and time; the algorithm lives in the core modules."""
