@@ -118,6 +118,5 @@ def load(path: Path) -> dict[str, Any]:
         if isinstance(e, UserError):
             raise
         raise UserError(
-            f"checkpoint {path} is unreadable ({e}); "
-            "delete that folder to resume from an earlier checkpoint."
+            f"checkpoint {path} is unreadable ({e}); delete that folder to resume from an earlier checkpoint."
         ) from None

@@ -1,7 +1,7 @@
 """The command line: `diloco train` (thin: parse, build the config, run).
 
-    diloco train --help
-    python -m diloco train --workers 8 --shards kmeans
+diloco train --help
+python -m diloco train --workers 8 --shards kmeans
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from diloco.config import MODEL_PRESETS, METHODS, OUTER_OPTS, SHARDINGS, from_dict, load_toml, merge
+from diloco.config import METHODS, MODEL_PRESETS, OUTER_OPTS, SHARDINGS, from_dict, load_toml, merge
 from diloco.errors import UserError
 
 # flag dest -> (config path, help)
@@ -53,12 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", type=Path, help="TOML file of settings; flags override it")
     for dest, (_, kind, help_) in TRAIN_FLAGS.items():
         train.add_argument("--" + dest.replace("_", "-"), dest=dest, type=kind, help=help_)
-    train.add_argument("--resume", type=Path, metavar="RUN_DIR",
-                       help="continue a run from its latest checkpoint, bit for bit")
-    train.add_argument("--stop-after", type=int, metavar="ROUND",
-                       help="save a checkpoint after this round and stop (continue with --resume)")
-    train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                       help="show a progress bar (default: when stderr is a terminal)")
+    train.add_argument(
+        "--resume",
+        type=Path,
+        metavar="RUN_DIR",
+        help="continue a run from its latest checkpoint, bit for bit",
+    )
+    train.add_argument(
+        "--stop-after",
+        type=int,
+        metavar="ROUND",
+        help="save a checkpoint after this round and stop (continue with --resume)",
+    )
+    train.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="show a progress bar (default: when stderr is a terminal)",
+    )
     return parser
 
 
@@ -82,8 +94,10 @@ def _train(args: argparse.Namespace) -> int:
         raise UserError(f"--stop-after must be a round >= 1, got {args.stop_after}.")
     summary = train(cfg, resume=args.resume, stop_after=args.stop_after, progress=args.progress)
     if "stopped_after" in summary:
-        print(f"stopped after round {summary['stopped_after']}; "
-              f"continue with: diloco train --resume {summary['run_dir']}")
+        print(
+            f"stopped after round {summary['stopped_after']}; "
+            f"continue with: diloco train --resume {summary['run_dir']}"
+        )
     else:
         print(format_summary(summary))
     return 0
@@ -98,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"diloco: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("diloco: interrupted; continue from the last checkpoint with --resume RUN_DIR.", file=sys.stderr)
+        print(
+            "diloco: interrupted; continue from the last checkpoint with --resume RUN_DIR.", file=sys.stderr
+        )
         return 130
     raise AssertionError(args.command)
 

@@ -44,9 +44,7 @@ class ModelConfig:
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "nano": ModelConfig(name="nano", n_layer=4, n_head=4, d_model=96, seq_len=128),
     "micro": ModelConfig(name="micro", n_layer=6, n_head=6, d_model=192, seq_len=128),
-    "20m": ModelConfig(
-        name="20m", vocab_size=32_000, n_layer=6, n_head=4, d_model=256, seq_len=256
-    ),
+    "20m": ModelConfig(name="20m", vocab_size=32_000, n_layer=6, n_head=4, d_model=256, seq_len=256),
 }
 
 
@@ -190,8 +188,7 @@ def validate(cfg: TrainConfig) -> None:
     _int("model.seq_len", m.seq_len, minimum=2)
     if m.d_model % m.n_head:
         raise UserError(
-            f"model.d_model ({m.d_model}) must be divisible by model.n_head ({m.n_head}); "
-            "change one of them."
+            f"model.d_model ({m.d_model}) must be divisible by model.n_head ({m.n_head}); change one of them."
         )
     d = cfg.data
     _choice("data.shards", d.shards, SHARDINGS)

@@ -9,9 +9,7 @@ from __future__ import annotations
 import math
 
 
-def warmup_cosine(
-    step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float
-) -> float:
+def warmup_cosine(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """The lr for 0-based `step`: linear warm-up to `lr`, then cosine down to `lr * min_lr_ratio`.
 
     Warm-up counts from 1 so the first step already moves. Past `total_steps` the lr stays at

@@ -61,7 +61,9 @@ def prepare_data(cfg: TrainConfig) -> Data:
         works, k, kind=cfg.data.shards, val_fraction=cfg.data.val_fraction, seed=cfg.seed
     )
     samplers = [
-        ShardSampler(s, batch_size=cfg.data.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed * 1_000_003 + i)
+        ShardSampler(
+            s, batch_size=cfg.data.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed * 1_000_003 + i
+        )
         for i, s in enumerate(shards)
     ]
     val = validation_tokens(works, cfg.data.val_fraction)
@@ -83,16 +85,26 @@ def build_trainer(cfg: TrainConfig, data: Data) -> DiLoCo:
     common = dict(
         inner_steps=cfg.inner_steps,
         lr_schedule=partial(
-            warmup_cosine, lr=i.lr, warmup_steps=i.warmup_steps,
-            total_steps=cfg.total_inner_steps, min_lr_ratio=i.min_lr_ratio,
+            warmup_cosine,
+            lr=i.lr,
+            warmup_steps=i.warmup_steps,
+            total_steps=cfg.total_inner_steps,
+            min_lr_ratio=i.min_lr_ratio,
         ),
         grad_clip=i.grad_clip,
     )
     torch.manual_seed(cfg.seed)
     model_fn = partial(GPT, cfg.model)
     if cfg.method == "diloco":
-        return DiLoCo(model_fn, inner_opt, data.samplers, outer_opt=build_outer_opt(cfg.outer),
-                      weights=data.weights, codec=build_codec(cfg.codec), **common)
+        return DiLoCo(
+            model_fn,
+            inner_opt,
+            data.samplers,
+            outer_opt=build_outer_opt(cfg.outer),
+            weights=data.weights,
+            codec=build_codec(cfg.codec),
+            **common,
+        )
     return DataParallel(model_fn, inner_opt, data.samplers, **common)
 
 
@@ -129,7 +141,9 @@ def _new_run_dir(cfg: TrainConfig) -> Path:
 
 def load_run_config(run_dir: Path) -> TrainConfig:
     if not run_dir.is_dir():
-        raise UserError(f"run directory {run_dir} does not exist; pass the folder of an earlier run to --resume.")
+        raise UserError(
+            f"run directory {run_dir} does not exist; pass the folder of an earlier run to --resume."
+        )
     return from_dict(load_json(run_dir / "config.json"), where=str(run_dir / "config.json"))
 
 
@@ -137,8 +151,13 @@ def _eval_due(step: int, prev_step: int, every: int) -> bool:
     return step // every > prev_step // every
 
 
-def train(cfg: TrainConfig, *, resume: Path | None = None, stop_after: int | None = None,
-          progress: bool | None = None) -> dict[str, Any]:
+def train(
+    cfg: TrainConfig,
+    *,
+    resume: Path | None = None,
+    stop_after: int | None = None,
+    progress: bool | None = None,
+) -> dict[str, Any]:
     """Run (or continue) a training run; returns the summary (or where it stopped early)."""
     set_threads(cfg.threads)
     data = prepare_data(cfg)
@@ -172,9 +191,13 @@ def train(cfg: TrainConfig, *, resume: Path | None = None, stop_after: int | Non
 
     def clock() -> dict[str, Any]:
         step = trainer.workers[0].step
-        return {"version": trainer.version, "inner_step": step, "tokens": tokens,
-                "wall_time_s": round(wall_before + time.perf_counter() - t0, 3),
-                "sim_time_s": step * SIM_STEP_S}
+        return {
+            "version": trainer.version,
+            "inner_step": step,
+            "tokens": tokens,
+            "wall_time_s": round(wall_before + time.perf_counter() - t0, 3),
+            "sim_time_s": step * SIM_STEP_S,
+        }
 
     def log_eval(windows: torch.Tensor, split: str) -> float:
         loss = evaluate(trainer.model, windows)
@@ -183,8 +206,13 @@ def train(cfg: TrainConfig, *, resume: Path | None = None, stop_after: int | Non
 
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.rounds, initial=start_round, desc=f"{cfg.method} k={k} H={H}",
-               unit="round", disable=None if progress is None else not progress)
+    bar = tqdm(
+        total=cfg.rounds,
+        initial=start_round,
+        desc=f"{cfg.method} k={k} H={H}",
+        unit="round",
+        disable=None if progress is None else not progress,
+    )
     val_loss = None
     if start_round == 0:
         val_loss = log_eval(data.eval_subset, "subset")
@@ -193,22 +221,39 @@ def train(cfg: TrainConfig, *, resume: Path | None = None, stop_after: int | Non
             stats = trainer.round()
             tokens += tokens_per_round
             for w, loss in enumerate(stats.losses):
-                writer.log("inner", **clock(), worker=w, train_loss=loss, lr=stats.lr,
-                           bytes_sent=stats.bytes_sent[w], bytes_received=stats.bytes_received[w])
-            writer.log("outer", **clock(), bytes_sent=sum(stats.bytes_sent),
-                       bytes_received=sum(stats.bytes_received))
+                writer.log(
+                    "inner",
+                    **clock(),
+                    worker=w,
+                    train_loss=loss,
+                    lr=stats.lr,
+                    bytes_sent=stats.bytes_sent[w],
+                    bytes_received=stats.bytes_received[w],
+                )
+            writer.log(
+                "outer", **clock(), bytes_sent=sum(stats.bytes_sent), bytes_received=sum(stats.bytes_received)
+            )
             if _eval_due(r * H, (r - 1) * H, cfg.eval_every):
                 val_loss = log_eval(data.eval_subset, "subset")
             bar.update(1)
-            bar.set_postfix(train_loss=f"{sum(stats.losses) / len(stats.losses):.3f}",
-                            val_loss=f"{val_loss:.3f}" if val_loss is not None else "-")
+            bar.set_postfix(
+                train_loss=f"{sum(stats.losses) / len(stats.losses):.3f}",
+                val_loss=f"{val_loss:.3f}" if val_loss is not None else "-",
+            )
             stopping = stop_after is not None and r == stop_after and r < cfg.rounds
             if (cfg.checkpoint_every and r % cfg.checkpoint_every == 0) or stopping:
-                checkpoint.save(run_dir / "checkpoints", r, {
-                    "trainer": trainer.state_dict(), "torch_rng": torch.get_rng_state(), "round": r,
-                    "tokens": tokens, "wall_time_s": clock()["wall_time_s"],
-                    "metrics_offset": writer.offset(),
-                })
+                checkpoint.save(
+                    run_dir / "checkpoints",
+                    r,
+                    {
+                        "trainer": trainer.state_dict(),
+                        "torch_rng": torch.get_rng_state(),
+                        "round": r,
+                        "tokens": tokens,
+                        "wall_time_s": clock()["wall_time_s"],
+                        "metrics_offset": writer.offset(),
+                    },
+                )
             if stopping:
                 writer.close()
                 return {"stopped_after": r, "run_dir": str(run_dir)}
@@ -217,8 +262,10 @@ def train(cfg: TrainConfig, *, resume: Path | None = None, stop_after: int | Non
 
     final_loss = log_eval(data.eval_full, "full")
     writer.close()
-    save_file({k_: v.contiguous() for k_, v in trainer.model.state_dict().items()},
-              str(run_dir / "model.safetensors"))
+    save_file(
+        {k_: v.contiguous() for k_, v in trainer.model.state_dict().items()},
+        str(run_dir / "model.safetensors"),
+    )
     summary = _summary(cfg, trainer, final_loss, tokens, clock())
     checkpoint.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary

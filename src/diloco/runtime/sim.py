@@ -169,15 +169,24 @@ class DataParallel(DiLoCo):
     A round is `inner_steps` steps; no outer update happens, so `version` stays 0.
     """
 
-    def __init__(self, model_fn: ModelFn, inner_opt_fn: OptFn, batches: Sequence[Iterator], *,
-                 inner_steps: int, loss_fn: LossFn = gpt_loss, **kwargs: Any):
+    def __init__(
+        self,
+        model_fn: ModelFn,
+        inner_opt_fn: OptFn,
+        batches: Sequence[Iterator],
+        *,
+        inner_steps: int,
+        loss_fn: LossFn = gpt_loss,
+        **kwargs: Any,
+    ):
         k = len(batches)
 
         def mean_loss(model: nn.Module, parts: list[Any]) -> torch.Tensor:
             return sum(loss_fn(model, b) for b in parts) / k
 
-        super().__init__(model_fn, inner_opt_fn, [_Together(batches)], inner_steps=inner_steps,
-                         loss_fn=mean_loss, **kwargs)
+        super().__init__(
+            model_fn, inner_opt_fn, [_Together(batches)], inner_steps=inner_steps, loss_fn=mean_loss, **kwargs
+        )
         self.k = k
         self.bytes_sent = [0] * k
         self.bytes_received = [0] * k

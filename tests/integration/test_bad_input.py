@@ -1,0 +1,90 @@
+"""Every user error: exit code 2, one sentence naming the problem and fix, nothing written."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from diloco.cli import main
+
+
+def _run_in_process(capsys, args):
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--workers", "0"], "--workers) must be an integer >= 1, got 0"),
+        (["--inner-steps", "-3"], "--inner-steps) must be an integer >= 1, got -3"),
+        (["--model", "huge"], "unknown model 'huge'"),
+        (["--inner-lr", "nan"], "--inner-lr) must be a finite number > 0.0, got nan"),
+        (["--config", "missing.toml"], "config file missing.toml does not exist"),
+        (["--shards", "genre", "--workers", "50"], "use --workers 42 or fewer"),
+        (["--batch-size", "8000", "--seq-len", "128", "--workers", "8"], "fewer than one batch needs"),
+        (["--workers", "four"], "invalid int value: 'four'"),
+        (["--resume", "nowhere"], "run directory nowhere does not exist"),
+    ],
+)
+def test_bad_input_exits_2_with_one_sentence_and_writes_nothing(tmp_path, monkeypatch, capsys, flags, needle):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    extra = [] if "--resume" in flags else ["--out", str(out)]
+    code, err = _run_in_process(capsys, ["train", *flags, *extra])
+    assert code == 2
+    assert needle in err
+    assert err.startswith("diloco: error:") and err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(30)
+def test_resume_of_a_corrupt_or_checkpointless_run(tiny, tmp_path, capsys):
+    from diloco.train import train
+
+    run = tmp_path / "run"
+    train(tiny(checkpoint_every=1, rounds=2, out=str(run)), stop_after=1, progress=False)
+    (run / "checkpoints" / "round-000001" / "state.json").write_text("{}")
+    before = (run / "metrics.jsonl").read_bytes()
+    code, err = _run_in_process(capsys, ["train", "--resume", str(run)])
+    assert code == 2 and "is corrupt" in err and "delete that folder" in err
+    assert (run / "metrics.jsonl").read_bytes() == before  # nothing touched
+    (run / "config.json").write_text("{not json")
+    code, err = _run_in_process(capsys, ["train", "--resume", str(run)])
+    assert code == 2 and "is not valid JSON" in err
+    (run / "config.json").write_text(json.dumps({"num_workers": 2}))
+    import shutil
+
+    shutil.rmtree(run / "checkpoints")
+    code, err = _run_in_process(capsys, ["train", "--resume", str(run)])
+    assert code == 2 and "has no checkpoint" in err
+
+
+@pytest.mark.timeout(30)
+def test_existing_out_dir_is_refused_and_resume_rejects_other_flags(tmp_path, capsys):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("keep me")
+    code, err = _run_in_process(capsys, ["train", "--out", str(tmp_path / "taken")])
+    assert code == 2 and "already exists" in err
+    assert (tmp_path / "taken" / "x").read_text() == "keep me"
+    code, err = _run_in_process(capsys, ["train", "--resume", str(tmp_path / "taken"), "--workers", "3"])
+    assert code == 2 and "drop the other settings (--workers)" in err
+
+
+@pytest.mark.timeout(60)
+def test_real_process_exit_code_and_no_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "diloco", "train", "--workers", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("diloco: error: num_workers (--workers)")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "runs").exists()

@@ -1,0 +1,109 @@
+import json
+
+import pytest
+import torch
+
+from diloco.data import (
+    ByteTokenizer,
+    ShardSampler,
+    eval_windows,
+    genre_groups,
+    load_corpus,
+    make_shards,
+    split_work,
+    validation_tokens,
+)
+from diloco.errors import UserError
+
+
+def test_corpus_is_bundled_whole():
+    works = load_corpus()
+    assert len(works) == 42
+    assert {w.genre for w in works} == {"comedy", "tragedy", "history", "poetry", "romance"}
+    assert sum(len(w.text) for w in works) == 5_057_198
+
+
+def test_tokenizer_round_trips():
+    tok = ByteTokenizer()
+    assert tok.decode(tok.encode("To be, or not to be")) == "To be, or not to be"
+
+
+def test_validation_is_the_last_five_percent_of_every_work_and_never_trained_on():
+    works = load_corpus()
+    val = validation_tokens(works, 0.05)
+    for kind in ("genre", "kmeans"):
+        shards, _ = make_shards(works, 4, kind=kind, val_fraction=0.05, seed=0)
+        assert sum(len(s) for s in shards) + len(val) == sum(len(w.text) for w in works)
+    train, held = split_work(works[0].text, 0.05)
+    assert train + held == works[0].text
+    assert len(held) == int(len(works[0].text) * 0.05)
+
+
+@pytest.mark.parametrize("kind", ["genre", "kmeans"])
+def test_non_iid_weights_follow_shard_tokens_and_sum_to_one(kind):
+    shards, weights = make_shards(load_corpus(), 4, kind=kind, val_fraction=0.05, seed=0)
+    total = sum(len(s) for s in shards)
+    assert weights == pytest.approx([len(s) / total for s in shards])
+    assert sum(weights) == pytest.approx(1.0)
+    assert len(set(round(w, 6) for w in weights)) > 1  # really unequal
+
+
+def test_iid_shards_are_equal_and_weighted_equally():
+    shards, weights = make_shards(load_corpus(), 3, kind="iid", val_fraction=0.05, seed=0)
+    assert len({len(s) for s in shards}) == 1
+    assert weights == [1 / 3] * 3
+
+
+def test_genre_shards_keep_genres_apart_and_are_deterministic():
+    works = load_corpus()
+    groups = genre_groups(works, 5)
+    assert sorted({works[i].genre for i in g}.pop() for g in groups) == sorted(
+        {"comedy", "tragedy", "history", "poetry", "romance"}
+    )
+    for k in (3, 8):
+        groups = genre_groups(works, k)
+        assert len(groups) == k and all(groups)
+        assert sorted(i for g in groups for i in g) == list(range(42))
+        assert groups == genre_groups(works, k)
+    assert all(len({works[i].genre for i in g}) == 1 for g in genre_groups(works, 8))
+
+
+def test_kmeans_shards_partition_the_works_deterministically():
+    a, _ = make_shards(load_corpus(), 4, kind="kmeans", val_fraction=0.05, seed=3)
+    b, _ = make_shards(load_corpus(), 4, kind="kmeans", val_fraction=0.05, seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(len(x) > 0 for x in a)
+
+
+def test_sampler_resumes_exactly_and_rejects_a_tiny_shard():
+    tokens = torch.arange(1000, dtype=torch.uint8)
+    s = ShardSampler(tokens, batch_size=2, seq_len=8, seed=0)
+    next(s)
+    state = s.state_dict()
+    expected = next(s)
+    s2 = ShardSampler(tokens, batch_size=2, seq_len=8, seed=99)
+    s2.load_state_dict(state)
+    got = next(s2)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert torch.equal(expected[0][:, 1:], expected[1][:, :-1])  # targets are inputs shifted by one
+    with pytest.raises(UserError, match="fewer than one batch"):
+        ShardSampler(tokens[:10], batch_size=2, seq_len=8, seed=0)
+
+
+def test_eval_windows_subset_is_fixed_and_spread():
+    tokens = torch.arange(200, dtype=torch.uint8)
+    full = eval_windows(tokens, 9)
+    sub = eval_windows(tokens, 9, limit=5)
+    assert full.shape == (22, 10) and sub.shape == (5, 10)
+    assert torch.equal(sub[0], full[0]) and torch.equal(sub[-1], full[-1])
+
+
+def test_manifest_matches_shared_copy_if_present():
+    # The package must not read ../shared at run time; this only checks our copy is current.
+    from pathlib import Path
+
+    shared = Path(__file__).resolve().parents[3] / "shared" / "data" / "shakespeare" / "manifest.json"
+    if not shared.exists():
+        pytest.skip("no ../shared beside the checkout")
+    titles = [w["title"] for w in json.loads(shared.read_text())["works"]]
+    assert titles == [w.title for w in load_corpus()]

@@ -1,0 +1,37 @@
+import pytest
+import torch
+
+from diloco.config import MODEL_PRESETS
+from diloco.model import GPT
+
+
+@pytest.mark.parametrize(
+    "name,low,high", [("nano", 0.4e6, 0.6e6), ("micro", 2.5e6, 3.5e6), ("20m", 19e6, 23e6)]
+)
+def test_presets_have_their_advertised_size(name, low, high):
+    assert low <= GPT(MODEL_PRESETS[name]).num_params() <= high
+
+
+def test_20m_builds_and_takes_a_step():
+    torch.manual_seed(0)
+    model = GPT(MODEL_PRESETS["20m"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (1, 257))
+    before = model(x[:, :-1], x[:, 1:])
+    before.backward()
+    opt.step()
+    assert torch.isfinite(before)
+    assert model(x[:, :-1], x[:, 1:]) < before
+
+
+def test_attention_is_causal():
+    torch.manual_seed(0)
+    model = GPT(MODEL_PRESETS["nano"]).eval()
+    x = torch.randint(0, 256, (1, 16))
+    emb = model.tok_emb(x) + model.pos_emb(torch.arange(16))
+    y = emb.clone()
+    y[:, 10:] += 1.0  # change the future
+    a, b = emb, y
+    for block in model.blocks:
+        a, b = block(a), block(b)
+    torch.testing.assert_close(a[:, :10], b[:, :10])

@@ -1,0 +1,95 @@
+"""The simulator's DiLoCo against trusted references: plain AdamW, identical workers."""
+
+from functools import partial
+
+import pytest
+import torch
+
+from diloco.config import ModelConfig
+from diloco.data import ShardSampler, load_corpus, make_shards
+from diloco.model import GPT
+from diloco.outer import SGD
+from diloco.runtime.sim import DataParallel, DiLoCo
+
+TINY = ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=32)
+
+
+def _tokens():
+    shards, _ = make_shards(load_corpus(), 1, kind="iid", val_fraction=0.05, seed=0)
+    return shards[0]
+
+
+def _sampler(seed=1):
+    return ShardSampler(_tokens(), batch_size=4, seq_len=32, seed=seed)
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-9), (torch.float32, 1e-5)])
+def test_one_worker_one_step_outer_sgd_lr1_is_plain_adamw(dtype, atol):
+    # θ − (θ − θ_local) equals θ_local only up to one rounding, and AdamW's normalisation turns
+    # such a rounding in a near-zero gradient into an lr-sized step; so the strict check runs in
+    # float64 (1e-9, far inside the issue's 1e-6) and float32 gets a looser bound.
+    torch.set_default_dtype(dtype)
+    try:
+        torch.manual_seed(0)
+        trainer = DiLoCo(partial(GPT, TINY), _adamw, [_sampler()], inner_steps=1, outer_opt=SGD(lr=1.0))
+        torch.manual_seed(0)
+        plain = GPT(TINY)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    opt = _adamw(list(plain.parameters()))
+    batches = _sampler()
+    for _ in range(10):
+        trainer.round()
+        loss = plain(*next(batches))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        for ours, ref in zip(trainer.params, plain.parameters()):
+            torch.testing.assert_close(ours, ref.detach(), rtol=0, atol=atol)
+
+
+def test_identical_workers_give_identical_outer_grads_and_their_average():
+    torch.manual_seed(0)
+    k = 3
+    trainer = DiLoCo(partial(GPT, TINY), _adamw, [_sampler(7) for _ in range(k)], inner_steps=3)
+    start = [p.detach().clone() for p in trainer.params]
+    grads = [w.run(start, 3).outer_grad for w in trainer.workers]
+    for g in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], g))
+    from diloco.outer import weighted_average
+
+    avg = weighted_average(grads, trainer.weights)
+    for a, b in zip(avg, grads[0]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    assert any(g.abs().max() > 0 for g in grads[0])
+
+
+def test_data_parallel_equals_mean_gradient_step():
+    torch.manual_seed(0)
+    dp = DataParallel(partial(GPT, TINY), _adamw, [_sampler(1), _sampler(2)], inner_steps=1)
+    torch.manual_seed(0)
+    ref = GPT(TINY)
+    opt = _adamw(list(ref.parameters()))
+    b1, b2 = _sampler(1), _sampler(2)
+    dp.round()
+    loss = (ref(*next(b1)) + ref(*next(b2))) / 2
+    loss.backward()
+    opt.step()
+    for ours, theirs in zip(dp.params, ref.parameters()):
+        torch.testing.assert_close(ours, theirs.detach(), rtol=0, atol=1e-7)
+    assert dp.version == 0
+    assert dp.bytes_sent == [sum(p.numel() * 4 for p in ref.parameters())] * 2
+
+
+def test_bytes_are_message_sizes():
+    torch.manual_seed(0)
+    trainer = DiLoCo(partial(GPT, TINY), _adamw, [_sampler(1), _sampler(2)], inner_steps=2)
+    size = sum(p.numel() for p in trainer.params) * 4
+    trainer.round()
+    trainer.round()
+    assert trainer.bytes_sent == [2 * size, 2 * size]
+    assert trainer.bytes_received == [2 * size, 2 * size]
