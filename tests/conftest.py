@@ -23,6 +23,7 @@ def tiny_config(tmp_path, **overrides) -> TrainConfig:
         model=ModelConfig(name="nano", n_layer=2, n_head=2, d_model=32, seq_len=32),
         data=DataConfig(batch_size=4, eval_windows=16),
         inner=InnerConfig(warmup_steps=2),
+        threads=1,
     )
     return dataclasses.replace(base, **overrides)
 

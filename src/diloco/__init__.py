@@ -16,6 +16,7 @@ from diloco.inner import InnerResult, Worker
 from diloco.model import GPT
 from diloco.outer import SGD, Adam, Nesterov, OuterOpt, weighted_average
 from diloco.runtime.sim import DataParallel, DiLoCo, RoundStats
+from diloco.train import train
 
 __version__ = "0.1.0"
 
@@ -38,5 +39,6 @@ __all__ = [
     "TrainConfig",
     "UserError",
     "Worker",
+    "train",
     "weighted_average",
 ]

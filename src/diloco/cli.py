@@ -32,7 +32,7 @@ TRAIN_FLAGS: dict[str, tuple[str, type, str]] = {
     "out": ("out", str, "run directory (default runs/<method>-k<k>-H<H>-s<seed>)"),
     "eval_every": ("eval_every", int, "inner steps between evaluations (default 50)"),
     "checkpoint_every": ("checkpoint_every", int, "rounds between checkpoints (default 0: none)"),
-    "threads": ("threads", int, "intra-op threads (default 1, measured fastest here)"),
+    "threads": ("threads", int, "intra-op threads (default 0: every available core, measured fastest)"),
 }
 
 

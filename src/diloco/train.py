@@ -159,7 +159,7 @@ def train(
     progress: bool | None = None,
 ) -> dict[str, Any]:
     """Run (or continue) a training run; returns the summary (or where it stopped early)."""
-    set_threads(cfg.threads)
+    set_threads(cfg.resolved_threads)
     data = prepare_data(cfg)
     trainer = build_trainer(cfg, data)
     state = None
@@ -306,7 +306,11 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  tokens {s['tokens']:,}   inner steps {s['inner_steps']:,} "
         f"({s['inner_steps_per_worker']:,} per worker)   outer updates {s['outer_updates']}",
     ]
-    if s["dp_bytes_ratio"] is not None:
+    if s["method"] == "dp" and s["bytes_sent_per_worker"]:
+        lines.append(
+            f"  bytes sent per worker {s['bytes_sent_per_worker'] / mb:.2f} MB (a gradient every step)"
+        )
+    elif s["dp_bytes_ratio"] is not None:
         lines.append(
             f"  bytes sent per worker {s['bytes_sent_per_worker'] / mb:.2f} MB: "
             f"{s['dp_bytes_ratio']:.1f}x fewer than data parallel "
