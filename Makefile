@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 
 setup: $(VENV)/.installed
 
-# torch is pinned to 2.13.0 in pyproject.toml: an unpinned torch would pull a multi-GB CUDA build.
+# torch is pinned to 2.13.0 in pyproject.toml (see the comment there about CPU and CUDA wheels).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'

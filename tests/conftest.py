@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from diloco.config import DataConfig, InnerConfig, ModelConfig, TrainConfig
+from diloco.config import DataConfig, InnerConfig, ModelConfig, SimConfig, TrainConfig
 
 torch.set_num_threads(1)
 
@@ -24,6 +24,7 @@ def tiny_config(tmp_path, **overrides) -> TrainConfig:
         data=DataConfig(batch_size=4, eval_windows=16),
         inner=InnerConfig(warmup_steps=2),
         threads=1,
+        sim=SimConfig(procs=1),
     )
     return dataclasses.replace(base, **overrides)
 

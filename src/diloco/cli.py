@@ -12,10 +12,22 @@ from pathlib import Path
 from typing import Any
 
 from diloco.config import METHODS, MODEL_PRESETS, OUTER_OPTS, SHARDINGS, from_dict, load_toml, merge
-from diloco.errors import UserError
+from diloco.errors import Interrupted, UserError
 
-# flag dest -> (config path, help)
-TRAIN_FLAGS: dict[str, tuple[str, type, str]] = {
+
+def _speeds(text: str) -> tuple[float, ...]:
+    from diloco.runtime.clock import parse_speeds
+
+    try:
+        return tuple(parse_speeds(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--speeds wants positive seconds per step separated by commas, got {text!r}"
+        ) from None
+
+
+# flag dest -> (config path, type or action, help)
+TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "method": ("method", str, f"{' | '.join(METHODS)} (default diloco)"),
     "workers": ("num_workers", int, "number of workers k (default 4)"),
     "inner_steps": ("inner_steps", int, "inner steps per round H (default 50)"),
@@ -32,7 +44,27 @@ TRAIN_FLAGS: dict[str, tuple[str, type, str]] = {
     "out": ("out", str, "run directory (default runs/<method>-k<k>-H<H>-s<seed>)"),
     "eval_every": ("eval_every", int, "inner steps between evaluations (default 50)"),
     "checkpoint_every": ("checkpoint_every", int, "rounds between checkpoints (default 0: none)"),
-    "threads": ("threads", int, "intra-op threads (default 0: every available core, measured fastest)"),
+    "threads": ("threads", int, "intra-op threads of the main process (default 0: every core)"),
+    "target_loss": ("target_loss", float, "report when the validation loss first reaches this"),
+    # the simulator's clock and processes
+    "speeds": ("sim.speeds", _speeds, "seconds per inner step per worker, e.g. 0.58,0.75,1.51,3.33"),
+    "heterogeneity": ("sim.heterogeneity", str, "none | slight | moderate | very (1x, 1.5x, 3x, 6x spread)"),
+    "speed_jitter": ("sim.speed_jitter", float, "per-round relative jitter of time per step (default 0)"),
+    "slowdown": ("sim.slowdowns", "append", "W:FACTOR@START-END, e.g. 2:4@100-200 (repeatable)"),
+    "bandwidth_mbps": ("sim.bandwidth_mbps", float, "network bandwidth for pulls and pushes (0: unlimited)"),
+    "latency_ms": ("sim.latency_ms", float, "latency added to every pull and push (default 0)"),
+    "procs": ("sim.procs", int, "processes computing workers, one thread each (default 0: one per core)"),
+    # the asynchronous server
+    "async_rule": ("server.rule", str, "dn | naive | buffer | poly | polythres | delaycomp (default dn)"),
+    "dn_buffer": ("server.buffer", int, "N for dn and buffer (default 0: the number of workers)"),
+    "dn_c": ("server.dn_c", float, "c of delayed Nesterov, in [0, 1/N] (default 0)"),
+    "poly_threshold": ("server.poly_threshold", int, "polythres drops updates staler than this (10)"),
+    "delaycomp_lambda": ("server.delaycomp_lambda", float, "lambda of delay compensation (0.5)"),
+    "dylu": ("server.dylu", bool, "dynamic local updates from measured speeds"),
+    "dylu_oracle": ("server.dylu_oracle", bool, "dynamic local updates from the true speed profile"),
+    "dylu_alpha": ("server.dylu_alpha", float, "weight of the newest speed measurement (0.5)"),
+    "shard_sampling": ("server.shard_sampling", bool, "hand out shards by how far behind they are"),
+    "grace_s": ("server.grace_s", float, "grace period in simulated seconds (default 0; inf = sync)"),
 }
 
 
@@ -52,7 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train with DiLoCo or a baseline in the simulator")
     train.add_argument("--config", type=Path, help="TOML file of settings; flags override it")
     for dest, (_, kind, help_) in TRAIN_FLAGS.items():
-        train.add_argument("--" + dest.replace("_", "-"), dest=dest, type=kind, help=help_)
+        flag = "--" + dest.replace("_", "-")
+        if kind is bool:
+            train.add_argument(flag, dest=dest, action="store_true", default=None, help=help_)
+        elif kind == "append":
+            train.add_argument(flag, dest=dest, action="append", help=help_)
+        else:
+            train.add_argument(flag, dest=dest, type=kind, help=help_)
     train.add_argument(
         "--resume",
         type=Path,
@@ -111,10 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"diloco: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(
-            "diloco: interrupted; continue from the last checkpoint with --resume RUN_DIR.", file=sys.stderr
-        )
+    except (KeyboardInterrupt, Interrupted) as e:
+        print(f"diloco: {e or 'interrupted'}", file=sys.stderr)
         return 130
     raise AssertionError(args.command)
 

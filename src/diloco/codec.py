@@ -34,18 +34,26 @@ class Codec:
     def decode(self, message: Encoded) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    def message_bytes(self, tensors: list[torch.Tensor]) -> int:
+        """Size of the message for tensors of these shapes, without encoding them."""
+        return self.encode(tensors).nbytes
+
 
 class Fp32Codec(Codec):
-    """Lossless: float32 values, 4 bytes each."""
+    """The identity codec: values sent as they are, lossless (4 bytes each for float32 models,
+    which is all diloco trains; a float64 model would send 8)."""
 
     name = "fp32"
 
     def encode(self, tensors: list[torch.Tensor]) -> Encoded:
-        payload = [t.detach().to(torch.float32) for t in tensors]
-        return Encoded(payload, sum(t.numel() * 4 for t in payload))
+        payload = [t.detach() for t in tensors]
+        return Encoded(payload, tensor_bytes(payload))
 
     def decode(self, message: Encoded) -> list[torch.Tensor]:
         return message.payload
+
+    def message_bytes(self, tensors: list[torch.Tensor]) -> int:
+        return tensor_bytes(tensors)
 
 
 def tensor_bytes(tensors: list[torch.Tensor]) -> int:

@@ -20,7 +20,9 @@ from typing import Any
 
 from diloco.errors import UserError
 
-METHODS = ("diloco", "single", "dp")
+METHODS = ("diloco", "async", "single", "dp")
+ASYNC_RULES = ("dn", "naive", "buffer", "poly", "polythres", "delaycomp")
+HETEROGENEITY = ("none", "slight", "moderate", "very")
 SHARDINGS = ("iid", "genre", "kmeans")
 OUTER_OPTS = ("nesterov", "sgd", "adam")
 CODECS = ("fp32",)
@@ -85,6 +87,35 @@ class OuterConfig:
 
 
 @dataclass(frozen=True)
+class SimConfig:
+    """The simulator's virtual clock and how many processes compute workers (docs/async.md)."""
+
+    speeds: tuple[float, ...] = ()  # seconds per inner step of each worker; overrides heterogeneity
+    heterogeneity: str = "none"  # none | slight | moderate | very (spread 1x, 1.5x, 3x, 6x)
+    speed_jitter: float = 0.0  # per-round relative jitter: time per step × (1 + jitter·U[-1, 1])
+    slowdowns: tuple[str, ...] = ()  # "W:FACTOR@START-END": worker W FACTOR× slower in [START, END) s
+    bandwidth_mbps: float = 0.0  # network bandwidth per message; 0 means unlimited
+    latency_ms: float = 0.0  # added to every pull and push
+    procs: int = 0  # processes computing workers (one thread each); 0 means one per core
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The asynchronous server (`--method async`): its update rule and how it hands out work."""
+
+    rule: str = "dn"  # dn | naive | buffer | poly | polythres | delaycomp
+    buffer: int = 0  # N for dn and buffer; 0 means the number of workers
+    dn_c: float = 0.0  # c in [0, 1/N]: share of momentum applied on non-momentum arrivals
+    poly_threshold: int = 10  # polythres drops updates more stale than this
+    delaycomp_lambda: float = 0.5  # λ of delay compensation
+    dylu: bool = False  # dynamic local updates: H_w = max(1, floor(v_w / max v · H))
+    dylu_oracle: bool = False  # DyLU from the true speed profile instead of measured speeds
+    dylu_alpha: float = 0.5  # weight of the newest measurement in the speed estimate (EMA)
+    shard_sampling: bool = False  # hand out shards by p_i ∝ max(|D_i|/Σ|D| − n_i/Σn, 0)
+    grace_s: float = 0.0  # after an update, also sync workers finishing within this; inf = sync
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """One training run. `diloco train` with no flags runs exactly these defaults."""
 
@@ -96,14 +127,17 @@ class TrainConfig:
     # Intra-op threads; 0 means every core this process may use. benchmarks/overhead.py measured
     # one process on 2 cores: 2 threads give 1.7x the tokens/s of 1 (results/overhead.json).
     threads: int = 0
-    eval_every: int = 50  # evaluate after the round in which a multiple of this many steps falls
+    eval_every: int = 0  # inner steps between evaluations (a multiple of H); 0 means every round
     checkpoint_every: int = 0  # rounds between checkpoints; 0 saves none
     codec: str = "fp32"  # how outer_grads are encoded on the wire
     out: str = ""  # run directory; empty means runs/<method>-k<workers>-H<steps>-s<seed>
+    target_loss: float = 0.0  # summary reports when the validation loss first reached it; 0: off
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -116,6 +150,10 @@ class TrainConfig:
     @property
     def resolved_threads(self) -> int:
         return self.threads or len(os.sched_getaffinity(0))
+
+    @property
+    def resolved_procs(self) -> int:
+        return self.sim.procs or len(os.sched_getaffinity(0))
 
     @property
     def run_dir(self) -> Path:
@@ -145,6 +183,21 @@ _FLAGS = {
     "outer.opt": "--outer-opt",
     "outer.lr": "--outer-lr",
     "outer.momentum": "--outer-momentum",
+    "target_loss": "--target-loss",
+    "sim.speeds": "--speeds",
+    "sim.heterogeneity": "--heterogeneity",
+    "sim.speed_jitter": "--speed-jitter",
+    "sim.slowdowns": "--slowdown",
+    "sim.bandwidth_mbps": "--bandwidth-mbps",
+    "sim.latency_ms": "--latency-ms",
+    "sim.procs": "--procs",
+    "server.rule": "--async-rule",
+    "server.buffer": "--dn-buffer",
+    "server.dn_c": "--dn-c",
+    "server.poly_threshold": "--poly-threshold",
+    "server.delaycomp_lambda": "--delaycomp-lambda",
+    "server.dylu_alpha": "--dylu-alpha",
+    "server.grace_s": "--grace-s",
 }
 
 
@@ -163,12 +216,15 @@ def _int(key: str, value: Any, *, minimum: int) -> None:
     _check(is_int and value >= minimum, key, value, f"an integer >= {minimum}")
 
 
-def _float(key: str, value: Any, *, lo: float, hi: float = math.inf, lo_open: bool = False):
+def _float(
+    key: str, value: Any, *, lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False
+) -> None:
     is_num = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = is_num and math.isfinite(value) and value <= hi
-    ok = ok and (value > lo if lo_open else value >= lo)
-    bound = f"> {lo}" if lo_open else f">= {lo}"
-    want = f"a finite number {bound}" + (f" and <= {hi}" if hi != math.inf else "")
+    ok = is_num and math.isfinite(value)
+    ok = ok and (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+    want = f"a finite number {'>' if lo_open else '>='} {lo}"
+    if hi != math.inf:
+        want += f" and {'<' if hi_open else '<='} {hi}"
     _check(ok, key, value, want)
 
 
@@ -185,7 +241,12 @@ def validate(cfg: TrainConfig) -> None:
     _int("rounds", cfg.rounds, minimum=1)
     _int("seed", cfg.seed, minimum=0)
     _int("threads", cfg.threads, minimum=0)
-    _int("eval_every", cfg.eval_every, minimum=1)
+    _int("eval_every", cfg.eval_every, minimum=0)
+    if cfg.eval_every and cfg.method != "async" and cfg.eval_every % cfg.inner_steps:
+        raise UserError(
+            f"eval_every (--eval-every) must be a multiple of inner_steps ({cfg.inner_steps}), got "
+            f"{cfg.eval_every}: the global model exists only between rounds; use 0 for every round."
+        )
     _int("checkpoint_every", cfg.checkpoint_every, minimum=0)
     m = cfg.model
     _int("model.vocab_size", m.vocab_size, minimum=256)
@@ -207,19 +268,82 @@ def validate(cfg: TrainConfig) -> None:
     _int("inner.warmup_steps", i.warmup_steps, minimum=0)
     _float("inner.min_lr_ratio", i.min_lr_ratio, lo=0.0, hi=1.0)
     _float("inner.weight_decay", i.weight_decay, lo=0.0)
-    _float("inner.beta1", i.beta1, lo=0.0, hi=1.0)
-    _float("inner.beta2", i.beta2, lo=0.0, hi=1.0)
+    _float("inner.beta1", i.beta1, lo=0.0, hi=1.0, hi_open=True)
+    _float("inner.beta2", i.beta2, lo=0.0, hi=1.0, hi_open=True)
     _float("inner.grad_clip", i.grad_clip, lo=0.0)
     o = cfg.outer
     _choice("outer.opt", o.opt, OUTER_OPTS)
     _float("outer.lr", o.lr, lo=0.0, lo_open=True)
-    _float("outer.momentum", o.momentum, lo=0.0, hi=1.0)
-    _float("outer.adam_beta1", o.adam_beta1, lo=0.0, hi=1.0)
-    _float("outer.adam_beta2", o.adam_beta2, lo=0.0, hi=1.0)
+    _float("outer.momentum", o.momentum, lo=0.0, hi=1.0, hi_open=True)
+    _float("outer.adam_beta1", o.adam_beta1, lo=0.0, hi=1.0, hi_open=True)
+    _float("outer.adam_beta2", o.adam_beta2, lo=0.0, hi=1.0, hi_open=True)
     _float("outer.adam_eps", o.adam_eps, lo=0.0, lo_open=True)
+    _float("target_loss", cfg.target_loss, lo=0.0)
+    _validate_sim(cfg)
+    _validate_server(cfg)
 
 
-_SECTIONS = {"model": ModelConfig, "data": DataConfig, "inner": InnerConfig, "outer": OuterConfig}
+def _validate_sim(cfg: TrainConfig) -> None:
+    from diloco.runtime.clock import parse_slowdown
+
+    s = cfg.sim
+    _choice("sim.heterogeneity", s.heterogeneity, HETEROGENEITY)
+    _check(
+        isinstance(s.speeds, tuple)
+        and all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in s.speeds),
+        "sim.speeds",
+        s.speeds,
+        "a list of positive seconds per inner step, one per worker",
+    )
+    if s.speeds and len(s.speeds) != cfg.num_workers:
+        raise UserError(
+            f"sim.speeds (--speeds) gives {len(s.speeds)} speeds for {cfg.num_workers} workers; "
+            "give one per worker."
+        )
+    _float("sim.speed_jitter", s.speed_jitter, lo=0.0, hi=0.99)
+    _float("sim.bandwidth_mbps", s.bandwidth_mbps, lo=0.0)
+    _float("sim.latency_ms", s.latency_ms, lo=0.0)
+    _int("sim.procs", s.procs, minimum=0)
+    for text in s.slowdowns:
+        try:
+            d = parse_slowdown(text)
+            ok = 0 <= d.worker < cfg.num_workers and d.factor > 0 and d.start_s < d.end_s
+        except (ValueError, TypeError, AttributeError):
+            ok = False
+        _check(ok, "sim.slowdowns", text, "W:FACTOR@START-END with a valid worker, e.g. 2:4@100-200")
+
+
+def _validate_server(cfg: TrainConfig) -> None:
+    v = cfg.server
+    _choice("server.rule", v.rule, ASYNC_RULES)
+    _int("server.buffer", v.buffer, minimum=0)
+    n = v.buffer or cfg.num_workers
+    _float("server.dn_c", v.dn_c, lo=0.0, hi=1.0 / n)
+    _int("server.poly_threshold", v.poly_threshold, minimum=0)
+    _float("server.delaycomp_lambda", v.delaycomp_lambda, lo=0.0)
+    _float("server.dylu_alpha", v.dylu_alpha, lo=0.0, hi=1.0, lo_open=True)
+    grace_ok = isinstance(v.grace_s, (int, float)) and not math.isnan(v.grace_s) and v.grace_s >= 0
+    _check(grace_ok, "server.grace_s", v.grace_s, "a number of seconds >= 0 (inf: wait for all)")
+    for name in ("dylu", "dylu_oracle", "shard_sampling"):
+        _check(isinstance(getattr(v, name), bool), f"server.{name}", getattr(v, name), "true or false")
+    async_only = [f for f in ("dylu", "dylu_oracle", "shard_sampling") if getattr(v, f)]
+    if async_only and cfg.method != "async":
+        raise UserError(
+            f"server.{async_only[0]} applies to the asynchronous server only; add --method async or drop it."
+        )
+    if cfg.method == "async" and cfg.checkpoint_every:
+        raise UserError("checkpoints are not supported yet for --method async; drop --checkpoint-every.")
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "inner": InnerConfig,
+    "outer": OuterConfig,
+    "sim": SimConfig,
+    "server": ServerConfig,
+}
+_TUPLES = {("sim", "speeds"), ("sim", "slowdowns")}  # JSON and TOML give lists
 
 
 def _known(cls: type) -> set[str]:
@@ -249,11 +373,12 @@ def from_dict(values: dict[str, Any], where: str = "the config") -> TrainConfig:
         base = None
         if key == "model":
             preset = sub.get("name", "nano")
-            if preset not in MODEL_PRESETS:
+            if not isinstance(preset, str) or preset not in MODEL_PRESETS:
                 raise UserError(
                     f"unknown model {preset!r} (--model); use one of: {', '.join(MODEL_PRESETS)}."
                 )
             base = MODEL_PRESETS[preset]
+        sub = {f: tuple(v) if (key, f) in _TUPLES and isinstance(v, list) else v for f, v in sub.items()}
         sections[key] = _section(cls, sub, f"[{key}] of {where}", base)
     unknown = sorted(set(values) - _known(TrainConfig))
     if unknown:

@@ -164,7 +164,8 @@ def make_shards(
 class ShardSampler:
     """Random windows from one shard: an endless iterator of (inputs_BT, targets_BT).
 
-    Its position is the state of its own generator, so checkpoints can restore it exactly.
+    Batch number n is drawn from a generator seeded by (seed, n) alone, so the data position is
+    just `step` (what checkpoints save), and any process can produce any batch of any shard.
     """
 
     def __init__(self, tokens: torch.Tensor, *, batch_size: int, seq_len: int, seed: int):
@@ -177,23 +178,54 @@ class ShardSampler:
         self.tokens = tokens
         self.batch_size = batch_size
         self.seq_len = seq_len
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.step = 0
 
     def __iter__(self):
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.step)
+        self.step += 1
         high = len(self.tokens) - self.seq_len
-        starts_B = torch.randint(high, (self.batch_size,), generator=self.generator)
+        starts_B = torch.randint(high, (self.batch_size,), generator=generator)
         offsets_BT = starts_B[:, None] + torch.arange(self.seq_len + 1)
         window_BT = self.tokens[offsets_BT].long()
         return window_BT[:, :-1], window_BT[:, 1:]
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
+        return {"step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+        self.step = int(state["step"])
+
+
+class ShardSet:
+    """Batches from any of several shards: `seek(shard, step)` picks where the next batch comes
+    from. The asynchronous server uses it to hand a worker a sampled shard at that shard's own
+    position. Without a seek it reads its `current` shard (the worker's own)."""
+
+    def __init__(self, samplers: list[ShardSampler], current: int):
+        self.samplers = samplers
+        self.current = current
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return next(self.samplers[self.current])
+
+    def seek(self, shard: int, step: int) -> None:
+        self.current = shard
+        self.samplers[shard].step = step
+
+    def state_dict(self) -> dict:
+        return {"current": self.current, "steps": [s.step for s in self.samplers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.current = int(state["current"])
+        for sampler, step in zip(self.samplers, state["steps"], strict=True):
+            sampler.step = int(step)
 
 
 def eval_windows(tokens: torch.Tensor, seq_len: int, limit: int | None = None) -> torch.Tensor:

@@ -7,3 +7,7 @@ class UserError(ValueError):
     The message is one sentence that names the thing and the fix; the CLI prints it without a
     traceback and exits with code 2. Internal bugs raise ordinary exceptions instead.
     """
+
+
+class Interrupted(Exception):
+    """The user stopped a run (Ctrl-C); the message says whether and how it can be continued."""

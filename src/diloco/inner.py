@@ -4,7 +4,7 @@ and returns outer_grad = θ_start − θ_local.
 A worker owns its model replica, its inner optimizer state (kept across rounds, never sent),
 its step count (which drives its lr schedule) and its data iterator.
 
-    python -m pytest tests/unit/test_inner.py
+    python -m pytest tests/unit/test_sim.py tests/unit/test_outer.py
 """
 
 from __future__ import annotations
@@ -61,10 +61,11 @@ class Worker:
         self.step = 0  # inner steps taken so far, over all rounds
         self.params = [p for p in model.parameters() if p.requires_grad]
 
-    def train_step(self) -> tuple[float, float]:
-        """One inner step on the next batch; returns (loss, lr)."""
+    def train_step(self, lr_step: int | None = None) -> tuple[float, float]:
+        """One inner step on the next batch; returns (loss, lr). The lr schedule is driven by
+        `lr_step` if given (e.g. a shard's step count), else by the worker's own step count."""
         if self.lr_schedule is not None:
-            lr = self.lr_schedule(self.step)
+            lr = self.lr_schedule(self.step if lr_step is None else lr_step)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         lr = self.optimizer.param_groups[0]["lr"]
@@ -82,12 +83,21 @@ class Worker:
         for p, src in zip(self.params, params, strict=True):
             p.copy_(src)
 
-    def run(self, start: list[torch.Tensor], steps: int) -> InnerResult:
-        """θ_local ← start; `steps` inner steps; return outer_grad = start − θ_local."""
+    def run(
+        self, start: list[torch.Tensor], steps: int, *, lr_step: int | None = None, shard: int | None = None
+    ) -> InnerResult:
+        """θ_local ← start; `steps` inner steps; return outer_grad = start − θ_local.
+
+        `lr_step`, if given, is the schedule step of the first of these steps (a shard's own step
+        count). `shard`, if given, makes the batches come from that shard from position
+        `lr_step` (the batch source must have `seek(shard, step)`, as data.ShardSet does).
+        """
+        if shard is not None:
+            self.batches.seek(shard, lr_step)
         self.load_params(start)
         total_loss, lr = 0.0, 0.0
-        for _ in range(steps):
-            loss, lr = self.train_step()
+        for j in range(steps):
+            loss, lr = self.train_step(None if lr_step is None else lr_step + j)
             total_loss += loss
         with torch.no_grad():
             outer_grad = [s - p for s, p in zip(start, self.params, strict=True)]

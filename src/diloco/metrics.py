@@ -1,7 +1,7 @@
 """Metrics: metrics.jsonl (one JSON object a line), TensorBoard event files, the summary.
 
-Every line has `kind` (`inner`, `outer`, `eval`), `version`, `inner_step`, `tokens`,
-`wall_time_s` and, in the simulator, `sim_time_s`; see docs/run-directory.md. Plots and
+Every line has `kind` (`inner`, `worker`, `outer`, `eval`), `version`, `inner_step`, `tokens`,
+`wall_time_s` and, in the simulator, `sim_time_s`; see README.md, "The run directory". Plots and
 benchmarks read these files; nothing parses console output.
 
     tensorboard --logdir runs/

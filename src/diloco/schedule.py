@@ -21,3 +21,43 @@ def warmup_cosine(step: int, *, lr: float, warmup_steps: int, total_steps: int, 
     progress = min(1.0, (step - warmup_steps) / span)
     lr_min = lr * min_lr_ratio
     return lr_min + 0.5 * (lr - lr_min) * (1.0 + math.cos(math.pi * progress))
+
+
+def dylu_steps(step_s: list[float], inner_steps: int) -> list[int]:
+    """Dynamic local updates: H_w = max(1, ⌊v_w / max v · H⌋) with v = 1 / seconds per step, so
+    every worker takes about as long per round as the fastest does for H steps."""
+    fastest = min(step_s)
+    return [max(1, math.floor(fastest / s * inner_steps)) for s in step_s]
+
+
+class SpeedEstimator:
+    """A worker's seconds per inner step, estimated online: an exponential moving average of the
+    measured time per step of each finished round (weight `alpha` on the newest), so a speed
+    that changes over time is followed within a few rounds. None until the first measurement."""
+
+    def __init__(self, alpha: float = 0.5):
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self.step_s: float | None = None
+
+    def update(self, seconds: float, steps: int) -> float:
+        measured = seconds / steps
+        self.step_s = (
+            measured if self.step_s is None else (self.alpha * measured + (1 - self.alpha) * self.step_s)
+        )
+        return self.step_s
+
+
+def shard_probabilities(sizes: list[int], learned: list[int]) -> list[float]:
+    """p_i ∝ max(|D_i|/Σ|D| − n_i/Σn, 0): shards behind their share of the examples learned so
+    far are picked more; before anything is learned, in proportion to size."""
+    total = sum(sizes)
+    done = sum(learned)
+    if done == 0:
+        return [s / total for s in sizes]
+    raw = [max(s / total - n / done, 0.0) for s, n in zip(sizes, learned, strict=True)]
+    norm = sum(raw)
+    if norm == 0:  # every shard exactly at its share
+        return [s / total for s in sizes]
+    return [r / norm for r in raw]

@@ -1,11 +1,11 @@
-"""`diloco train` in the simulator: build data, model and runtime from a TrainConfig, run the
-rounds, evaluate, log metrics, checkpoint, and write the summary.
+"""`diloco train` in the simulator: build the run from a TrainConfig (build.py), run it, evaluate,
+log metrics, checkpoint, and write the summary.
 
 Every check a user can fail runs before the run directory is created, so bad input leaves
 nothing behind.
 
     diloco train                        # sync DiLoCo, 4 workers, nano GPT, bundled corpus
-    diloco train --method dp            # the data-parallel baseline on the same data
+    diloco train --method async --async-rule dn --dylu --heterogeneity very
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +21,14 @@ import torch
 from safetensors.torch import save_file
 
 from diloco import checkpoint
-from diloco.codec import build_codec, tensor_bytes
+from diloco.build import Data, build_trainer, prepare_data
+from diloco.codec import tensor_bytes
 from diloco.config import TrainConfig, from_dict, load_json
-from diloco.data import ShardSampler, eval_windows, load_corpus, make_shards, validation_tokens
-from diloco.errors import UserError
+from diloco.errors import Interrupted, UserError
 from diloco.metrics import MetricsWriter
-from diloco.model import GPT
-from diloco.outer import build_outer_opt
-from diloco.runtime.sim import DataParallel, DiLoCo
-from diloco.schedule import warmup_cosine
+from diloco.runtime.async_sim import Arrival, AsyncDiLoCo
 
 EVAL_BATCH = 64
-SIM_STEP_S = 1.0  # until speed profiles exist, every inner step costs one simulated second
 
 
 def set_threads(threads: int) -> None:
@@ -44,68 +38,6 @@ def set_threads(threads: int) -> None:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # may be set only once per process, before any parallel work
         pass
-
-
-@dataclass
-class Data:
-    samplers: list[ShardSampler]
-    weights: list[float]
-    eval_subset: torch.Tensor  # (N, T+1) fixed windows for periodic evals
-    eval_full: torch.Tensor  # (M, T+1) the whole validation split
-
-
-def prepare_data(cfg: TrainConfig) -> Data:
-    works = load_corpus()
-    k = 1 if cfg.method == "single" else cfg.num_workers
-    shards, weights = make_shards(
-        works, k, kind=cfg.data.shards, val_fraction=cfg.data.val_fraction, seed=cfg.seed
-    )
-    samplers = [
-        ShardSampler(
-            s, batch_size=cfg.data.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed * 1_000_003 + i
-        )
-        for i, s in enumerate(shards)
-    ]
-    val = validation_tokens(works, cfg.data.val_fraction)
-    return Data(
-        samplers,
-        weights,
-        eval_windows(val, cfg.model.seq_len, cfg.data.eval_windows),
-        eval_windows(val, cfg.model.seq_len),
-    )
-
-
-def build_trainer(cfg: TrainConfig, data: Data) -> DiLoCo:
-    """The runtime object for `cfg.method`; the global model is initialised from `cfg.seed`."""
-    i = cfg.inner
-
-    def inner_opt(params):
-        return torch.optim.AdamW(params, lr=i.lr, betas=(i.beta1, i.beta2), weight_decay=i.weight_decay)
-
-    common = dict(
-        inner_steps=cfg.inner_steps,
-        lr_schedule=partial(
-            warmup_cosine,
-            lr=i.lr,
-            warmup_steps=i.warmup_steps,
-            total_steps=cfg.total_inner_steps,
-            min_lr_ratio=i.min_lr_ratio,
-        ),
-        grad_clip=i.grad_clip,
-    )
-    torch.manual_seed(cfg.seed)
-    model_fn = partial(GPT, cfg.model)
-    if cfg.method == "diloco":
-        return DiLoCo(
-            model_fn,
-            inner_opt,
-            data.samplers,
-            outer_opt=build_outer_opt(cfg.outer),
-            weights=data.weights,
-            codec=build_codec(cfg.codec),
-            **common,
-        )
-    return DataParallel(model_fn, inner_opt, data.samplers, **common)
 
 
 @torch.no_grad()
@@ -125,7 +57,7 @@ def evaluate(model: torch.nn.Module, windows_NT: torch.Tensor) -> float:
 def _new_run_dir(cfg: TrainConfig) -> Path:
     run_dir = cfg.run_dir
     if cfg.out:
-        if run_dir.exists() and any(run_dir.iterdir()):
+        if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
             raise UserError(
                 f"run directory {run_dir} already exists; choose another --out, delete it, "
                 f"or continue it with --resume {run_dir}."
@@ -135,7 +67,12 @@ def _new_run_dir(cfg: TrainConfig) -> Path:
         while run_dir.exists():
             run_dir = cfg.run_dir.with_name(f"{cfg.run_dir.name}-{n}")
             n += 1
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"cannot create run directory {run_dir} ({e.strerror}); choose another --out."
+        ) from None
     return run_dir
 
 
@@ -147,8 +84,164 @@ def load_run_config(run_dir: Path) -> TrainConfig:
     return from_dict(load_json(run_dir / "config.json"), where=str(run_dir / "config.json"))
 
 
-def _eval_due(step: int, prev_step: int, every: int) -> bool:
-    return step // every > prev_step // every
+class Run:
+    """One run's bookkeeping: metrics, evaluations, time-to-target, the summary."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        trainer,
+        data: Data,
+        writer: MetricsWriter,
+        *,
+        tokens: int = 0,
+        wall_before: float = 0.0,
+        target: dict | None = None,
+    ):
+        self.cfg, self.trainer, self.data, self.writer = cfg, trainer, data, writer
+        self.tokens = tokens
+        self.wall_before = wall_before
+        self.t0 = time.perf_counter()
+        self.target = target  # first eval at or below cfg.target_loss: its sim time and step
+        self.val_loss: float | None = None
+
+    def clock(self, inner_step: int) -> dict[str, Any]:
+        return {
+            "version": self.trainer.version,
+            "inner_step": inner_step,
+            "tokens": self.tokens,
+            "wall_time_s": round(self.wall_time_s(), 3),
+            "sim_time_s": round(self.trainer.sim_time_s, 6),
+        }
+
+    def wall_time_s(self) -> float:
+        return self.wall_before + time.perf_counter() - self.t0
+
+    def evaluate(self, inner_step: int, split: str = "subset") -> float:
+        windows = self.data.eval_subset if split == "subset" else self.data.eval_full
+        loss = evaluate(self.trainer.model, windows)
+        now = self.clock(inner_step)
+        self.writer.log("eval", **now, split=split, val_loss=loss, val_ppl=math.exp(loss))
+        if split == "subset":
+            self.val_loss = loss
+            if self.cfg.target_loss and self.target is None and loss <= self.cfg.target_loss:
+                self.target = {
+                    "sim_time_s": now["sim_time_s"],
+                    "inner_step": inner_step,
+                    "wall_time_s": now["wall_time_s"],
+                }
+        return loss
+
+
+def _progress(cfg: TrainConfig, total: int, initial: int, unit: str, progress: bool | None):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=f"{cfg.method} k={cfg.num_workers} H={cfg.inner_steps}",
+        unit=unit,
+        disable=None if progress is None else not progress,
+    )
+
+
+def _run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Path, progress) -> bool:
+    """Rounds of sync DiLoCo (or a baseline); returns False if stopped early by --stop-after."""
+    cfg, trainer, writer = run.cfg, run.trainer, run.writer
+    H = cfg.inner_steps
+    every = cfg.eval_every or H
+    tokens_per_round = trainer.num_workers * H * cfg.data.batch_size * cfg.model.seq_len
+    bar = _progress(cfg, cfg.rounds, start_round, "round", progress)
+    try:
+        for r in range(start_round + 1, cfg.rounds + 1):
+            stats = trainer.round()
+            run.tokens += tokens_per_round
+            now = run.clock(stats.inner_step)
+            for w, loss in enumerate(stats.losses):
+                writer.log(
+                    "inner",
+                    **now,
+                    worker=w,
+                    train_loss=loss,
+                    lr=stats.lr,
+                    bytes_sent=stats.bytes_sent[w],
+                    bytes_received=stats.bytes_received[w],
+                )
+            writer.log(
+                "outer", **now, bytes_sent=sum(stats.bytes_sent), bytes_received=sum(stats.bytes_received)
+            )
+            if (r * H) // every > ((r - 1) * H) // every or r == cfg.rounds:
+                run.evaluate(stats.inner_step)
+            bar.update(1)
+            bar.set_postfix(
+                train_loss=f"{sum(stats.losses) / len(stats.losses):.3f}",
+                val_loss=f"{run.val_loss:.3f}" if run.val_loss is not None else "-",
+            )
+            stopping = stop_after is not None and r == stop_after and r < cfg.rounds
+            if (cfg.checkpoint_every and r % cfg.checkpoint_every == 0) or stopping:
+                checkpoint.save(
+                    run_dir / "checkpoints",
+                    r,
+                    {
+                        "trainer": trainer.state_dict(),
+                        "torch_rng": torch.get_rng_state(),
+                        "round": r,
+                        "tokens": run.tokens,
+                        "wall_time_s": run.wall_time_s(),
+                        "target": run.target,
+                        "metrics_offset": writer.offset(),
+                    },
+                )
+            if stopping:
+                return False
+    finally:
+        bar.close()
+    return True
+
+
+def _run_async(run: Run, *, progress) -> None:
+    """The asynchronous server until the compute budget (k × rounds × H inner steps) is spent."""
+    cfg, trainer, writer = run.cfg, run.trainer, run.writer
+    k = trainer.num_workers
+    every = (cfg.eval_every or cfg.inner_steps) * k  # in inner steps summed over workers
+    tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
+    bar = _progress(cfg, trainer.total_steps, 0, "step", progress)
+
+    def on_arrival(a: Arrival) -> None:
+        before = trainer.applied - a.steps
+        run.tokens += a.steps * tokens_per_step
+        step = trainer.applied // k  # per-worker equivalent, comparable with sync's inner_step
+        now = run.clock(step)
+        writer.log(
+            "worker",
+            **now,
+            worker=a.worker,
+            steps=a.steps,
+            staleness=a.staleness,
+            shard=a.shard,
+            speed_est_s=a.speed_est_s,
+            train_loss=a.train_loss,
+            lr=a.lr,
+            bytes_sent=trainer.bytes_sent[a.worker],
+            bytes_received=trainer.bytes_received[a.worker],
+        )
+        if a.changed:
+            writer.log(
+                "outer",
+                **now,
+                staleness=a.staleness,
+                bytes_sent=sum(trainer.bytes_sent),
+                bytes_received=sum(trainer.bytes_received),
+            )
+        if trainer.applied // every > before // every or trainer.applied == trainer.total_steps:
+            run.evaluate(step)
+        bar.update(a.steps)
+        bar.set_postfix(version=trainer.version, val_loss=f"{run.val_loss:.3f}" if run.val_loss else "-")
+
+    try:
+        trainer.run(on_arrival)
+    finally:
+        bar.close()
 
 
 def train(
@@ -161,7 +254,6 @@ def train(
     """Run (or continue) a training run; returns the summary (or where it stopped early)."""
     set_threads(cfg.resolved_threads)
     data = prepare_data(cfg)
-    trainer = build_trainer(cfg, data)
     state = None
     if resume is not None:
         found = checkpoint.latest(resume / "checkpoints")
@@ -171,112 +263,87 @@ def train(
                 "checkpoints are saved only with --checkpoint-every."
             )
         state = checkpoint.load(found)
+        if not (resume / "metrics.jsonl").is_file():
+            raise UserError(f"run directory {resume} has no metrics.jsonl; it is not a complete diloco run.")
+    trainer = build_trainer(cfg, data)
+    try:
+        return _train(
+            cfg, trainer, data, resume=resume, state=state, stop_after=stop_after, progress=progress
+        )
+    finally:
+        trainer.close()
+
+
+def _restore(trainer, state: dict[str, Any], resume: Path) -> None:
+    try:
+        trainer.load_state_dict(state["trainer"])
+        torch.set_rng_state(state["torch_rng"])
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:
+        raise UserError(
+            f"the checkpoint in {resume} does not match its config.json ({str(e)[:120]}); "
+            "restore the run's original config.json."
+        ) from None
+
+
+def _train(cfg, trainer, data, *, resume, state, stop_after, progress) -> dict[str, Any]:
+    if state is not None:
+        _restore(trainer, state, resume)
         run_dir = resume
+        start_round = state["round"]
+        writer = MetricsWriter(
+            run_dir, truncate_to=state["metrics_offset"], purge_step=start_round * cfg.inner_steps + 1
+        )
+        run = Run(
+            cfg,
+            trainer,
+            data,
+            writer,
+            tokens=state["tokens"],
+            wall_before=state["wall_time_s"],
+            target=state.get("target"),
+        )
     else:
         run_dir = _new_run_dir(cfg)
         cfg = dataclasses.replace(cfg, out=str(run_dir))
         checkpoint.atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
-
-    k, H = trainer.num_workers, cfg.inner_steps
-    tokens_per_round = k * H * cfg.data.batch_size * cfg.model.seq_len
-    start_round, tokens, wall_before = 0, 0, 0.0
-    if state is not None:
-        trainer.load_state_dict(state["trainer"])
-        torch.set_rng_state(state["torch_rng"])
-        start_round, tokens, wall_before = state["round"], state["tokens"], state["wall_time_s"]
-        writer = MetricsWriter(run_dir, truncate_to=state["metrics_offset"], purge_step=start_round * H + 1)
-    else:
-        writer = MetricsWriter(run_dir)
-    t0 = time.perf_counter()
-
-    def clock() -> dict[str, Any]:
-        step = trainer.workers[0].step
-        return {
-            "version": trainer.version,
-            "inner_step": step,
-            "tokens": tokens,
-            "wall_time_s": round(wall_before + time.perf_counter() - t0, 3),
-            "sim_time_s": step * SIM_STEP_S,
-        }
-
-    def log_eval(windows: torch.Tensor, split: str) -> float:
-        loss = evaluate(trainer.model, windows)
-        writer.log("eval", **clock(), split=split, val_loss=loss, val_ppl=math.exp(loss))
-        return loss
-
-    from tqdm import tqdm
-
-    bar = tqdm(
-        total=cfg.rounds,
-        initial=start_round,
-        desc=f"{cfg.method} k={k} H={H}",
-        unit="round",
-        disable=None if progress is None else not progress,
-    )
-    val_loss = None
-    if start_round == 0:
-        val_loss = log_eval(data.eval_subset, "subset")
+        start_round = 0
+        run = Run(cfg, trainer, data, MetricsWriter(run_dir))
+        run.evaluate(0)
     try:
-        for r in range(start_round + 1, cfg.rounds + 1):
-            stats = trainer.round()
-            tokens += tokens_per_round
-            for w, loss in enumerate(stats.losses):
-                writer.log(
-                    "inner",
-                    **clock(),
-                    worker=w,
-                    train_loss=loss,
-                    lr=stats.lr,
-                    bytes_sent=stats.bytes_sent[w],
-                    bytes_received=stats.bytes_received[w],
-                )
-            writer.log(
-                "outer", **clock(), bytes_sent=sum(stats.bytes_sent), bytes_received=sum(stats.bytes_received)
-            )
-            if _eval_due(r * H, (r - 1) * H, cfg.eval_every):
-                val_loss = log_eval(data.eval_subset, "subset")
-            bar.update(1)
-            bar.set_postfix(
-                train_loss=f"{sum(stats.losses) / len(stats.losses):.3f}",
-                val_loss=f"{val_loss:.3f}" if val_loss is not None else "-",
-            )
-            stopping = stop_after is not None and r == stop_after and r < cfg.rounds
-            if (cfg.checkpoint_every and r % cfg.checkpoint_every == 0) or stopping:
-                checkpoint.save(
-                    run_dir / "checkpoints",
-                    r,
-                    {
-                        "trainer": trainer.state_dict(),
-                        "torch_rng": torch.get_rng_state(),
-                        "round": r,
-                        "tokens": tokens,
-                        "wall_time_s": clock()["wall_time_s"],
-                        "metrics_offset": writer.offset(),
-                    },
-                )
-            if stopping:
-                writer.close()
-                return {"stopped_after": r, "run_dir": str(run_dir)}
-    finally:
-        bar.close()
+        if isinstance(trainer, AsyncDiLoCo):
+            _run_async(run, progress=progress)
+        elif not _run_sync(
+            run, start_round=start_round, stop_after=stop_after, run_dir=run_dir, progress=progress
+        ):
+            run.writer.close()
+            return {"stopped_after": stop_after, "run_dir": str(run_dir)}
+    except KeyboardInterrupt:
+        run.writer.close()
+        has_checkpoint = checkpoint.latest(run_dir / "checkpoints") is not None
+        raise Interrupted(
+            f"interrupted; continue with: diloco train --resume {run_dir}"
+            if has_checkpoint
+            else f"interrupted before any checkpoint; {run_dir} cannot be resumed (use --checkpoint-every)"
+        ) from None
 
-    final_loss = log_eval(data.eval_full, "full")
-    writer.close()
+    step = trainer.applied // trainer.num_workers if isinstance(trainer, AsyncDiLoCo) else trainer.inner_step
+    final_loss = run.evaluate(step, "full")
+    run.writer.close()
     save_file(
-        {k_: v.contiguous() for k_, v in trainer.model.state_dict().items()},
-        str(run_dir / "model.safetensors"),
+        {k: v.contiguous() for k, v in trainer.model.state_dict().items()}, str(run_dir / "model.safetensors")
     )
-    summary = _summary(cfg, trainer, final_loss, tokens, clock())
+    summary = _summary(cfg, run, final_loss, step)
     checkpoint.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
-def _summary(cfg: TrainConfig, trainer: DiLoCo, val_loss: float, tokens: int, now: dict) -> dict[str, Any]:
+def _summary(cfg: TrainConfig, run: Run, val_loss: float, step: int) -> dict[str, Any]:
+    trainer = run.trainer
     k = trainer.num_workers
-    steps = trainer.workers[0].step
-    per_worker = trainer.bytes_sent[0]
-    # Data parallel sends one gradient per worker per inner step.
-    dp_per_worker = steps * tensor_bytes(trainer.params) if k > 1 else 0
+    steps_total = trainer.applied if isinstance(trainer, AsyncDiLoCo) else step * k
+    per_worker = max(trainer.bytes_sent)
+    # Data parallel sends one gradient per worker per inner step; with one worker, nothing.
+    dp_per_worker = (steps_total // k) * tensor_bytes(trainer.params) if k > 1 else 0
     return {
         "run_dir": cfg.out,
         "method": cfg.method,
@@ -284,38 +351,52 @@ def _summary(cfg: TrainConfig, trainer: DiLoCo, val_loss: float, tokens: int, no
         "params": sum(p.numel() for p in trainer.params),
         "val_loss": val_loss,
         "val_ppl": math.exp(val_loss),
-        "tokens": tokens,
-        "inner_steps": steps * k,  # data parallel: every worker computes a gradient per step
-        "inner_steps_per_worker": steps,
+        "final_subset_val_loss": run.val_loss,
+        "tokens": run.tokens,
+        "inner_steps": steps_total,  # summed over workers; data parallel: a gradient per worker per step
+        "inner_steps_per_worker": steps_total // k,
         "outer_updates": trainer.version,
         "bytes_sent": sum(trainer.bytes_sent),
         "bytes_received": sum(trainer.bytes_received),
         "bytes_sent_per_worker": per_worker,
         "dp_bytes_sent_per_worker": dp_per_worker,
-        "dp_bytes_ratio": dp_per_worker / per_worker if per_worker else None,
-        "wall_time_s": now["wall_time_s"],
-        "sim_time_s": now["sim_time_s"],
+        "dp_bytes_ratio": dp_per_worker / per_worker if per_worker and dp_per_worker else None,
+        "target_loss": cfg.target_loss or None,
+        "time_to_target_s": run.target["sim_time_s"] if run.target else None,
+        "steps_to_target": run.target["inner_step"] if run.target else None,
+        "wall_time_s": round(run.wall_time_s(), 3),
+        "sim_time_s": trainer.sim_time_s,
     }
 
 
 def format_summary(s: dict[str, Any]) -> str:
     mb = 1e6
     lines = [
-        f"done in {s['wall_time_s']:.1f} s: {s['run_dir']}",
+        f"done in {s['wall_time_s']:.1f} s ({s['sim_time_s']:.1f} s simulated): {s['run_dir']}",
         f"  val_loss {s['val_loss']:.4f}   val_ppl {s['val_ppl']:.3f}   (whole validation split)",
         f"  tokens {s['tokens']:,}   inner steps {s['inner_steps']:,} "
         f"({s['inner_steps_per_worker']:,} per worker)   outer updates {s['outer_updates']}",
     ]
-    if s["method"] == "dp" and s["bytes_sent_per_worker"]:
-        lines.append(
-            f"  bytes sent per worker {s['bytes_sent_per_worker'] / mb:.2f} MB (a gradient every step)"
-        )
+    sent = s["bytes_sent_per_worker"]
+    if s["method"] == "dp" and sent:
+        lines.append(f"  bytes sent per worker {sent / mb:.2f} MB (a gradient every step)")
     elif s["dp_bytes_ratio"] is not None:
         lines.append(
-            f"  bytes sent per worker {s['bytes_sent_per_worker'] / mb:.2f} MB: "
-            f"{s['dp_bytes_ratio']:.1f}x fewer than data parallel "
-            f"({s['dp_bytes_sent_per_worker'] / mb:.2f} MB) for the same inner steps"
+            f"  bytes sent per worker {sent / mb:.2f} MB: {s['dp_bytes_ratio']:.1f}x fewer than data "
+            f"parallel ({s['dp_bytes_sent_per_worker'] / mb:.2f} MB) for the same inner steps"
         )
     else:
-        lines.append("  bytes sent per worker 0 (one worker: nothing to communicate)")
+        lines.append(
+            f"  bytes sent per worker {sent / mb:.2f} MB (one worker: data parallel would send nothing)"
+        )
+    if s["target_loss"] is not None:
+        reached = s["time_to_target_s"]
+        lines.append(
+            f"  target val_loss {s['target_loss']}: "
+            + (
+                f"reached at {reached:.1f} s simulated (step {s['steps_to_target']})"
+                if reached is not None
+                else "not reached"
+            )
+        )
     return "\n".join(lines)

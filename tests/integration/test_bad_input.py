@@ -74,6 +74,24 @@ def test_existing_out_dir_is_refused_and_resume_rejects_other_flags(tmp_path, ca
     assert (tmp_path / "taken" / "x").read_text() == "keep me"
     code, err = _run_in_process(capsys, ["train", "--resume", str(tmp_path / "taken"), "--workers", "3"])
     assert code == 2 and "drop the other settings (--workers)" in err
+    (tmp_path / "a-file").write_text("")
+    code, err = _run_in_process(capsys, ["train", "--out", str(tmp_path / "a-file")])
+    assert code == 2 and "already exists" in err
+    code, err = _run_in_process(capsys, ["train", "--out", "/proc/no/such/dir"])
+    assert code == 2 and "cannot create run directory" in err
+
+
+@pytest.mark.timeout(30)
+def test_resume_with_an_edited_config_is_refused(tiny, tmp_path, capsys):
+    from diloco.train import train
+
+    run = tmp_path / "run"
+    train(tiny(checkpoint_every=1, rounds=2, out=str(run)), stop_after=1, progress=False)
+    config = json.loads((run / "config.json").read_text())
+    config["model"]["d_model"] = 64
+    (run / "config.json").write_text(json.dumps(config))
+    code, err = _run_in_process(capsys, ["train", "--resume", str(run)])
+    assert code == 2 and "does not match its config.json" in err
 
 
 @pytest.mark.timeout(60)

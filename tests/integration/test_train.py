@@ -1,5 +1,6 @@
 """`diloco train` end to end: run files, determinism, resume bit for bit, bad input."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -7,7 +8,6 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from diloco.cli import main
 from diloco.metrics import read_metrics
 from diloco.train import train
 
@@ -100,10 +100,29 @@ def test_resume_continues_bit_for_bit(tiny, tmp_path):
     stopped = train(tiny(rounds=6, checkpoint_every=2, out=str(resumed)), stop_after=3, progress=False)
     assert stopped == {"stopped_after": 3, "run_dir": str(resumed)}
     assert not (resumed / "summary.json").exists()
-    assert main(["train", "--resume", str(resumed)]) == 0
+    proc = subprocess.run(
+        [sys.executable, "-m", "diloco", "train", "--resume", str(resumed)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
     again = json.loads((resumed / "summary.json").read_text())
     assert _strip(again) == _strip(full)
     assert _same_params(straight, resumed)
     # metrics.jsonl holds every round once, as the uninterrupted run's does
     strip = [{k: v for k, v in line.items() if k not in TIMES} for line in read_metrics(resumed)]
     assert strip == [{k: v for k, v in line.items() if k not in TIMES} for line in read_metrics(straight)]
+
+
+@pytest.mark.timeout(30)
+def test_non_iid_weights_reach_the_outer_step(tiny):
+    from diloco.build import build_trainer, prepare_data
+
+    cfg = tiny(data=dataclasses.replace(tiny().data, shards="kmeans"), num_workers=3)
+    data = prepare_data(cfg)
+    trainer = build_trainer(cfg, data)
+    sizes = [len(s) for s in data.shards]
+    assert trainer.weights == pytest.approx([n / sum(sizes) for n in sizes])
+    assert len(set(sizes)) > 1
+    trainer.close()

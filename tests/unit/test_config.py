@@ -24,11 +24,19 @@ def test_defaults_are_the_main_job():
         ({"inner_steps": -3}, "inner_steps (--inner-steps)"),
         ({"inner": {"lr": math.nan}}, "inner.lr (--inner-lr) must be a finite number > 0.0"),
         ({"model": {"name": "gigantic"}}, "unknown model 'gigantic'"),
-        ({"method": "zip"}, "method (--method) must be one of diloco, single, dp"),
+        ({"method": "zip"}, "method (--method) must be one of diloco, async, single, dp"),
         ({"model": {"d_model": 30, "n_head": 4}}, "divisible"),
         ({"bogus": 1}, "unknown key 'bogus'"),
         ({"inner": {"lrr": 1}}, "unknown key 'lrr' in [inner]"),
         ({"num_workers": True}, "num_workers"),
+        (
+            {"outer": {"momentum": 1.0}},
+            "outer.momentum (--outer-momentum) must be a finite number >= 0.0 and < 1.0",
+        ),
+        ({"outer": {"adam_beta1": 1.0}}, "outer.adam_beta1"),
+        ({"inner": {"beta2": 1.0}}, "inner.beta2"),
+        ({"model": {"name": ["x"]}}, "unknown model"),
+        ({"eval_every": 30}, "must be a multiple of inner_steps (50)"),
     ],
 )
 def test_bad_settings_name_the_field_and_the_fix(values, needle):

@@ -6,6 +6,7 @@ import torch
 from diloco.data import (
     ByteTokenizer,
     ShardSampler,
+    ShardSet,
     eval_windows,
     genre_groups,
     load_corpus,
@@ -81,13 +82,26 @@ def test_sampler_resumes_exactly_and_rejects_a_tiny_shard():
     next(s)
     state = s.state_dict()
     expected = next(s)
-    s2 = ShardSampler(tokens, batch_size=2, seq_len=8, seed=99)
+    s2 = ShardSampler(tokens, batch_size=2, seq_len=8, seed=0)
     s2.load_state_dict(state)
     got = next(s2)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert torch.equal(expected[0][:, 1:], expected[1][:, :-1])  # targets are inputs shifted by one
     with pytest.raises(UserError, match="fewer than one batch"):
         ShardSampler(tokens[:10], batch_size=2, seq_len=8, seed=0)
+
+
+def test_shard_set_seeks_any_shard_position():
+    a = ShardSampler(torch.arange(500, dtype=torch.uint8), batch_size=2, seq_len=8, seed=1)
+    b = ShardSampler(torch.arange(500, dtype=torch.uint8) + 100, batch_size=2, seq_len=8, seed=2)
+    reference = ShardSampler(torch.arange(500, dtype=torch.uint8) + 100, batch_size=2, seq_len=8, seed=2)
+    for _ in range(3):
+        third = next(reference)
+    shards = ShardSet([a, b], current=0)
+    next(shards)
+    shards.seek(1, 2)
+    assert torch.equal(next(shards)[0], third[0])
+    assert shards.state_dict() == {"current": 1, "steps": [1, 3]}
 
 
 def test_eval_windows_subset_is_fixed_and_spread():

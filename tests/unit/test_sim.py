@@ -68,6 +68,19 @@ def test_identical_workers_give_identical_outer_grads_and_their_average():
     assert any(g.abs().max() > 0 for g in grads[0])
 
 
+def test_identical_workers_through_round_step_like_one_worker():
+    # k identical workers' round equals a one-worker round: the average of equal outer_grads
+    # is that outer_grad, whatever passes through the codec and the averaging.
+    torch.manual_seed(0)
+    many = DiLoCo(partial(GPT, TINY), _adamw, [_sampler(7) for _ in range(4)], inner_steps=3)
+    torch.manual_seed(0)
+    one = DiLoCo(partial(GPT, TINY), _adamw, [_sampler(7)], inner_steps=3)
+    for _ in range(2):
+        many.round(), one.round()
+    for a, b in zip(many.params, one.params):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_data_parallel_equals_mean_gradient_step():
     torch.manual_seed(0)
     dp = DataParallel(partial(GPT, TINY), _adamw, [_sampler(1), _sampler(2)], inner_steps=1)

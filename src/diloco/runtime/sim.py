@@ -21,6 +21,8 @@ import torch.nn as nn
 from diloco.codec import Codec, Fp32Codec, tensor_bytes
 from diloco.inner import LossFn, Worker, gpt_loss
 from diloco.outer import Nesterov, OuterOpt, weighted_average
+from diloco.runtime.clock import Clock
+from diloco.runtime.pool import InlinePool, ProcessPool
 
 ModelFn = Callable[[], nn.Module]
 OptFn = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -36,28 +38,38 @@ class RoundStats:
     lr: float  # inner lr of the round's last step
     bytes_sent: list[int] = field(default_factory=list)  # cumulative, per worker
     bytes_received: list[int] = field(default_factory=list)  # cumulative, per worker
+    sim_time_s: float = 0.0  # simulated time at the end of the round
 
 
-def _replica(global_model: nn.Module, model_fn: ModelFn) -> nn.Module:
-    replica = model_fn()
-    replica.load_state_dict(global_model.state_dict())
-    return replica
+def make_worker(model_fn: ModelFn, inner_opt_fn: OptFn, batches: Iterator, **kwargs: Any) -> Worker:
+    """A worker with a fresh replica (its values are replaced by the global parameters at the
+    start of every job) and its own inner optimizer."""
+    with torch.random.fork_rng(devices=[]):  # building a replica must not move the seed's stream
+        replica = model_fn()
+    return Worker(
+        replica, inner_opt_fn([p for p in replica.parameters() if p.requires_grad]), batches, **kwargs
+    )
 
 
 class DiLoCo:
-    """Synchronous DiLoCo (ALGORITHMS.md §1) over in-process workers.
+    """Synchronous DiLoCo (ALGORITHMS.md §1) over simulated workers.
 
     Each round every worker starts from the global parameters, runs `inner_steps` steps of its
     own optimizer on its own batches, and sends outer_grad = θ_start − θ_local through `codec`;
     the weighted average (weights default 1/k) is applied by `outer_opt` (default Nesterov,
     lr 0.7, momentum 0.9). `model` holds the global parameters.
+
+    Workers come from `inner_opt_fn` and `batches` (one iterator per worker), or ready-made in a
+    `pool` (runtime/pool.py: inline or in several processes). `clock` (runtime/clock.py) gives
+    simulated durations; by default every inner step takes 1 s and messages are free. A round
+    ends when the last worker's push lands.
     """
 
     def __init__(
         self,
         model_fn: ModelFn,
-        inner_opt_fn: OptFn,
-        batches: Sequence[Iterator],
+        inner_opt_fn: OptFn | None = None,
+        batches: Sequence[Iterator] | None = None,
         *,
         inner_steps: int,
         loss_fn: LossFn = gpt_loss,
@@ -66,66 +78,97 @@ class DiLoCo:
         lr_schedule: Callable[[int], float] | None = None,
         grad_clip: float = 0.0,
         codec: Codec | None = None,
+        pool: InlinePool | ProcessPool | None = None,
+        clock: Clock | None = None,
     ):
-        k = len(batches)
+        self.model = model_fn()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if pool is None:
+            if inner_opt_fn is None or batches is None:
+                raise ValueError("DiLoCo needs inner_opt_fn and batches (one iterator per worker), or a pool")
+            pool = InlinePool(
+                [
+                    make_worker(
+                        model_fn,
+                        inner_opt_fn,
+                        it,
+                        loss_fn=loss_fn,
+                        lr_schedule=lr_schedule,
+                        grad_clip=grad_clip,
+                    )
+                    for it in batches
+                ]
+            )
+        k = len(pool)
         if k < 1 or inner_steps < 1:
             raise ValueError(f"DiLoCo needs at least one worker and inner_steps >= 1, got {k}, {inner_steps}")
         weights = list(weights) if weights is not None else [1.0 / k] * k
         if len(weights) != k or abs(sum(weights) - 1.0) > 1e-6 or min(weights) < 0:
             raise ValueError(f"weights must be {k} non-negative numbers summing to 1, got {weights}")
-        self.model = model_fn()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.workers = []
-        for it in batches:
-            replica = _replica(self.model, model_fn)
-            self.workers.append(
-                Worker(
-                    replica,
-                    inner_opt_fn([p for p in replica.parameters() if p.requires_grad]),
-                    it,
-                    loss_fn=loss_fn,
-                    lr_schedule=lr_schedule,
-                    grad_clip=grad_clip,
-                )
-            )
+        self.pool = pool
         self.inner_steps = inner_steps
         self.outer_opt = outer_opt if outer_opt is not None else Nesterov()
         self.weights = weights
         self.codec = codec or Fp32Codec()
+        self.clock = clock or Clock([1.0] * k)
         self.version = 0
+        self.inner_step = 0  # inner steps each worker has taken
+        self.sim_time_s = 0.0
         self.bytes_sent = [0] * k
         self.bytes_received = [0] * k
 
     @property
     def num_workers(self) -> int:
-        return len(self.workers)
+        return len(self.pool)
+
+    @property
+    def workers(self) -> list[Worker]:
+        """The worker objects, when they live in this process."""
+        return self.pool.workers
 
     def round(self) -> RoundStats:
         """One outer step: every worker's inner steps, then the averaged outer update."""
-        outer_grads, losses, lr = [], [], 0.0
-        for i, worker in enumerate(self.workers):
-            self.bytes_received[i] += tensor_bytes(self.params)  # pull θ
-            result = worker.run(self.params, self.inner_steps)
+        k, H, start = self.num_workers, self.inner_steps, self.sim_time_s
+        pull_bytes = tensor_bytes(self.params)
+        for w in range(k):  # all jobs first, so a process pool computes them side by side
+            self.bytes_received[w] += pull_bytes
+            self.pool.submit(w, self.params, H)
+        outer_grads, losses, lr, end = [], [], 0.0, start
+        for w in range(k):
+            result = self.pool.result(w)
             message = self.codec.encode(result.outer_grad)
-            self.bytes_sent[i] += message.nbytes  # push outer_grad
+            self.bytes_sent[w] += message.nbytes
             outer_grads.append(self.codec.decode(message))
             losses.append(result.mean_loss)
             lr = result.last_lr
+            pulled = start + self.clock.transfer_s(pull_bytes)
+            computed = pulled + self.clock.compute_s(w, pulled, H, job=self.version)
+            end = max(end, computed + self.clock.transfer_s(message.nbytes))
         self.outer_opt.step(self.params, weighted_average(outer_grads, self.weights))
         self.version += 1
+        self.inner_step += H
+        self.sim_time_s = end
         return self._stats(losses, lr)
 
     def _stats(self, losses: list[float], lr: float) -> RoundStats:
         return RoundStats(
-            self.version, self.workers[0].step, losses, lr, list(self.bytes_sent), list(self.bytes_received)
+            self.version,
+            self.inner_step,
+            losses,
+            lr,
+            list(self.bytes_sent),
+            list(self.bytes_received),
+            self.sim_time_s,
         )
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "global": self.model.state_dict(),
             "outer_opt": self.outer_opt.state_dict(),
-            "workers": [w.state_dict() for w in self.workers],
+            "workers": self.pool.state_dict(),
             "version": self.version,
+            "inner_step": self.inner_step,
+            "sim_time_s": self.sim_time_s,
             "bytes_sent": list(self.bytes_sent),
             "bytes_received": list(self.bytes_received),
         }
@@ -133,11 +176,15 @@ class DiLoCo:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["global"])
         self.outer_opt.load_state_dict(state["outer_opt"])
-        for worker, ws in zip(self.workers, state["workers"], strict=True):
-            worker.load_state_dict(ws)
+        self.pool.load_state_dict(state["workers"])
         self.version = int(state["version"])
+        self.inner_step = int(state["inner_step"])
+        self.sim_time_s = float(state["sim_time_s"])
         self.bytes_sent = [int(b) for b in state["bytes_sent"]]
         self.bytes_received = [int(b) for b in state["bytes_received"]]
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 class _Together:
@@ -177,6 +224,7 @@ class DataParallel(DiLoCo):
         *,
         inner_steps: int,
         loss_fn: LossFn = gpt_loss,
+        clock: Clock | None = None,
         **kwargs: Any,
     ):
         k = len(batches)
@@ -185,14 +233,21 @@ class DataParallel(DiLoCo):
             return sum(loss_fn(model, b) for b in parts) / k
 
         super().__init__(
-            model_fn, inner_opt_fn, [_Together(batches)], inner_steps=inner_steps, loss_fn=mean_loss, **kwargs
+            model_fn,
+            inner_opt_fn,
+            [_Together(batches)],
+            inner_steps=inner_steps,
+            loss_fn=mean_loss,
+            clock=clock or Clock([1.0]),
+            **kwargs,
         )
         self.k = k
         self.bytes_sent = [0] * k
         self.bytes_received = [0] * k
-        # The single replica *is* the model: no copy of the global parameters is kept.
-        self.model = self.workers[0].model
-        self.params = self.workers[0].params
+        # The single replica *is* the model: it starts from the global initialisation.
+        worker = self.workers[0]
+        worker.load_params(self.params)
+        self.model, self.params = worker.model, worker.params
 
     @property
     def num_workers(self) -> int:
@@ -204,10 +259,13 @@ class DataParallel(DiLoCo):
         for _ in range(self.inner_steps):
             loss, lr = worker.train_step()
             total += loss
-        if self.k > 1:
-            step_bytes = tensor_bytes(self.params) * self.inner_steps
-            self.bytes_sent = [b + step_bytes for b in self.bytes_sent]
-            self.bytes_received = [b + step_bytes for b in self.bytes_received]
+        step_bytes = tensor_bytes(self.params) if self.k > 1 else 0
+        self.bytes_sent = [b + step_bytes * self.inner_steps for b in self.bytes_sent]
+        self.bytes_received = [b + step_bytes * self.inner_steps for b in self.bytes_received]
+        # Every step waits for the slowest worker's gradient (one step each, then an exchange).
+        step_s = max(self.clock.step_s[: self.k] or [1.0])
+        self.sim_time_s += self.inner_steps * (step_s + 2 * self.clock.transfer_s(step_bytes))
+        self.inner_step += self.inner_steps
         return self._stats([total / self.inner_steps], lr)
 
     def state_dict(self) -> dict[str, Any]:

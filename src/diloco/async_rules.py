@@ -1,0 +1,197 @@
+"""Server rules for asynchronous Local-SGD (ALGORITHMS.md §2): how an outer_grad that arrives
+on its own, possibly stale, changes the global parameters.
+
+Every rule works in place on the server's parameters and returns whether they changed (a new
+`version`). Rules are pure PyTorch; the simulator and the parameter server share them.
+
+- `naive`: an outer Nesterov step on every arrival (momentum decays too fast, steps amplify).
+- `dn`: Delayed Nesterov, Algorithm 3 of the paper: momentum updated every N arrivals from their
+  sum, plain SGD steps of ε g/N (+ c β m) in between.
+- `buffer`: average N arrivals, then one Nesterov step (FedBuff-like).
+- `poly`: g / sqrt(1 + staleness), then Nesterov. `polythres`: poly, dropping updates with
+  staleness above a threshold (default 10).
+- `delaycomp`: g + λ g ⊙ g ⊙ (θ_now − θ_pulled), then Nesterov.
+
+    python -m pytest tests/unit/test_async_rules.py
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from diloco.outer import Nesterov, Tensors, weighted_average
+
+ASYNC_RULES = ("dn", "naive", "buffer", "poly", "polythres", "delaycomp")
+
+
+class AsyncRule:
+    """Applies one arriving outer_grad to the server's parameters."""
+
+    def apply(
+        self, params: Tensors, grad: Tensors, *, worker: int, staleness: int, pulled: Tensors | None = None
+    ) -> bool:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class _NesterovRule(AsyncRule):
+    """A rule that transforms the arriving outer_grad (or drops it), then steps Nesterov."""
+
+    def __init__(self, lr: float, momentum: float):
+        self.opt = Nesterov(lr, momentum)
+
+    def transform(self, grad: Tensors, staleness: int, params: Tensors, pulled: Tensors | None):
+        return grad
+
+    def apply(self, params, grad, *, worker, staleness, pulled=None) -> bool:
+        grad = self.transform(grad, staleness, params, pulled)
+        if grad is None:
+            return False
+        self.opt.step(params, grad)
+        return True
+
+    def state_dict(self) -> dict:
+        return {"opt": self.opt.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["opt"])
+
+
+class Naive(_NesterovRule):
+    pass
+
+
+class Poly(_NesterovRule):
+    def __init__(self, lr: float, momentum: float, *, threshold: int | None = None):
+        super().__init__(lr, momentum)
+        self.threshold = threshold
+
+    def transform(self, grad, staleness, params, pulled):
+        if self.threshold is not None and staleness > self.threshold:
+            return None
+        scale = 1.0 / math.sqrt(1.0 + staleness)
+        return [g * scale for g in grad]
+
+
+class DelayComp(_NesterovRule):
+    def __init__(self, lr: float, momentum: float, *, lam: float):
+        super().__init__(lr, momentum)
+        self.lam = lam
+
+    def transform(self, grad, staleness, params, pulled):
+        if pulled is None:
+            raise ValueError("delaycomp needs the parameters the worker pulled")
+        return [g + self.lam * g * g * (p - q) for g, p, q in zip(grad, params, pulled, strict=True)]
+
+
+class Buffer(AsyncRule):
+    """Keep N arrivals; then one Nesterov step on their mean, summed in worker order so that with
+    N = k and every worker in the buffer it is exactly the synchronous DiLoCo update."""
+
+    def __init__(self, lr: float, momentum: float, *, size: int):
+        self.opt = Nesterov(lr, momentum)
+        self.size = size
+        self.pending: list[tuple[int, Tensors]] = []
+
+    def apply(self, params, grad, *, worker, staleness, pulled=None) -> bool:
+        self.pending.append((worker, [g.clone() for g in grad]))
+        if len(self.pending) < self.size:
+            return False
+        arrivals = sorted(self.pending, key=lambda a: a[0])
+        self.pending = []
+        self.opt.step(params, weighted_average([g for _, g in arrivals], [1.0 / self.size] * self.size))
+        return True
+
+    def state_dict(self) -> dict:
+        return {"opt": self.opt.state_dict(), "pending": [[w, g] for w, g in self.pending]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["opt"])
+        self.pending = [(int(w), [t.clone() for t in g]) for w, g in state["pending"]]
+
+
+class DelayedNesterov(AsyncRule):
+    """Algorithm 3 (DN), buffer size N, c ∈ [0, 1/N]; state t, m, Δ start at 0.
+
+    Δ ← Δ + g
+    if (t + 1) mod N == 0:  m ← βm + Δ/N;  θ ← θ − ε[(1 − cN + c) β m + g/N];  Δ ← 0
+    else:                   θ ← θ − ε[c β m + g/N]
+    t ← t + 1
+    """
+
+    def __init__(self, lr: float, momentum: float, *, size: int, c: float = 0.0):
+        if size < 1 or not 0 <= c <= 1 / size:
+            raise ValueError(f"dn needs buffer size >= 1 and 0 <= c <= 1/N, got N={size}, c={c}")
+        self.lr, self.momentum, self.size, self.c = lr, momentum, size, c
+        self.t = 0
+        self.m: Tensors | None = None
+        self.delta: Tensors | None = None
+
+    @torch.no_grad()
+    def apply(self, params, grad, *, worker, staleness, pulled=None) -> bool:
+        if self.m is None:
+            self.m = [torch.zeros_like(g) for g in grad]
+            self.delta = [torch.zeros_like(g) for g in grad]
+        lr, beta, n, c = self.lr, self.momentum, self.size, self.c
+        for d, g in zip(self.delta, grad, strict=True):
+            d.add_(g)
+        if (self.t + 1) % n == 0:
+            for m, d in zip(self.m, self.delta, strict=True):
+                m.mul_(beta).add_(d, alpha=1.0 / n)
+                d.zero_()
+            coef = (1 - c * n + c) * beta
+        else:
+            coef = c * beta
+        for p, m, g in zip(params, self.m, grad, strict=True):
+            step = g / n
+            if coef:
+                step = step.add(m, alpha=coef)
+            p.sub_(step, alpha=lr)
+        self.t += 1
+        return True
+
+    def state_dict(self) -> dict:
+        state = {"t": self.t}
+        if self.m is not None:
+            state.update(m=self.m, delta=self.delta)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.t = int(state["t"])
+        self.m = [t.clone() for t in state["m"]] if "m" in state else None
+        self.delta = [t.clone() for t in state["delta"]] if "delta" in state else None
+
+
+def build_async_rule(
+    name: str,
+    *,
+    lr: float,
+    momentum: float,
+    num_workers: int,
+    buffer: int = 0,
+    c: float = 0.0,
+    poly_threshold: int = 10,
+    delaycomp_lambda: float = 0.5,
+) -> AsyncRule:
+    """The rule `name`; `buffer` 0 means N = k (the natural default)."""
+    size = buffer or num_workers
+    if name == "dn":
+        return DelayedNesterov(lr, momentum, size=size, c=c)
+    if name == "naive":
+        return Naive(lr, momentum)
+    if name == "buffer":
+        return Buffer(lr, momentum, size=size)
+    if name == "poly":
+        return Poly(lr, momentum)
+    if name == "polythres":
+        return Poly(lr, momentum, threshold=poly_threshold)
+    if name == "delaycomp":
+        return DelayComp(lr, momentum, lam=delaycomp_lambda)
+    raise ValueError(f"unknown async rule {name!r}; use one of {', '.join(ASYNC_RULES)}")

@@ -1,0 +1,167 @@
+"""Build a run's pieces from a TrainConfig: data, workers, clock, and the runtime object.
+
+Everything a user can get wrong is checked here, before the run directory exists.
+
+    python -c "from diloco.build import prepare_data; from diloco.config import TrainConfig; \
+print(len(prepare_data(TrainConfig()).shards))"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from diloco.async_rules import build_async_rule
+from diloco.codec import build_codec
+from diloco.config import InnerConfig, TrainConfig
+from diloco.data import ShardSampler, ShardSet, eval_windows, load_corpus, make_shards, validation_tokens
+from diloco.inner import Worker
+from diloco.model import GPT
+from diloco.outer import build_outer_opt
+from diloco.runtime.async_sim import AsyncDiLoCo
+from diloco.runtime.clock import Clock, parse_slowdown, profile
+from diloco.runtime.pool import InlinePool, ProcessPool
+from diloco.runtime.sim import DataParallel, DiLoCo, make_worker
+from diloco.schedule import warmup_cosine
+
+
+@dataclass
+class Data:
+    shards: list[torch.Tensor]
+    weights: list[float]
+    eval_subset: torch.Tensor  # (N, T+1) fixed windows for periodic evals
+    eval_full: torch.Tensor  # (M, T+1) the whole validation split
+
+
+def prepare_data(cfg: TrainConfig) -> Data:
+    works = load_corpus()
+    k = 1 if cfg.method == "single" else cfg.num_workers
+    shards, weights = make_shards(
+        works, k, kind=cfg.data.shards, val_fraction=cfg.data.val_fraction, seed=cfg.seed
+    )
+    for i in range(k):
+        sampler(cfg, shards, i)  # a shard too small for one batch is a UserError now, not later
+    val = validation_tokens(works, cfg.data.val_fraction)
+    return Data(
+        shards,
+        weights,
+        eval_windows(val, cfg.model.seq_len, cfg.data.eval_windows),
+        eval_windows(val, cfg.model.seq_len),
+    )
+
+
+def sampler(cfg: TrainConfig, shards: list[torch.Tensor], i: int) -> ShardSampler:
+    return ShardSampler(
+        shards[i], batch_size=cfg.data.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed * 1_000_003 + i
+    )
+
+
+def adamw(params, inner: InnerConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        params, lr=inner.lr, betas=(inner.beta1, inner.beta2), weight_decay=inner.weight_decay
+    )
+
+
+def lr_schedule(cfg: TrainConfig):
+    i = cfg.inner
+    return partial(
+        warmup_cosine,
+        lr=i.lr,
+        warmup_steps=i.warmup_steps,
+        total_steps=cfg.total_inner_steps,
+        min_lr_ratio=i.min_lr_ratio,
+    )
+
+
+def build_worker(w: int, cfg: TrainConfig, shards: list[torch.Tensor]) -> Worker:
+    """Worker w of a CLI run (module-level, so worker processes can build it)."""
+    batches = ShardSet([sampler(cfg, shards, i) for i in range(len(shards))], current=w)
+    return make_worker(
+        partial(GPT, cfg.model),
+        partial(adamw, inner=cfg.inner),
+        batches,
+        lr_schedule=lr_schedule(cfg),
+        grad_clip=cfg.inner.grad_clip,
+    )
+
+
+def build_pool(cfg: TrainConfig, data: Data) -> InlinePool | ProcessPool:
+    """Workers compute with one intra-op thread each, inline or in `procs` processes, so the
+    results do not depend on the number of processes."""
+    factory = partial(build_worker, cfg=cfg, shards=data.shards)
+    procs = min(cfg.resolved_procs, cfg.num_workers)
+    if procs > 1:
+        return ProcessPool(factory, cfg.num_workers, procs, threads=1)
+    return InlinePool([factory(w) for w in range(cfg.num_workers)], threads=1)
+
+
+def build_clock(cfg: TrainConfig, k: int) -> Clock:
+    s = cfg.sim
+    return Clock(
+        list(s.speeds) if s.speeds else profile(s.heterogeneity, k),
+        jitter=s.speed_jitter,
+        slowdowns=tuple(parse_slowdown(x) for x in s.slowdowns),
+        bandwidth_mbps=s.bandwidth_mbps,
+        latency_ms=s.latency_ms,
+        seed=cfg.seed,
+    )
+
+
+def build_trainer(cfg: TrainConfig, data: Data) -> DiLoCo | DataParallel | AsyncDiLoCo:
+    """The runtime object for `cfg.method`; the global model is initialised from `cfg.seed`."""
+    torch.manual_seed(cfg.seed)
+    model_fn = partial(GPT, cfg.model)
+    k = len(data.shards)
+    clock = build_clock(cfg, cfg.num_workers)
+    if cfg.method in ("single", "dp"):
+        samplers = [sampler(cfg, data.shards, i) for i in range(k)]
+        return DataParallel(
+            model_fn,
+            partial(adamw, inner=cfg.inner),
+            samplers,
+            inner_steps=cfg.inner_steps,
+            lr_schedule=lr_schedule(cfg),
+            grad_clip=cfg.inner.grad_clip,
+            clock=Clock(clock.step_s[:k], bandwidth_mbps=clock.bandwidth_mbps, latency_ms=clock.latency_ms),
+        )
+    if cfg.method == "diloco":
+        model = model_fn()  # built before the pool, so the pool cannot change the initialisation
+        trainer = DiLoCo(
+            lambda: model,
+            inner_steps=cfg.inner_steps,
+            outer_opt=build_outer_opt(cfg.outer),
+            weights=data.weights,
+            codec=build_codec(cfg.codec),
+            pool=build_pool(cfg, data),
+            clock=clock,
+        )
+        return trainer
+    v, o = cfg.server, cfg.outer
+    rule = build_async_rule(
+        v.rule,
+        lr=o.lr,
+        momentum=o.momentum,
+        num_workers=k,
+        buffer=v.buffer,
+        c=v.dn_c,
+        poly_threshold=v.poly_threshold,
+        delaycomp_lambda=v.delaycomp_lambda,
+    )
+    model = model_fn()
+    return AsyncDiLoCo(
+        lambda: model,
+        build_pool(cfg, data),
+        rule=rule,
+        clock=clock,
+        inner_steps=cfg.inner_steps,
+        total_steps=k * cfg.total_inner_steps,
+        codec=build_codec(cfg.codec),
+        dylu=v.dylu,
+        dylu_oracle=v.dylu_oracle,
+        dylu_alpha=v.dylu_alpha,
+        grace_s=v.grace_s,
+        shard_sizes=[len(s) for s in data.shards] if v.shard_sampling else None,
+        seed=cfg.seed,
+    )

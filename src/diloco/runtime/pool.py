@@ -1,0 +1,163 @@
+"""Where the simulator's workers compute: inline in this process, or spread over P processes.
+
+Both pools take jobs "worker w: start from these parameters, run this many inner steps" and
+hand back its InnerResult. The simulator decides the order of events from its virtual clock
+alone, and each worker's computation depends only on its own state and the parameters it is
+given, so results are bit-identical whatever the number of processes (at one intra-op thread
+per process). Worker w lives in process w mod P for the whole run.
+
+    diloco train --workers 8 --procs 2
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from diloco.inner import InnerResult, Worker
+
+WorkerFactory = Callable[[int], Worker]
+
+
+class InlinePool:
+    """Workers in this process; a job runs when its result is asked for.
+
+    `threads`, if given, is the intra-op thread count for jobs (restored afterwards): the
+    simulator uses 1 so results do not depend on how many processes compute them.
+    """
+
+    def __init__(self, workers: list[Worker], *, threads: int | None = None):
+        self.workers = workers
+        self.threads = threads
+        self._jobs: dict[int, tuple] = {}
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def submit(
+        self,
+        w: int,
+        start: list[torch.Tensor],
+        steps: int,
+        *,
+        lr_step: int | None = None,
+        shard: int | None = None,
+    ) -> None:
+        """Queue worker w's job (see Worker.run); the start parameters are copied now, since the
+        caller's may change before the job runs."""
+        self._jobs[w] = ([t.detach().clone() for t in start], steps, lr_step, shard)
+
+    def result(self, w: int) -> InnerResult:
+        start, steps, lr_step, shard = self._jobs.pop(w)
+        before = torch.get_num_threads()
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        try:
+            return self.workers[w].run(start, steps, lr_step=lr_step, shard=shard)
+        finally:
+            torch.set_num_threads(before)
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return [w.state_dict() for w in self.workers]
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        for worker, state in zip(self.workers, states, strict=True):
+            worker.load_state_dict(state)
+
+    def close(self) -> None:
+        pass
+
+
+def _serve(conn, factory: WorkerFactory, ids: list[int], threads: int) -> None:
+    torch.set_num_threads(threads)
+    pool = InlinePool([factory(w) for w in ids])
+    index = {w: i for i, w in enumerate(ids)}
+    while True:
+        cmd, args = conn.recv()
+        if cmd == "run":
+            w, start, steps, lr_step, shard = args
+            pool.submit(index[w], start, steps, lr_step=lr_step, shard=shard)
+            conn.send(pool.result(index[w]))
+        elif cmd == "state":
+            conn.send(pool.state_dict())
+        elif cmd == "load":
+            pool.load_state_dict(args)
+            conn.send(None)
+        else:
+            conn.close()
+            return
+
+
+class ProcessPool:
+    """Workers spread over `procs` spawned processes with `threads` intra-op threads each.
+
+    `factory(w)` builds worker w inside its process, so it must be picklable (a module-level
+    function or a functools.partial of one). Jobs for different processes run at the same time;
+    a process runs its own jobs in the order they were submitted.
+    """
+
+    def __init__(self, factory: WorkerFactory, num_workers: int, procs: int, *, threads: int = 1):
+        self.num_workers = num_workers
+        self.procs = min(procs, num_workers)
+        ctx = mp.get_context("spawn")
+        self._conns, self._procs = [], []
+        for p in range(self.procs):
+            parent, child = ctx.Pipe()
+            ids = list(range(p, num_workers, self.procs))
+            proc = ctx.Process(target=_serve, args=(child, factory, ids, threads), daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._queued: list[list[int]] = [[] for _ in range(self.procs)]  # submitted, not yet received
+        self._done: dict[int, InnerResult] = {}
+
+    def __len__(self) -> int:
+        return self.num_workers
+
+    def submit(
+        self,
+        w: int,
+        start: list[torch.Tensor],
+        steps: int,
+        *,
+        lr_step: int | None = None,
+        shard: int | None = None,
+    ) -> None:
+        p = w % self.procs
+        # Clone: torch pickles tensors for multiprocessing by sharing their memory, and the
+        # caller's parameters change (the server applies updates) while the job runs.
+        self._conns[p].send(("run", (w, [t.detach().clone() for t in start], steps, lr_step, shard)))
+        self._queued[p].append(w)
+
+    def result(self, w: int) -> InnerResult:
+        p = w % self.procs
+        while w not in self._done:
+            self._done[self._queued[p].pop(0)] = self._conns[p].recv()
+        return self._done.pop(w)
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        states: list[Any] = [None] * self.num_workers
+        for p, conn in enumerate(self._conns):
+            conn.send(("state", None))
+            for w, state in zip(range(p, self.num_workers, self.procs), conn.recv(), strict=True):
+                states[w] = state
+        return states
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        for p, conn in enumerate(self._conns):
+            conn.send(("load", states[p :: self.procs]))
+            conn.recv()
+
+    def close(self) -> None:
+        for conn, proc in zip(self._conns, self._procs, strict=True):
+            try:
+                conn.send(("close", None))
+            except (BrokenPipeError, OSError):
+                pass
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()

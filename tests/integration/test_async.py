@@ -1,0 +1,105 @@
+"""Asynchronous training in the simulator against sync DiLoCo, across process counts, and bad
+async settings."""
+
+import dataclasses
+import math
+
+import pytest
+from safetensors.torch import load_file
+
+from diloco.config import ServerConfig, SimConfig
+from diloco.metrics import read_metrics
+from diloco.train import train
+
+SPEEDS = (0.58, 0.75, 1.51, 3.33)
+
+
+def _params(run_dir):
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+@pytest.mark.timeout(90)
+def test_unbounded_grace_and_buffer_of_k_reproduce_sync_diloco(tiny, tmp_path):
+    sim = SimConfig(speeds=SPEEDS[:2], procs=1)
+    sync = train(tiny(sim=sim, out=str(tmp_path / "sync")), progress=False)
+    asyn = train(
+        tiny(
+            method="async",
+            sim=sim,
+            server=ServerConfig(rule="buffer", grace_s=math.inf),
+            out=str(tmp_path / "async"),
+        ),
+        progress=False,
+    )
+    assert _equal(_params(tmp_path / "sync"), _params(tmp_path / "async"))
+    assert asyn["sim_time_s"] == sync["sim_time_s"]
+    assert asyn["outer_updates"] == sync["outer_updates"] and asyn["val_loss"] == sync["val_loss"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "method,server",
+    [
+        ("diloco", ServerConfig()),
+        ("async", ServerConfig(rule="dn", dylu=True)),
+    ],
+)
+def test_two_processes_equal_one_bitwise(tiny, tmp_path, method, server):
+    runs = {}
+    for procs in (1, 2, 1):
+        out = tmp_path / f"p{procs}-{len(runs)}"
+        cfg = tiny(method=method, server=server, sim=SimConfig(speeds=SPEEDS[:2], procs=procs), out=str(out))
+        runs[out] = train(cfg, progress=False)
+    (a, sa), (b, sb), (c, sc) = runs.items()
+    assert _equal(_params(a), _params(b)) and _equal(_params(a), _params(c))
+    strip = ("wall_time_s", "run_dir")
+    assert {k: v for k, v in sa.items() if k not in strip} == {k: v for k, v in sb.items() if k not in strip}
+
+
+@pytest.mark.timeout(60)
+def test_async_logs_staleness_speed_and_dylu_steps(tiny, tmp_path):
+    cfg = tiny(
+        method="async",
+        rounds=4,
+        sim=SimConfig(speeds=(1.0, 3.0), procs=1),
+        server=ServerConfig(rule="dn", dylu=True),
+        target_loss=5.4,
+    )
+    summary = train(cfg, progress=False)
+    lines = read_metrics(tmp_path / "run")
+    workers = [line for line in lines if line["kind"] == "worker"]
+    assert all({"staleness", "steps", "speed_est_s", "sim_time_s"} <= w.keys() for w in workers)
+    slow = [w for w in workers if w["worker"] == 1]
+    assert slow[0]["steps"] == 4 and slow[-1]["speed_est_s"] == 3.0
+    assert any(w["steps"] == 1 for w in slow)  # DyLU: floor(1/3 * 4) = 1 once measured
+    assert any(w["staleness"] > 0 for w in workers)
+    assert sum(w["steps"] for w in workers) == summary["inner_steps"] == 2 * 4 * 4  # equal compute
+    assert summary["time_to_target_s"] is not None
+    evals = [line for line in lines if line["kind"] == "eval" and line["split"] == "subset"]
+    first = next(e for e in evals if e["val_loss"] <= 5.4)
+    assert summary["time_to_target_s"] == first["sim_time_s"]
+
+
+@pytest.mark.timeout(60)
+def test_sync_round_ends_when_the_slowest_push_lands(tiny, tmp_path):
+    cfg = tiny(sim=SimConfig(speeds=(1.0, 3.0), bandwidth_mbps=8.0, latency_ms=100.0, procs=1))
+    summary = train(cfg, progress=False)
+    message_s = summary["params"] * 4 * 8 / 8e6 + 0.1
+    assert summary["sim_time_s"] == pytest.approx(3 * (2 * message_s + 4 * 3.0))
+
+
+def test_async_only_settings_are_refused_for_sync(tiny):
+    from diloco.errors import UserError
+
+    with pytest.raises(UserError, match="add --method async"):
+        tiny(server=ServerConfig(dylu=True))
+    with pytest.raises(UserError, match="not supported yet for --method async"):
+        tiny(method="async", checkpoint_every=1)
+    with pytest.raises(UserError, match="gives 3 speeds for 2 workers"):
+        tiny(sim=SimConfig(speeds=(1.0, 2.0, 3.0)))
+    with pytest.raises(UserError, match="W:FACTOR@START-END"):
+        dataclasses.replace(tiny(), sim=SimConfig(slowdowns=("5:2@0-1",)))

@@ -1,0 +1,65 @@
+import math
+
+import pytest
+
+from diloco.runtime.clock import Clock, Slowdown, parse_slowdown, profile
+from diloco.schedule import SpeedEstimator, dylu_steps, shard_probabilities
+
+
+def test_heterogeneity_levels_span_their_spread():
+    assert profile("none", 4) == [1.0] * 4
+    very = profile("very", 4)
+    assert very[0] == 1.0 and very[-1] / very[0] >= 5.0
+    assert very == sorted(very)
+
+
+def test_network_costs_bytes_over_bandwidth_plus_latency():
+    clock = Clock([1.0], bandwidth_mbps=80, latency_ms=20)
+    assert clock.transfer_s(10_000_000) == pytest.approx(1.0 + 0.02)  # 80 Mbit / 80 Mbit/s
+    assert Clock([1.0]).transfer_s(10**9) == 0.0
+
+
+def test_slowdown_applies_step_by_step_inside_its_window():
+    clock = Clock([1.0, 2.0], slowdowns=(Slowdown(1, 4.0, 10.0, 20.0),))
+    assert clock.compute_s(0, 0.0, 5, job=0) == 5.0
+    # worker 1 from t=6: steps start at 6, 8 (normal, 2 s), then 10 (slowed: 8 s) -> 18, then 18 -> 26
+    assert clock.compute_s(1, 6.0, 4, job=0) == pytest.approx(2 + 2 + 8 + 8)
+    assert clock.true_step_s(1, 15.0) == 8.0 and clock.true_step_s(1, 25.0) == 2.0
+    assert parse_slowdown("2:4@100-200") == Slowdown(2, 4.0, 100.0, 200.0)
+
+
+def test_jitter_is_deterministic_per_worker_and_job_and_bounded():
+    a = Clock([1.0, 1.0], jitter=0.2, seed=3)
+    b = Clock([1.0, 1.0], jitter=0.2, seed=3)
+    times = [a.compute_s(w, 0.0, 10, job=j) for w in (0, 1) for j in range(5)]
+    assert times == [b.compute_s(w, 0.0, 10, job=j) for w in (0, 1) for j in range(5)]
+    assert len(set(times)) == len(times) and all(8.0 <= t <= 12.0 for t in times)
+
+
+def test_dylu_floor_formula():
+    # H_w = max(1, floor(v_w / max v * H)), v = 1 / seconds per step
+    assert dylu_steps([0.58, 0.75, 1.51, 3.33], 50) == [
+        50,
+        math.floor(0.58 / 0.75 * 50),
+        math.floor(0.58 / 1.51 * 50),
+        math.floor(0.58 / 3.33 * 50),
+    ]
+    assert dylu_steps([1.0, 1000.0], 10) == [10, 1]
+
+
+def test_speed_estimate_converges_and_follows_a_step_change():
+    est = SpeedEstimator(alpha=0.5)
+    assert est.step_s is None
+    for _ in range(3):
+        est.update(20.0, 10)  # a constant 2 s per step
+    assert est.step_s == 2.0
+    for _ in range(8):
+        est.update(80.0, 10)  # the worker becomes 4x slower
+    assert est.step_s == pytest.approx(8.0, rel=0.01)
+
+
+def test_shard_probabilities_favour_shards_behind_their_share():
+    assert shard_probabilities([100, 300], [0, 0]) == [0.25, 0.75]
+    p = shard_probabilities([100, 300], [50, 50])  # shard 0 is ahead of its 25% share
+    assert p == [0.0, 1.0]
+    assert shard_probabilities([100, 300], [25, 75]) == [0.25, 0.75]
