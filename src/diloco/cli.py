@@ -109,7 +109,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="show a progress bar (default: when stderr is a terminal)",
     )
+    plot = sub.add_parser("plot", help="validation loss of several runs on one figure")
+    plot.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
+    plot.add_argument(
+        "--x",
+        default="sim_time_s",
+        help="sim_time_s | inner_steps | outer_updates | bytes_sent (default sim_time_s)",
+    )
+    plot.add_argument(
+        "--out", type=Path, default=Path("loss.png"), help="PNG file to write (default loss.png)"
+    )
+    plot.add_argument("--labels", help="comma-separated legend labels, one per run (default: from configs)")
+    plot.add_argument("--title", help="figure title")
     return parser
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from diloco.plots import plot_runs
+
+    labels = args.labels.split(",") if args.labels else None
+    print(plot_runs(args.runs, x=args.x, out=args.out, labels=labels, title=args.title))
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -146,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "plot":
+            return _plot(args)
     except UserError as e:
         print(f"diloco: error: {e}", file=sys.stderr)
         return 2

@@ -121,7 +121,14 @@ class Run:
         windows = self.data.eval_subset if split == "subset" else self.data.eval_full
         loss = evaluate(self.trainer.model, windows)
         now = self.clock(inner_step)
-        self.writer.log("eval", **now, split=split, val_loss=loss, val_ppl=math.exp(loss))
+        self.writer.log(
+            "eval",
+            **now,
+            split=split,
+            val_loss=loss,
+            val_ppl=math.exp(loss),
+            bytes_sent=sum(self.trainer.bytes_sent),
+        )
         if split == "subset":
             self.val_loss = loss
             if self.cfg.target_loss and self.target is None and loss <= self.cfg.target_loss:

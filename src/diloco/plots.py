@@ -1,0 +1,78 @@
+"""Plots: validation loss of several runs on one figure, against simulated time, inner steps,
+outer updates or bytes sent. Reads only run directories (config.json, metrics.jsonl).
+
+    diloco plot runs/sync runs/async --x sim_time_s --out loss.png
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diloco.config import load_json
+from diloco.errors import UserError
+from diloco.metrics import read_metrics
+
+X_AXES = {
+    "sim_time_s": ("sim_time_s", "simulated time (s)"),
+    "inner_steps": ("inner_step", "inner steps per worker"),
+    "outer_updates": ("version", "outer updates"),
+    "bytes_sent": ("bytes_sent", "bytes sent, all workers"),
+}
+
+
+def run_label(config: dict) -> str:
+    """A short name for a run from its config, e.g. 'async dn+DyLU k=4 H=50'."""
+    method = config.get("method", "?")
+    label = method
+    if method == "async":
+        server = config.get("server", {})
+        label += f" {server.get('rule', '?')}"
+        if server.get("dylu") or server.get("dylu_oracle"):
+            label += "+DyLU"
+    if method != "single":
+        label += f" k={config.get('num_workers')}"
+    return label + f" H={config.get('inner_steps')}"
+
+
+def _curve(run_dir: Path, key: str) -> tuple[list[float], list[float]]:
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise UserError(f"{run_dir} has no metrics.jsonl; pass run directories written by diloco train.")
+    evals = [m for m in read_metrics(run_dir) if m["kind"] == "eval" and m.get("split") == "subset"]
+    if not evals or key not in evals[0]:
+        raise UserError(f"{run_dir} has no evaluations with {key}; it was written by an older diloco.")
+    return [m[key] for m in evals], [m["val_loss"] for m in evals]
+
+
+def plot_runs(
+    run_dirs: list[Path], *, x: str, out: Path, labels: list[str] | None = None, title: str | None = None
+) -> Path:
+    """Draw validation loss (the fixed subset) of each run against `x`; write `out` (PNG)."""
+    if x not in X_AXES:
+        raise UserError(f"--x must be one of {', '.join(X_AXES)}, got {x!r}.")
+    if labels is not None and len(labels) != len(run_dirs):
+        raise UserError(f"--labels gives {len(labels)} labels for {len(run_dirs)} runs; give one per run.")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key, axis_label = X_AXES[x]
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for i, run_dir in enumerate(run_dirs):
+        xs, ys = _curve(run_dir, key)
+        label = labels[i] if labels else run_label(load_json(run_dir / "config.json"))
+        ax.plot(xs, ys, marker=".", label=label)
+    ax.set_xlabel(axis_label)
+    ax.set_ylabel("validation loss")
+    ax.set_title(title or f"validation loss against {axis_label}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out)
+    except OSError as e:
+        raise UserError(f"cannot write {out} ({e.strerror}); choose another --out.") from None
+    finally:
+        plt.close(fig)
+    return out

@@ -1,0 +1,36 @@
+"""`diloco plot` draws several runs from their run directories."""
+
+import pytest
+
+from diloco.cli import main
+from diloco.config import SimConfig
+from diloco.plots import run_label
+from diloco.train import train
+
+
+@pytest.mark.timeout(90)
+def test_plot_draws_runs_on_each_axis_and_rejects_bad_input(tiny, tmp_path, capsys):
+    sim = SimConfig(speeds=(1.0, 2.0), procs=1)
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(tiny(sim=sim, out=str(a)), progress=False)
+    train(tiny(method="async", sim=sim, out=str(b)), progress=False)
+    for x in ("sim_time_s", "inner_steps", "outer_updates", "bytes_sent"):
+        out = tmp_path / f"{x}.png"
+        assert main(["plot", str(a), str(b), "--x", x, "--out", str(out)]) == 0
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert main(["plot", str(a), "--x", "nope", "--out", str(tmp_path / "x.png")]) == 2
+    assert main(["plot", str(a), str(b), "--labels", "one", "--out", str(tmp_path / "x.png")]) == 2
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "--x must be one of" in err and "one per run" in err and "has no metrics.jsonl" in err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_labels_come_from_configs():
+    assert (
+        run_label(
+            {"method": "async", "num_workers": 4, "inner_steps": 50, "server": {"rule": "dn", "dylu": True}}
+        )
+        == "async dn+DyLU k=4 H=50"
+    )
+    assert run_label({"method": "single", "inner_steps": 50}) == "single H=50"
