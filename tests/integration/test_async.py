@@ -103,3 +103,38 @@ def test_async_only_settings_are_refused_for_sync(tiny):
         tiny(sim=SimConfig(speeds=(1.0, 2.0, 3.0)))
     with pytest.raises(UserError, match="W:FACTOR@START-END"):
         dataclasses.replace(tiny(), sim=SimConfig(slowdowns=("5:2@0-1",)))
+
+
+@pytest.mark.timeout(60)
+def test_shard_sampling_hands_out_other_shards_deterministically(tiny, tmp_path):
+    sim = SimConfig(speeds=(1.0, 1.3, 4.0), speed_jitter=0.1, procs=1)
+    runs = []
+    for name in ("a", "b"):
+        cfg = tiny(
+            method="async",
+            num_workers=3,
+            rounds=4,
+            sim=sim,
+            server=ServerConfig(shard_sampling=True),
+            out=str(tmp_path / name),
+        )
+        train(cfg, progress=False)
+        runs.append([m for m in read_metrics(tmp_path / name) if m["kind"] == "worker"])
+    assert any(m["shard"] != m["worker"] for m in runs[0])
+    assert [m["shard"] for m in runs[0]] == [m["shard"] for m in runs[1]]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("grace_s,times", [(0.0, [4.0, 4.8, 8.0, 9.6]), (1.0, [4.0, 4.8, 8.8, 9.6])])
+def test_grace_period_restarts_caught_workers_together(tiny, tmp_path, grace_s, times):
+    # 4 steps at 1.0 and 1.2 s: pushes land at 4.0 and 4.8. A 1 s grace after the first catches
+    # the second, and both restart at 4.8 from the same parameters; without grace worker 0
+    # restarts at once.
+    cfg = tiny(
+        method="async",
+        sim=SimConfig(speeds=(1.0, 1.2), procs=1),
+        server=ServerConfig(rule="dn", grace_s=grace_s),
+    )
+    train(cfg, progress=False)
+    lines = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "worker"]
+    assert [round(m["sim_time_s"], 6) for m in lines[:4]] == times
