@@ -32,6 +32,13 @@ def weighted_average(outer_grads: list[Tensors], weights: list[float]) -> Tensor
     return out
 
 
+def renormalize(weights: list[float], kept: list[bool]) -> list[float]:
+    """The weights of the kept outer_grads, rescaled to sum to 1 (dropped or inactive workers
+    take their weight with them)."""
+    total = sum(w for w, k in zip(weights, kept, strict=True) if k)
+    return [w / total for w, k in zip(weights, kept, strict=True) if k]
+
+
 class OuterOpt:
     """An optimizer on the global parameters whose gradient is the averaged outer_grad."""
 

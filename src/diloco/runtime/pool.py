@@ -40,7 +40,7 @@ class InlinePool:
     def submit(
         self,
         w: int,
-        start: list[torch.Tensor],
+        start: list[torch.Tensor] | None,
         steps: int,
         *,
         lr_step: int | None = None,
@@ -48,7 +48,12 @@ class InlinePool:
     ) -> None:
         """Queue worker w's job (see Worker.run); the start parameters are copied now, since the
         caller's may change before the job runs."""
-        self._jobs[w] = ([t.detach().clone() for t in start], steps, lr_step, shard)
+        self._jobs[w] = (
+            None if start is None else [t.detach().clone() for t in start],
+            steps,
+            lr_step,
+            shard,
+        )
 
     def result(self, w: int) -> InnerResult:
         start, steps, lr_step, shard = self._jobs.pop(w)
@@ -121,7 +126,7 @@ class ProcessPool:
     def submit(
         self,
         w: int,
-        start: list[torch.Tensor],
+        start: list[torch.Tensor] | None,
         steps: int,
         *,
         lr_step: int | None = None,
@@ -130,7 +135,8 @@ class ProcessPool:
         p = w % self.procs
         # Clone: torch pickles tensors for multiprocessing by sharing their memory, and the
         # caller's parameters change (the server applies updates) while the job runs.
-        self._conns[p].send(("run", (w, [t.detach().clone() for t in start], steps, lr_step, shard)))
+        start = None if start is None else [t.detach().clone() for t in start]
+        self._conns[p].send(("run", (w, start, steps, lr_step, shard)))
         self._queued[p].append(w)
 
     def result(self, w: int) -> InnerResult:
