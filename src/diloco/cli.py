@@ -139,7 +139,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from diloco.train import format_summary, load_run_config, train
+    from diloco.train import load_run_config, train
 
     overrides = {dest: getattr(args, dest) for dest in TRAIN_FLAGS if getattr(args, dest) is not None}
     if args.resume is not None:
@@ -164,8 +164,22 @@ def _train(args: argparse.Namespace) -> int:
     if args.stop_after is not None and args.stop_after < 1:
         raise UserError(f"--stop-after must be a round >= 1, got {args.stop_after}.")
     summary = train(cfg, resume=args.resume, stop_after=args.stop_after, progress=args.progress)
+    if cfg.runtime == "collective":
+        _report(summary)
+        # Skip interpreter teardown: gloo's threads can still be joinable when C++ statics are
+        # destroyed and abort a finished rank ("terminate called without an active exception").
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    _report(summary)
+    return 0
+
+
+def _report(summary: dict) -> None:
+    from diloco.train import format_summary
+
     if "rank" in summary:  # a rank other than 0 under torchrun: rank 0 reports
-        return 0
+        return
     if "stopped_after" in summary:
         print(
             f"stopped after round {summary['stopped_after']}; "
@@ -173,7 +187,6 @@ def _train(args: argparse.Namespace) -> int:
         )
     else:
         print(format_summary(summary))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -287,6 +287,9 @@ class CollectiveDiLoCo:
 
     def close(self) -> None:
         if dist.is_initialized():
+            # Leave together: a rank that tears gloo down while rank 0 still writes the summary
+            # can abort its peers ("terminate called without an active exception").
+            dist.barrier()
             dist.destroy_process_group()
 
 
