@@ -5,7 +5,6 @@ in this process on the same config and seed."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -15,7 +14,6 @@ from safetensors.torch import load_file
 from diloco.train import train
 
 TINY = ["--model", "nano", "--seq-len", "32", "--batch-size", "4", "--inner-steps", "4", "--rounds", "3"]
-TINY_MODEL = {"n_layer": 2, "n_head": 2, "d_model": 32}
 
 
 def _torchrun(tmp_path, nproc, *flags, env=None, max_restarts=0, timeout=60):
@@ -49,7 +47,7 @@ def _torchrun(tmp_path, nproc, *flags, env=None, max_restarts=0, timeout=60):
 def _sim(tiny, tmp_path, name, **kw):
     import dataclasses
 
-    from diloco.config import DataConfig, SimConfig
+    from diloco.config import SimConfig
 
     base = tiny(rounds=3, out=str(tmp_path / name), sim=SimConfig(procs=1))
     cfg = dataclasses.replace(base, **kw)

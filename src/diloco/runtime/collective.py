@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -73,6 +74,33 @@ class _Slice:
         self.batches.load_state_dict(state)
 
 
+class _ToDevice:
+    """Batches moved to this rank's device (the data is sampled on the CPU)."""
+
+    def __init__(self, batches, device: torch.device):
+        self.batches, self.device = batches, device
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return tuple(t.to(self.device, non_blocking=True) for t in next(self.batches))
+
+    def state_dict(self) -> dict:
+        return self.batches.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches.load_state_dict(state)
+
+
+def _device() -> torch.device:
+    """This rank's device: its GPU (by LOCAL_RANK) if it has one, else the CPU. Ranks of one job
+    may differ; the outer sync always runs on CPU tensors over gloo."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 class _KillAt:
     """Fault injection for tests: SIGKILL this process when its n-th batch is asked for."""
 
@@ -113,16 +141,33 @@ class CollectiveDiLoCo:
             [dist.new_group(list(range(w * M, (w + 1) * M))) for w in range(self.k)] if M > 1 else []
         )
         self.leaders = dist.new_group([w * M for w in range(self.k)]) if M > 1 else dist.group.WORLD
+        # Which ranks have a GPU: a worker whose ranks all do uses NCCL for its data parallel.
+        flags = [torch.zeros(1) for _ in range(self.world)]
+        dist.all_gather(flags, torch.ones(1) if _device().type == "cuda" else torch.zeros(1))
+        self.cuda_workers = [all(flags[w * M + j].item() for j in range(M)) for w in range(self.k)]
+        self.nccl_groups = [
+            dist.new_group(list(range(w * M, (w + 1) * M)), backend="nccl")
+            if M > 1 and self.cuda_workers[w]
+            else None
+            for w in range(self.k)
+        ]
         torch.manual_seed(cfg.seed)
         from diloco.model import GPT
 
         self.model = GPT(cfg.model)  # the global parameters: the same on every rank by construction
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         worker = build_worker(self.worker_id, cfg, shards, batch_multiple=M)
+        self.device = _device()
         if M > 1:
             worker.batches = _Slice(worker.batches, self.local, cfg.data.batch_size)
+        if self.device.type != "cpu":
+            worker.model.to(self.device)  # before the optimizer's first step, so its state follows
+            worker.batches = _ToDevice(worker.batches, self.device)
+        if M > 1:
             worker.model = DistributedDataParallel(
-                worker.model, process_group=self.worker_groups[self.worker_id]
+                worker.model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                process_group=self._ddp_group(),
             )
         self.worker = worker
         self.outer_opt = build_outer_opt(cfg.outer)
@@ -138,6 +183,10 @@ class CollectiveDiLoCo:
     @property
     def num_workers(self) -> int:
         return self.k
+
+    def _ddp_group(self):
+        """The worker's own group: NCCL when all its ranks have GPUs, else gloo."""
+        return self.nccl_groups[self.worker_id] or self.worker_groups[self.worker_id]
 
     def _check_replicas(self, round_: int) -> None:
         mine = torch.tensor([param_hash(self.params)], dtype=torch.int64)
@@ -313,4 +362,20 @@ def init(cfg: TrainConfig) -> None:
             f"{cfg.procs_per_worker} ({world // cfg.procs_per_worker} workers); drop --workers or fix it."
         )
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", store=_store(), rank=int(os.environ["RANK"]), world_size=world)
+
+
+def _store() -> dist.Store:
+    """torchrun's store, with keys prefixed by the restart attempt: torchrun's agent keeps its
+    store across restarts, and without a prefix a restarted rank can read the dead attempt's
+    addresses and fail to connect ("Gloo connectFullMesh failed ... Connection refused")."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=not agent and int(os.environ["RANK"]) == 0,
+        timeout=timedelta(minutes=30),
+        multi_tenant=not agent,
+    )
+    return dist.PrefixStore(f"diloco/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
