@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 H = 50
+sys.path.insert(0, str(Path(__file__).parent))
+from plain import plain_chunk  # noqa: E402
 
 
 def _rank_main(args) -> None:
@@ -44,30 +46,22 @@ def _rank_main(args) -> None:
     trainer = collective.CollectiveDiLoCo(cfg, data.shards, data.weights, build_worker=build_worker)
     rank = dist.get_rank()
 
-    # The baseline: a plain loop on this rank, as a user would write it (same model and batches).
+    # The baseline: a plain loop on this rank (same model, batches and per-step work).
     torch.manual_seed(0)
     model = GPT(cfg.model)
-    opt = adamw(model.parameters(), cfg.inner)
-    batches = sampler(cfg, data.shards, rank)
-    schedule = lr_schedule(cfg)
-    step = [0]
-
-    def plain_chunk():
-        for _ in range(H):
-            for g in opt.param_groups:
-                g["lr"] = schedule(step[0])
-            loss = model(*next(batches))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
-            opt.step()
-            loss.item()
-            step[0] += 1
+    run_plain = plain_chunk(
+        model,
+        adamw(model.parameters(), cfg.inner),
+        sampler(cfg, data.shards, rank),
+        lr_schedule(cfg),
+        steps=H,
+        grad_clip=cfg.inner.grad_clip,
+    )
 
     times = {"plain": 0.0, "diloco": 0.0}
-    plain_chunk(), trainer.round()  # warm-up
+    run_plain(), trainer.round()  # warm-up
     for r in range(args.rounds):
-        order = [("plain", plain_chunk), ("diloco", trainer.round)]
+        order = [("plain", run_plain), ("diloco", trainer.round)]
         for name, fn in order if r % 2 == 0 else order[::-1]:
             dist.barrier()
             t = time.perf_counter()
