@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diloco.config import TrainConfig
 from diloco.errors import ReplicaMismatch, UserError
-from diloco.outer import build_outer_opt, renormalize
+from diloco.outer import build_outer_opt, kept_weights
 from diloco.runtime.sim import RoundStats
 from diloco.schedule import outer_grad_dropped
 
@@ -237,9 +237,8 @@ class CollectiveDiLoCo:
             result = self.worker.run(None if self.own_start else self.params, H)
             loss, lr = result.mean_loss, result.last_lr
             if not dropped[w]:
-                weight = renormalize(self.weights[:n], [not d for d in dropped])[
-                    sum(not d for d in dropped[:w])
-                ]
+                kept = [not d for d in dropped]
+                weight = kept_weights(self.weights, kept)[sum(kept[:w])]
                 contribution = [torch.zeros_like(g).add_(g, alpha=weight) for g in result.outer_grad]
             self.own_start = dropped[w]
         compute_s = time.perf_counter() - t0

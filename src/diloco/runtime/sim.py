@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from diloco.codec import Codec, Fp32Codec, tensor_bytes
 from diloco.inner import LossFn, Worker, gpt_loss
-from diloco.outer import Nesterov, OuterOpt, renormalize, weighted_average
+from diloco.outer import Nesterov, OuterOpt, kept_weights, weighted_average
 from diloco.runtime.clock import Clock
 from diloco.runtime.pool import InlinePool, ProcessPool
 from diloco.schedule import outer_grad_dropped
@@ -163,10 +163,7 @@ class DiLoCo:
             computed = pulled + self.clock.compute_s(w, pulled, H, job=self.rounds_done)
             end = max(end, computed + self.clock.transfer_s(message.nbytes))
         if outer_grads:
-            weights = (
-                self.weights if all(kept) and n == self.num_workers else renormalize(self.weights[:n], kept)
-            )
-            self.outer_opt.step(self.params, weighted_average(outer_grads, weights))
+            self.outer_opt.step(self.params, weighted_average(outer_grads, kept_weights(self.weights, kept)))
             self.version += 1
         self.rounds_done += 1
         self.inner_step += H
