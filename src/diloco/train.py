@@ -451,6 +451,7 @@ def _summary(cfg: TrainConfig, run: Run, val_loss: float, step: int) -> dict[str
         "sim_time_s": trainer.sim_time_s,
         "runtime": cfg.runtime,
         **_utilisation(run.timing_total),
+        **({"bytes_per_rank": trainer.bytes_per_rank} if hasattr(trainer, "bytes_per_rank") else {}),
     }
 
 

@@ -87,6 +87,10 @@ def test_two_workers_of_two_ranks_equal_two_simulated_workers_at_double_batch(ti
 
     proc = _torchrun(tmp_path, 4, "--procs-per-worker", "2", "--out", str(tmp_path / "c"))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "c" / "summary.json").read_text())
+    size = summary["params"] * 4 * 3  # 3 rounds of one model-sized message
+    # leaders all-reduce (send and receive) and broadcast (send); the others only receive
+    assert summary["bytes_per_rank"] == [[2 * size, size], [0, size], [2 * size, size], [0, size]]
     real = load_file(str(tmp_path / "c" / "model.safetensors"))
     base = tiny()
     sim = _sim(tiny, tmp_path, "s", num_workers=2, data=dataclasses.replace(base.data, batch_size=8))

@@ -177,6 +177,7 @@ class CollectiveDiLoCo:
         self.bytes_sent = [0] * self.k  # per worker (its leader's traffic), known on every rank
         self.bytes_received = [0] * self.k
         self.rank_bytes = [0, 0]  # this rank's own (sent, received)
+        self.bytes_per_rank = [[0, 0] for _ in range(self.world)]  # every rank's, cumulative
         self.timing = {"compute_s": 0.0, "comm_s": 0.0}
         self._check_replicas(-1)
 
@@ -266,6 +267,9 @@ class CollectiveDiLoCo:
         for i, row in enumerate(leaders):
             self.bytes_sent[i] += int(row[4])
             self.bytes_received[i] += int(row[5])
+        for r, row in enumerate(every):
+            self.bytes_per_rank[r][0] += int(row[4])
+            self.bytes_per_rank[r][1] += int(row[5])
         self.timing = {
             "compute_s": max(float(r[2]) for r in every),
             "comm_s": max(float(r[3]) for r in every),
@@ -291,6 +295,7 @@ class CollectiveDiLoCo:
             "inner_step": self.inner_step,
             "bytes_sent": list(self.bytes_sent),
             "bytes_received": list(self.bytes_received),
+            "bytes_per_rank": [list(b) for b in self.bytes_per_rank],
         }
 
     def _worker_state(self) -> dict[str, Any]:
@@ -320,6 +325,7 @@ class CollectiveDiLoCo:
             setattr(self, key, int(mine[key]))
         self.bytes_sent = [int(b) for b in mine["bytes_sent"]]
         self.bytes_received = [int(b) for b in mine["bytes_received"]]
+        self.bytes_per_rank = [[int(x) for x in b] for b in mine["bytes_per_rank"]]
         worker = dict(mine["worker"])
         self.own_start = bool(worker.pop("own_start"))
         target = self.worker.model.module if self.M > 1 else self.worker.model
