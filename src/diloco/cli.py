@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plot.add_argument("--labels", help="comma-separated legend labels, one per run (default: from configs)")
     plot.add_argument("--title", help="figure title")
+    plot.add_argument(
+        "--ymax", type=float, help="upper limit of the loss axis (a diverged run hides the rest)"
+    )
     return parser
 
 
@@ -134,7 +137,7 @@ def _plot(args: argparse.Namespace) -> int:
     from diloco.plots import plot_runs
 
     labels = args.labels.split(",") if args.labels else None
-    print(plot_runs(args.runs, x=args.x, out=args.out, labels=labels, title=args.title))
+    print(plot_runs(args.runs, x=args.x, out=args.out, labels=labels, title=args.title, ymax=args.ymax))
     return 0
 
 
