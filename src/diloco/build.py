@@ -22,7 +22,7 @@ from diloco.model import GPT
 from diloco.outer import build_outer_opt
 from diloco.runtime.async_sim import AsyncDiLoCo
 from diloco.runtime.clock import Clock, parse_slowdown, profile
-from diloco.runtime.pool import InlinePool, ProcessPool
+from diloco.runtime.pool import InlinePool, ProcessPool, balanced_assignment
 from diloco.runtime.sim import DataParallel, DiLoCo, make_worker
 from diloco.schedule import warmup_cosine
 
@@ -97,7 +97,11 @@ def build_pool(cfg: TrainConfig, data: Data) -> InlinePool | ProcessPool:
     factory = partial(build_worker, cfg=cfg, shards=data.shards)
     procs = min(cfg.resolved_procs, cfg.num_workers)
     if procs > 1:
-        return ProcessPool(factory, cfg.num_workers, procs, threads=1)
+        # Sync: every worker computes H steps a round. Async: a worker computes in proportion to
+        # its speed (more or longer jobs), so spread the fast ones apart.
+        k = cfg.num_workers
+        loads = [1.0 / s for s in build_clock(cfg, k).step_s] if cfg.method == "async" else [1.0] * k
+        return ProcessPool(factory, k, procs, threads=1, assignment=balanced_assignment(loads, procs))
     return InlinePool([factory(w) for w in range(cfg.num_workers)], threads=1)
 
 

@@ -117,6 +117,7 @@ class Run:
         self.target = target  # first eval at or below cfg.target_loss: its sim time and step
         self.val_loss: float | None = None
         self.timing_total = {"compute_s": 0.0, "comm_s": 0.0}  # real runtimes: measured per round
+        self.eval_time_s = 0.0  # wall time spent evaluating (this session of the run)
 
     @property
     def is_main(self) -> bool:
@@ -141,7 +142,9 @@ class Run:
         if not self.is_main:
             return math.nan
         windows = self.data.eval_subset if split == "subset" else self.data.eval_full
+        t0 = time.perf_counter()
         loss = evaluate(self.trainer.model, windows)
+        self.eval_time_s += time.perf_counter() - t0
         now = self.clock(inner_step)
         self.writer.log(
             "eval",
@@ -448,6 +451,7 @@ def _summary(cfg: TrainConfig, run: Run, val_loss: float, step: int) -> dict[str
         "time_to_target_s": run.target["sim_time_s"] if run.target else None,
         "steps_to_target": run.target["inner_step"] if run.target else None,
         "wall_time_s": round(run.wall_time_s(), 3),
+        "eval_time_s": round(run.eval_time_s, 3),
         "sim_time_s": trainer.sim_time_s,
         "runtime": cfg.runtime,
         **_utilisation(run.timing_total),
