@@ -34,6 +34,11 @@ METHODS = {
     "dn_dylu": ("async", ServerConfig(rule="dn", dylu=True)),
     "buffer": ("async", ServerConfig(rule="buffer")),
 }
+# Not in the default set (the issue's five): variants for follow-up experiments (--methods).
+EXTRA = {
+    "dn_dylu_sampling": ("async", ServerConfig(rule="dn", dylu=True, shard_sampling=True)),
+    "dn_dylu_oracle": ("async", ServerConfig(rule="dn", dylu_oracle=True)),
+}
 
 
 def time_to_loss(run_dir: Path, target: float) -> float | None:
@@ -67,48 +72,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--inner-steps", type=int, default=50)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated, from {', '.join([*METHODS, *EXTRA])}; sync is always run",
+    )
+    parser.add_argument("--tag", default="async_vs_sync", help="name of the result file and runs folder")
+    parser.add_argument("--analyse-only", action="store_true", help="recompute the result from existing runs")
     args = parser.parse_args()
-    runs_dir = args.out / "async_vs_sync_runs"
-    shutil.rmtree(runs_dir, ignore_errors=True)
+    chosen = ["sync"] + [m for m in args.methods.split(",") if m != "sync"]
+    methods = {m: {**METHODS, **EXTRA}[m] for m in chosen}
+    runs_dir = args.out / f"{args.tag}_runs"
     started = time.perf_counter()
-    finals: dict[str, list[float]] = {m: [] for m in METHODS}
-    speedups, per_seed = [], []
-    for seed in range(args.seeds):
-        row = {"seed": seed}
-        for name, (method, server) in METHODS.items():
-            out = runs_dir / f"{name}-s{seed}"
-            cfg = TrainConfig(
-                method=method,
-                num_workers=4,
-                inner_steps=args.inner_steps,
-                rounds=args.rounds,
-                seed=seed,
-                eval_every=args.inner_steps // 2 if method == "async" else 0,
-                out=str(out),
-                sim=SimConfig(speeds=SPEEDS),
-                server=server,
-            )
-            summary = train(cfg, progress=False)
-            finals[name].append(summary["val_loss"])
-            row[name] = {
-                "val_loss": round(summary["val_loss"], 5),
-                "sim_time_s": round(summary["sim_time_s"], 1),
-                "outer_updates": summary["outer_updates"],
-                "wall_time_s": summary["wall_time_s"],
-            }
-            print(
-                f"seed {seed} {name:8s} val_loss {summary['val_loss']:.4f} "
-                f"sim {summary['sim_time_s']:.0f}s wall {summary['wall_time_s']:.0f}s",
-                flush=True,
-            )
-        target = final_subset_loss(runs_dir / f"sync-s{seed}")
-        sync_t = time_to_loss(runs_dir / f"sync-s{seed}", target)
-        dylu_t = time_to_loss(runs_dir / f"dn_dylu-s{seed}", target)
-        row["speedup"] = round(sync_t / dylu_t, 3) if dylu_t else None
-        speedups.append(row["speedup"])
-        per_seed.append(row)
-    means = {m: statistics.fmean(v) for m, v in finals.items()}
-    reached = [s for s in speedups if s is not None]
+    if not args.analyse_only:
+        shutil.rmtree(runs_dir, ignore_errors=True)
+        for seed in range(args.seeds):
+            for name in methods:
+                _run(name, seed, runs_dir, args)
     result = {
         "benchmark": "async_vs_sync",
         "speeds_s_per_step": SPEEDS,
@@ -117,19 +97,82 @@ def main() -> None:
         "rounds": args.rounds,
         "total_inner_steps": 4 * args.rounds * args.inner_steps,
         "seeds": args.seeds,
-        **{f"{m}_final_val_loss": round(v, 5) for m, v in means.items()},
-        **{f"{m}_final_val_loss_spread": _mean_spread(v) for m, v in finals.items()},
-        "speedup": round(statistics.fmean(reached), 3) if len(reached) == len(speedups) else None,
-        "speedup_by_seed": speedups,
-        "dn_dylu_vs_sync_loss_gap_pct": round(100 * (means["dn_dylu"] / means["sync"] - 1), 3),
-        "naive_worse_than_dn": means["naive"] > means["dn"],
+        **analyse(runs_dir, list(methods), args.seeds),
         "targets": {"dn_dylu_within_pct_of_sync": 1.0, "speedup": 2.5, "naive_worse_than_dn": True},
-        "per_seed": per_seed,
-        "wall_time_s": round(time.perf_counter() - started, 1),
     }
+    if not args.analyse_only:
+        result["wall_time_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(result, indent=2))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "async_vs_sync.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"{args.tag}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _run(name: str, seed: int, runs_dir: Path, args) -> None:
+    method, server = {**METHODS, **EXTRA}[name]
+    cfg = TrainConfig(
+        method=method,
+        num_workers=4,
+        inner_steps=args.inner_steps,
+        rounds=args.rounds,
+        seed=seed,
+        eval_every=args.inner_steps // 2 if method == "async" else 0,
+        out=str(runs_dir / f"{name}-s{seed}"),
+        sim=SimConfig(speeds=SPEEDS),
+        server=server,
+    )
+    summary = train(cfg, progress=False)
+    print(
+        f"seed {seed} {name:8s} val_loss {summary['val_loss']:.4f} "
+        f"sim {summary['sim_time_s']:.0f}s wall {summary['wall_time_s']:.0f}s",
+        flush=True,
+    )
+
+
+def analyse(runs_dir: Path, methods: list[str], seeds: int) -> dict:
+    """Every figure of the result, read from the runs' summary.json and metrics.jsonl."""
+    finals: dict[str, list[float]] = {m: [] for m in methods}
+    per_seed = []
+    for seed in range(seeds):
+        row: dict = {"seed": seed}
+        sync_dir = runs_dir / f"sync-s{seed}"
+        target = final_subset_loss(sync_dir)
+        sync_t = time_to_loss(sync_dir, target)
+        for name in methods:
+            run = runs_dir / f"{name}-s{seed}"
+            summary = json.loads((run / "summary.json").read_text())
+            finals[name].append(summary["val_loss"])
+            row[name] = {
+                "val_loss": round(summary["val_loss"], 5),
+                "sim_time_s": round(summary["sim_time_s"], 1),
+                "outer_updates": summary["outer_updates"],
+                "wall_time_s": summary["wall_time_s"],
+            }
+            if name != "sync":
+                t = time_to_loss(run, target)
+                row[name]["speedup"] = round(sync_t / t, 3) if t else None
+                # The other way round: how much sooner it reaches its own final loss than sync does.
+                own = final_subset_loss(run)
+                t_own, t_sync = time_to_loss(run, own), time_to_loss(sync_dir, own)
+                row[name]["speedup_at_own_final"] = round(t_sync / t_own, 3) if t_own and t_sync else None
+        per_seed.append(row)
+    means = {m: statistics.fmean(v) for m, v in finals.items()}
+    speedups = [row.get("dn_dylu", {}).get("speedup") for row in per_seed]
+    reached = [x for x in speedups if x is not None]
+    own = [row.get("dn_dylu", {}).get("speedup_at_own_final") for row in per_seed]
+    return {
+        **{f"{m}_final_val_loss": round(v, 5) for m, v in means.items()},
+        **{f"{m}_final_val_loss_spread": _mean_spread(v) for m, v in finals.items()},
+        "speedup": round(statistics.fmean(reached), 3) if reached and len(reached) == len(speedups) else None,
+        "speedup_by_seed": speedups,
+        "dn_dylu_speedup_at_own_final_by_seed": own,
+        **{
+            f"{m}_vs_sync_loss_gap_pct": round(100 * (v / means["sync"] - 1), 3)
+            for m, v in means.items()
+            if m != "sync"
+        },
+        "naive_worse_than_dn": means["naive"] > means["dn"] if {"naive", "dn"} <= means.keys() else None,
+        "per_seed": per_seed,
+    }
 
 
 if __name__ == "__main__":

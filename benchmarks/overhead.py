@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -27,6 +28,9 @@ from diloco.data import ShardSampler, load_corpus, make_shards
 from diloco.model import GPT
 from diloco.runtime.sim import DiLoCo
 from diloco.schedule import warmup_cosine
+
+sys.path.insert(0, str(Path(__file__).parent))
+from plain import plain_chunk  # noqa: E402
 
 H = 50
 
@@ -44,22 +48,9 @@ def _setup(cfg: TrainConfig):
 
     torch.manual_seed(0)
     plain_model = GPT(cfg.model)
-    # The baseline: a plain loop, written out as a user would (no diloco code in it).
-    plain_opt = adamw(plain_model.parameters())
-    plain_batches = sampler()
-    plain_step = [0]
-
-    def plain_chunk():
-        for _ in range(H):
-            for g in plain_opt.param_groups:
-                g["lr"] = schedule(plain_step[0])
-            loss = plain_model(*next(plain_batches))
-            plain_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(plain_model.parameters(), i.grad_clip)
-            plain_opt.step()
-            loss.item()
-            plain_step[0] += 1
+    run_plain = plain_chunk(
+        plain_model, adamw(plain_model.parameters()), sampler(), schedule, steps=H, grad_clip=i.grad_clip
+    )
 
     torch.manual_seed(0)
     trainer = DiLoCo(
@@ -70,7 +61,7 @@ def _setup(cfg: TrainConfig):
         lr_schedule=schedule,
         grad_clip=i.grad_clip,
     )
-    return plain_chunk, trainer.round
+    return run_plain, trainer.round
 
 
 def measure(threads: int, rounds: int, cfg: TrainConfig) -> dict:

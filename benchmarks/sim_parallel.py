@@ -35,7 +35,8 @@ def _run(method: str, procs: int, out: Path, args) -> dict:
     )
     summary = train(cfg, progress=False)
     return {
-        "tokens_per_s": summary["tokens"] / summary["wall_time_s"],
+        "tokens_per_s": summary["tokens"] / (summary["wall_time_s"] - summary["eval_time_s"]),
+        "with_eval": summary["tokens"] / summary["wall_time_s"],
         "summary": summary,
         "params": load_file(str(out / "model.safetensors")),
     }
@@ -59,12 +60,14 @@ def main() -> None:
     }
     for method in ("diloco", "async"):
         speed = {1: [], 2: []}
+        whole = {1: [], 2: []}
         reference = None
         identical = True
         for rep in range(args.repeats):
             for procs in (1, 2) if rep % 2 == 0 else (2, 1):
                 r = _run(method, procs, runs / f"{method}-p{procs}-r{rep}", args)
                 speed[procs].append(r["tokens_per_s"])
+                whole[procs].append(r["with_eval"])
                 if reference is None:
                     reference = r
                 else:
@@ -82,6 +85,7 @@ def main() -> None:
                 f"{prefix}procs1_tokens_per_s": round(one, 1),
                 f"{prefix}procs2_tokens_per_s": round(two, 1),
                 f"{prefix}ratio": round(two / one, 3),
+                f"{prefix}ratio_with_eval": round(sum(whole[2]) / sum(whole[1]), 3),
                 f"{prefix}bit_identical": identical,
             }
         )

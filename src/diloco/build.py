@@ -22,7 +22,7 @@ from diloco.model import GPT
 from diloco.outer import build_outer_opt
 from diloco.runtime.async_sim import AsyncDiLoCo
 from diloco.runtime.clock import Clock, parse_slowdown, profile
-from diloco.runtime.pool import InlinePool, ProcessPool
+from diloco.runtime.pool import InlinePool, ProcessPool, balanced_assignment
 from diloco.runtime.sim import DataParallel, DiLoCo, make_worker
 from diloco.schedule import warmup_cosine
 
@@ -52,9 +52,12 @@ def prepare_data(cfg: TrainConfig) -> Data:
     )
 
 
-def sampler(cfg: TrainConfig, shards: list[torch.Tensor], i: int) -> ShardSampler:
+def sampler(cfg: TrainConfig, shards: list[torch.Tensor], i: int, batch_multiple: int = 1) -> ShardSampler:
     return ShardSampler(
-        shards[i], batch_size=cfg.data.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed * 1_000_003 + i
+        shards[i],
+        batch_size=cfg.data.batch_size * batch_multiple,
+        seq_len=cfg.model.seq_len,
+        seed=cfg.seed * 1_000_003 + i,
     )
 
 
@@ -75,9 +78,10 @@ def lr_schedule(cfg: TrainConfig):
     )
 
 
-def build_worker(w: int, cfg: TrainConfig, shards: list[torch.Tensor]) -> Worker:
-    """Worker w of a CLI run (module-level, so worker processes can build it)."""
-    batches = ShardSet([sampler(cfg, shards, i) for i in range(len(shards))], current=w)
+def build_worker(w: int, cfg: TrainConfig, shards: list[torch.Tensor], batch_multiple: int = 1) -> Worker:
+    """Worker w of a CLI run (module-level, so worker processes can build it). A worker made of
+    M ranks (collective runtime) draws batches of M × batch_size rows and splits them."""
+    batches = ShardSet([sampler(cfg, shards, i, batch_multiple) for i in range(len(shards))], current=w)
     return make_worker(
         partial(GPT, cfg.model),
         partial(adamw, inner=cfg.inner),
@@ -93,7 +97,11 @@ def build_pool(cfg: TrainConfig, data: Data) -> InlinePool | ProcessPool:
     factory = partial(build_worker, cfg=cfg, shards=data.shards)
     procs = min(cfg.resolved_procs, cfg.num_workers)
     if procs > 1:
-        return ProcessPool(factory, cfg.num_workers, procs, threads=1)
+        # Sync: every worker computes H steps a round. Async: a worker computes in proportion to
+        # its speed (more or longer jobs), so spread the fast ones apart.
+        k = cfg.num_workers
+        loads = [1.0 / s for s in build_clock(cfg, k).step_s] if cfg.method == "async" else [1.0] * k
+        return ProcessPool(factory, k, procs, threads=1, assignment=balanced_assignment(loads, procs))
     return InlinePool([factory(w) for w in range(cfg.num_workers)], threads=1)
 
 
@@ -111,6 +119,10 @@ def build_clock(cfg: TrainConfig, k: int) -> Clock:
 
 def build_trainer(cfg: TrainConfig, data: Data) -> DiLoCo | DataParallel | AsyncDiLoCo:
     """The runtime object for `cfg.method`; the global model is initialised from `cfg.seed`."""
+    if cfg.runtime == "collective":
+        from diloco.runtime.collective import CollectiveDiLoCo
+
+        return CollectiveDiLoCo(cfg, data.shards, data.weights, build_worker=build_worker)
     torch.manual_seed(cfg.seed)
     model_fn = partial(GPT, cfg.model)
     k = len(data.shards)
@@ -136,6 +148,8 @@ def build_trainer(cfg: TrainConfig, data: Data) -> DiLoCo | DataParallel | Async
             codec=build_codec(cfg.codec),
             pool=build_pool(cfg, data),
             clock=clock,
+            drop_prob=cfg.drop_prob,
+            seed=cfg.seed,
         )
         return trainer
     v, o = cfg.server, cfg.outer

@@ -7,12 +7,13 @@ python -m diloco train --workers 8 --shards kmeans
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from diloco.config import METHODS, MODEL_PRESETS, OUTER_OPTS, SHARDINGS, from_dict, load_toml, merge
-from diloco.errors import Interrupted, UserError
+from diloco.errors import Interrupted, ReplicaMismatch, UserError
 
 
 def _speeds(text: str) -> tuple[float, ...]:
@@ -46,6 +47,11 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "checkpoint_every": ("checkpoint_every", int, "rounds between checkpoints (default 0: none)"),
     "threads": ("threads", int, "intra-op threads of the main process (default 0: every core)"),
     "target_loss": ("target_loss", float, "report when the validation loss first reaches this"),
+    "runtime": ("runtime", str, "sim (one process) | collective (under torchrun; see docs/distributed.md)"),
+    "procs_per_worker": ("procs_per_worker", int, "collective: ranks per worker doing data parallel (1)"),
+    "bucket_mb": ("bucket_mb", float, "collective: outer sync bucket size in MB (25)"),
+    "drop_prob": ("drop_prob", float, "lose each outer_grad with this probability (default 0)"),
+    "workers_schedule": ("workers_schedule", str, "active workers over training, e.g. 0:4,0.5:8"),
     # the simulator's clock and processes
     "speeds": ("sim.speeds", _speeds, "seconds per inner step per worker, e.g. 0.58,0.75,1.51,3.33"),
     "heterogeneity": ("sim.heterogeneity", str, "none | slight | moderate | very (1x, 1.5x, 3x, 6x spread)"),
@@ -121,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plot.add_argument("--labels", help="comma-separated legend labels, one per run (default: from configs)")
     plot.add_argument("--title", help="figure title")
+    plot.add_argument(
+        "--ymax", type=float, help="upper limit of the loss axis (a diverged run hides the rest)"
+    )
     return parser
 
 
@@ -128,12 +137,12 @@ def _plot(args: argparse.Namespace) -> int:
     from diloco.plots import plot_runs
 
     labels = args.labels.split(",") if args.labels else None
-    print(plot_runs(args.runs, x=args.x, out=args.out, labels=labels, title=args.title))
+    print(plot_runs(args.runs, x=args.x, out=args.out, labels=labels, title=args.title, ymax=args.ymax))
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
-    from diloco.train import format_summary, load_run_config, train
+    from diloco.train import load_run_config, train
 
     overrides = {dest: getattr(args, dest) for dest in TRAIN_FLAGS if getattr(args, dest) is not None}
     if args.resume is not None:
@@ -147,10 +156,33 @@ def _train(args: argparse.Namespace) -> int:
         values = load_toml(args.config) if args.config is not None else {}
         for dest, value in overrides.items():
             values = merge(values, _nest(TRAIN_FLAGS[dest][0], value))
+        if (
+            values.get("runtime") == "collective"
+            and "num_workers" not in values
+            and "WORLD_SIZE" in os.environ
+        ):
+            # under torchrun the number of workers follows from the ranks started
+            values["num_workers"] = int(os.environ["WORLD_SIZE"]) // int(values.get("procs_per_worker", 1))
         cfg = from_dict(values, where=str(args.config) if args.config else "the flags")
     if args.stop_after is not None and args.stop_after < 1:
         raise UserError(f"--stop-after must be a round >= 1, got {args.stop_after}.")
     summary = train(cfg, resume=args.resume, stop_after=args.stop_after, progress=args.progress)
+    if cfg.runtime == "collective":
+        _report(summary)
+        # Skip interpreter teardown: gloo's threads can still be joinable when C++ statics are
+        # destroyed and abort a finished rank ("terminate called without an active exception").
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    _report(summary)
+    return 0
+
+
+def _report(summary: dict) -> None:
+    from diloco.train import format_summary
+
+    if "rank" in summary:  # a rank other than 0 under torchrun: rank 0 reports
+        return
     if "stopped_after" in summary:
         print(
             f"stopped after round {summary['stopped_after']}; "
@@ -158,7 +190,6 @@ def _train(args: argparse.Namespace) -> int:
         )
     else:
         print(format_summary(summary))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"diloco: error: {e}", file=sys.stderr)
         return 2
+    except ReplicaMismatch as e:
+        print(f"diloco: error: {e}", file=sys.stderr)
+        return 3
     except (KeyboardInterrupt, Interrupted) as e:
         print(f"diloco: {e or 'interrupted'}", file=sys.stderr)
         return 130

@@ -21,6 +21,7 @@ from typing import Any
 from diloco.errors import UserError
 
 METHODS = ("diloco", "async", "single", "dp")
+RUNTIMES = ("sim", "collective")
 ASYNC_RULES = ("dn", "naive", "buffer", "poly", "polythres", "delaycomp")
 HETEROGENEITY = ("none", "slight", "moderate", "very")
 SHARDINGS = ("iid", "genre", "kmeans")
@@ -132,6 +133,11 @@ class TrainConfig:
     codec: str = "fp32"  # how outer_grads are encoded on the wire
     out: str = ""  # run directory; empty means runs/<method>-k<workers>-H<steps>-s<seed>
     target_loss: float = 0.0  # summary reports when the validation loss first reached it; 0: off
+    runtime: str = "sim"  # sim (one process) | collective (torch.distributed, launched by torchrun)
+    procs_per_worker: int = 1  # collective: ranks per worker, doing data parallel on its shard
+    bucket_mb: float = 25.0  # collective: outer_grads are all-reduced in buckets of this size
+    drop_prob: float = 0.0  # each round each outer_grad is lost with this probability
+    workers_schedule: str = ""  # active workers over training, e.g. "0:4,0.5:8"; empty: all
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
@@ -184,6 +190,11 @@ _FLAGS = {
     "outer.lr": "--outer-lr",
     "outer.momentum": "--outer-momentum",
     "target_loss": "--target-loss",
+    "runtime": "--runtime",
+    "procs_per_worker": "--procs-per-worker",
+    "bucket_mb": "--bucket-mb",
+    "drop_prob": "--drop-prob",
+    "workers_schedule": "--workers-schedule",
     "sim.speeds": "--speeds",
     "sim.heterogeneity": "--heterogeneity",
     "sim.speed_jitter": "--speed-jitter",
@@ -279,6 +290,25 @@ def validate(cfg: TrainConfig) -> None:
     _float("outer.adam_beta2", o.adam_beta2, lo=0.0, hi=1.0, hi_open=True)
     _float("outer.adam_eps", o.adam_eps, lo=0.0, lo_open=True)
     _float("target_loss", cfg.target_loss, lo=0.0)
+    _choice("runtime", cfg.runtime, RUNTIMES)
+    _int("procs_per_worker", cfg.procs_per_worker, minimum=1)
+    _float("bucket_mb", cfg.bucket_mb, lo=0.0, lo_open=True)
+    _float("drop_prob", cfg.drop_prob, lo=0.0, hi=1.0, hi_open=True)
+    if cfg.workers_schedule:
+        from diloco.schedule import parse_workers_schedule
+
+        try:
+            parse_workers_schedule(cfg.workers_schedule, cfg.num_workers)
+        except (ValueError, TypeError, AttributeError):
+            raise UserError(
+                f"workers_schedule (--workers-schedule) must be FRACTION:WORKERS pairs like "
+                f"'0:4,0.5:8', starting at 0, fractions rising below 1, 1 to num_workers "
+                f"({cfg.num_workers}) workers, got {cfg.workers_schedule!r}; fix it."
+            ) from None
+    if (cfg.drop_prob or cfg.workers_schedule) and cfg.method != "diloco":
+        raise UserError("--drop-prob and --workers-schedule apply to --method diloco; drop them.")
+    if cfg.runtime == "collective" and cfg.method != "diloco":
+        raise UserError("the collective runtime runs --method diloco only; use --runtime sim for others.")
     _validate_sim(cfg)
     _validate_server(cfg)
 

@@ -11,3 +11,7 @@ class UserError(ValueError):
 
 class Interrupted(Exception):
     """The user stopped a run (Ctrl-C); the message says whether and how it can be continued."""
+
+
+class ReplicaMismatch(RuntimeError):
+    """Ranks of a real runtime hold different global parameters: the run cannot go on."""

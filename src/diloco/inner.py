@@ -86,7 +86,8 @@ class Worker:
     def run(
         self, start: list[torch.Tensor], steps: int, *, lr_step: int | None = None, shard: int | None = None
     ) -> InnerResult:
-        """θ_local ← start; `steps` inner steps; return outer_grad = start − θ_local.
+        """θ_local ← start; `steps` inner steps; return outer_grad = start − θ_local. With
+        `start` None the worker continues from its own parameters (after a dropped outer_grad).
 
         `lr_step`, if given, is the schedule step of the first of these steps (a shard's own step
         count). `shard`, if given, makes the batches come from that shard from position
@@ -94,6 +95,8 @@ class Worker:
         """
         if shard is not None:
             self.batches.seek(shard, lr_step)
+        if start is None:  # continue from the worker's own parameters
+            start = [p.detach().clone() for p in self.params]
         self.load_params(start)
         total_loss, lr = 0.0, 0.0
         for j in range(steps):

@@ -56,3 +56,16 @@ def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
     """All lines of a run's metrics.jsonl."""
     with open(Path(run_dir) / "metrics.jsonl") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+class NullWriter:
+    """Writes nothing: what the ranks other than 0 log to under torchrun."""
+
+    def log(self, kind: str, **fields: Any) -> None:
+        pass
+
+    def offset(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass

@@ -32,6 +32,16 @@ def weighted_average(outer_grads: list[Tensors], weights: list[float]) -> Tensor
     return out
 
 
+def kept_weights(weights: list[float], kept: list[bool]) -> list[float]:
+    """The weights of the kept outer_grads of the first len(kept) workers: unchanged when every
+    worker's is kept, else rescaled to sum to 1 (dropped or inactive workers take their weight
+    with them). Every runtime uses this, so they agree bit for bit."""
+    if len(kept) == len(weights) and all(kept):
+        return list(weights)
+    total = sum(w for w, k in zip(weights, kept, strict=False) if k)
+    return [w / total for w, k in zip(weights, kept, strict=False) if k]
+
+
 class OuterOpt:
     """An optimizer on the global parameters whose gradient is the averaged outer_grad."""
 

@@ -44,7 +44,13 @@ def _curve(run_dir: Path, key: str) -> tuple[list[float], list[float]]:
 
 
 def plot_runs(
-    run_dirs: list[Path], *, x: str, out: Path, labels: list[str] | None = None, title: str | None = None
+    run_dirs: list[Path],
+    *,
+    x: str,
+    out: Path,
+    labels: list[str] | None = None,
+    title: str | None = None,
+    ymax: float | None = None,
 ) -> Path:
     """Draw validation loss (the fixed subset) of each run against `x`; write `out` (PNG)."""
     if x not in X_AXES:
@@ -58,12 +64,16 @@ def plot_runs(
 
     key, axis_label = X_AXES[x]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    lowest = float("inf")
     for i, run_dir in enumerate(run_dirs):
         xs, ys = _curve(run_dir, key)
+        lowest = min(lowest, *ys)
         label = labels[i] if labels else run_label(load_json(run_dir / "config.json"))
         ax.plot(xs, ys, marker=".", label=label)
     ax.set_xlabel(axis_label)
     ax.set_ylabel("validation loss")
+    if ymax is not None:  # a diverged run would otherwise flatten the others
+        ax.set_ylim(lowest - 0.05 * (ymax - lowest), ymax)
     ax.set_title(title or f"validation loss against {axis_label}")
     ax.grid(alpha=0.3)
     ax.legend()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,9 @@ from diloco.build import Data, build_trainer, prepare_data
 from diloco.codec import tensor_bytes
 from diloco.config import TrainConfig, from_dict, load_json
 from diloco.errors import Interrupted, UserError
-from diloco.metrics import MetricsWriter
+from diloco.metrics import MetricsWriter, NullWriter
 from diloco.runtime.async_sim import Arrival, AsyncDiLoCo
+from diloco.schedule import active_workers, parse_workers_schedule
 
 EVAL_BATCH = 64
 
@@ -54,8 +56,18 @@ def evaluate(model: torch.nn.Module, windows_NT: torch.Tensor) -> float:
     return total / count
 
 
-def _new_run_dir(cfg: TrainConfig) -> Path:
+def _new_run_dir(cfg: TrainConfig, *, reuse: bool = False) -> Path:
+    """The run directory, created; `reuse` (a torchrun restart before any checkpoint) takes the
+    failed attempt's directory again."""
     run_dir = cfg.run_dir
+    if reuse:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir
+    if cfg.runtime == "collective" and run_dir.exists() and any(run_dir.iterdir()):
+        raise UserError(
+            f"run directory {run_dir} already exists; the collective runtime never renames it (its "
+            f"restarts must find it): choose another --out, delete it, or add --resume {run_dir}."
+        )
     if cfg.out:
         if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
             raise UserError(
@@ -104,22 +116,35 @@ class Run:
         self.t0 = time.perf_counter()
         self.target = target  # first eval at or below cfg.target_loss: its sim time and step
         self.val_loss: float | None = None
+        self.timing_total = {"compute_s": 0.0, "comm_s": 0.0}  # real runtimes: measured per round
+        self.eval_time_s = 0.0  # wall time spent evaluating (this session of the run)
+
+    @property
+    def is_main(self) -> bool:
+        """Only the main process (rank 0 under torchrun) evaluates and writes the run directory."""
+        return getattr(self.trainer, "is_main", True)
 
     def clock(self, inner_step: int) -> dict[str, Any]:
-        return {
+        line = {
             "version": self.trainer.version,
             "inner_step": inner_step,
             "tokens": self.tokens,
             "wall_time_s": round(self.wall_time_s(), 3),
-            "sim_time_s": round(self.trainer.sim_time_s, 6),
         }
+        if self.trainer.sim_time_s is not None:  # the simulator's clock; real runtimes have none
+            line["sim_time_s"] = round(self.trainer.sim_time_s, 6)
+        return line
 
     def wall_time_s(self) -> float:
         return self.wall_before + time.perf_counter() - self.t0
 
     def evaluate(self, inner_step: int, split: str = "subset") -> float:
+        if not self.is_main:
+            return math.nan
         windows = self.data.eval_subset if split == "subset" else self.data.eval_full
+        t0 = time.perf_counter()
         loss = evaluate(self.trainer.model, windows)
+        self.eval_time_s += time.perf_counter() - t0
         now = self.clock(inner_step)
         self.writer.log(
             "eval",
@@ -133,7 +158,7 @@ class Run:
             self.val_loss = loss
             if self.cfg.target_loss and self.target is None and loss <= self.cfg.target_loss:
                 self.target = {
-                    "sim_time_s": now["sim_time_s"],
+                    "sim_time_s": now.get("sim_time_s"),
                     "inner_step": inner_step,
                     "wall_time_s": now["wall_time_s"],
                 }
@@ -157,12 +182,14 @@ def _run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Pa
     cfg, trainer, writer = run.cfg, run.trainer, run.writer
     H = cfg.inner_steps
     every = cfg.eval_every or H
-    tokens_per_round = trainer.num_workers * H * cfg.data.batch_size * cfg.model.seq_len
+    tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
+    schedule = parse_workers_schedule(cfg.workers_schedule, cfg.num_workers) if cfg.workers_schedule else None
     bar = _progress(cfg, cfg.rounds, start_round, "round", progress)
     try:
         for r in range(start_round + 1, cfg.rounds + 1):
-            stats = trainer.round()
-            run.tokens += tokens_per_round
+            active = active_workers(schedule, r - 1, cfg.rounds) if schedule else trainer.num_workers
+            stats = trainer.round(active=active)
+            run.tokens += active * H * tokens_per_step
             now = run.clock(stats.inner_step)
             for w, loss in enumerate(stats.losses):
                 writer.log(
@@ -174,8 +201,18 @@ def _run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Pa
                     bytes_sent=stats.bytes_sent[w],
                     bytes_received=stats.bytes_received[w],
                 )
+            timing = getattr(trainer, "timing", None)  # real runtimes: measured compute and communication
+            if timing:
+                total_s = timing["compute_s"] + timing["comm_s"]
+                timing = {**timing, "compute_utilisation": timing["compute_s"] / total_s if total_s else 1.0}
+                run.timing_total["compute_s"] += timing["compute_s"]
+                run.timing_total["comm_s"] += timing["comm_s"]
             writer.log(
-                "outer", **now, bytes_sent=sum(stats.bytes_sent), bytes_received=sum(stats.bytes_received)
+                "outer",
+                **now,
+                bytes_sent=sum(stats.bytes_sent),
+                bytes_received=sum(stats.bytes_received),
+                **(timing or {}),
             )
             if (r * H) // every > ((r - 1) * H) // every or r == cfg.rounds:
                 run.evaluate(stats.inner_step)
@@ -186,19 +223,21 @@ def _run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Pa
             )
             stopping = stop_after is not None and r == stop_after and r < cfg.rounds
             if (cfg.checkpoint_every and r % cfg.checkpoint_every == 0) or stopping:
-                checkpoint.save(
-                    run_dir / "checkpoints",
-                    r,
-                    {
-                        "trainer": trainer.state_dict(),
-                        "torch_rng": torch.get_rng_state(),
-                        "round": r,
-                        "tokens": run.tokens,
-                        "wall_time_s": run.wall_time_s(),
-                        "target": run.target,
-                        "metrics_offset": writer.offset(),
-                    },
-                )
+                state = trainer.state_dict()  # a collective call under torchrun: every rank joins
+                if run.is_main:
+                    checkpoint.save(
+                        run_dir / "checkpoints",
+                        r,
+                        {
+                            "trainer": state,
+                            "torch_rng": torch.get_rng_state(),
+                            "round": r,
+                            "tokens": run.tokens,
+                            "wall_time_s": run.wall_time_s(),
+                            "target": run.target,
+                            "metrics_offset": writer.offset(),
+                        },
+                    )
             if stopping:
                 return False
     finally:
@@ -258,11 +297,25 @@ def train(
     stop_after: int | None = None,
     progress: bool | None = None,
 ) -> dict[str, Any]:
-    """Run (or continue) a training run; returns the summary (or where it stopped early)."""
-    set_threads(cfg.resolved_threads)
+    """Run (or continue) a training run; returns the summary (or where it stopped early).
+
+    Under torchrun (`runtime = "collective"`) every rank calls this; rank 0 writes the run
+    directory and returns the summary, the others return {"rank": r}. A job that torchrun
+    restarts after a failure resumes from the run's latest checkpoint by itself."""
+    restarted = False
+    threads = cfg.resolved_threads
+    if cfg.runtime == "collective":
+        from diloco.runtime import collective
+
+        collective.init(cfg)
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if resume is None and restarted and checkpoint.latest(cfg.run_dir / "checkpoints") is not None:
+            resume = cfg.run_dir
+        threads = collective.threads_per_rank(cfg)
+    set_threads(threads)
     data = prepare_data(cfg)
     state = None
-    if resume is not None:
+    if resume is not None and (cfg.runtime == "sim" or int(os.environ.get("RANK", "0")) == 0):
         found = checkpoint.latest(resume / "checkpoints")
         if found is None:
             raise UserError(
@@ -275,16 +328,24 @@ def train(
     trainer = build_trainer(cfg, data)
     try:
         return _train(
-            cfg, trainer, data, resume=resume, state=state, stop_after=stop_after, progress=progress
+            cfg,
+            trainer,
+            data,
+            resume=resume,
+            state=state,
+            stop_after=stop_after,
+            progress=progress,
+            restarted=restarted,
         )
     finally:
         trainer.close()
 
 
-def _restore(trainer, state: dict[str, Any], resume: Path) -> None:
+def _restore(trainer, state: dict[str, Any] | None, resume: Path) -> None:
     try:
-        trainer.load_state_dict(state["trainer"])
-        torch.set_rng_state(state["torch_rng"])
+        trainer.load_state_dict(state["trainer"] if state is not None else None)
+        if state is not None:
+            torch.set_rng_state(state["torch_rng"])
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
         raise UserError(
             f"the checkpoint in {resume} does not match its config.json ({str(e)[:120]}); "
@@ -292,13 +353,22 @@ def _restore(trainer, state: dict[str, Any], resume: Path) -> None:
         ) from None
 
 
-def _train(cfg, trainer, data, *, resume, state, stop_after, progress) -> dict[str, Any]:
-    if state is not None:
+def _train(cfg, trainer, data, *, resume, state, stop_after, progress, restarted=False) -> dict[str, Any]:
+    main = getattr(trainer, "is_main", True)
+    if resume is not None:
         _restore(trainer, state, resume)
+        if hasattr(trainer, "broadcast"):  # under torchrun only rank 0 read the checkpoint
+            state = trainer.broadcast(
+                None if state is None else {k: v for k, v in state.items() if k != "trainer"}
+            )
         run_dir = resume
         start_round = state["round"]
-        writer = MetricsWriter(
-            run_dir, truncate_to=state["metrics_offset"], purge_step=start_round * cfg.inner_steps + 1
+        writer = (
+            MetricsWriter(
+                run_dir, truncate_to=state["metrics_offset"], purge_step=start_round * cfg.inner_steps + 1
+            )
+            if main
+            else NullWriter()
         )
         run = Run(
             cfg,
@@ -310,11 +380,18 @@ def _train(cfg, trainer, data, *, resume, state, stop_after, progress) -> dict[s
             target=state.get("target"),
         )
     else:
-        run_dir = _new_run_dir(cfg)
-        cfg = dataclasses.replace(cfg, out=str(run_dir))
-        checkpoint.atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+        run_dir = cfg.run_dir
+        if main:
+            run_dir = _new_run_dir(cfg, reuse=restarted)
+            cfg = dataclasses.replace(cfg, out=str(run_dir))
+            checkpoint.atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
         start_round = 0
-        run = Run(cfg, trainer, data, MetricsWriter(run_dir))
+        run = Run(
+            cfg,
+            trainer,
+            data,
+            MetricsWriter(run_dir, truncate_to=0 if restarted else None) if main else NullWriter(),
+        )
         run.evaluate(0)
     try:
         if isinstance(trainer, AsyncDiLoCo):
@@ -333,6 +410,8 @@ def _train(cfg, trainer, data, *, resume, state, stop_after, progress) -> dict[s
             else f"interrupted before any checkpoint; {run_dir} cannot be resumed (use --checkpoint-every)"
         ) from None
 
+    if not main:
+        return {"rank": trainer.rank}
     step = trainer.applied // trainer.num_workers if isinstance(trainer, AsyncDiLoCo) else trainer.inner_step
     final_loss = run.evaluate(step, "full")
     run.writer.close()
@@ -347,7 +426,7 @@ def _train(cfg, trainer, data, *, resume, state, stop_after, progress) -> dict[s
 def _summary(cfg: TrainConfig, run: Run, val_loss: float, step: int) -> dict[str, Any]:
     trainer = run.trainer
     k = trainer.num_workers
-    steps_total = trainer.applied if isinstance(trainer, AsyncDiLoCo) else step * k
+    steps_total = trainer.applied if isinstance(trainer, AsyncDiLoCo) else trainer.total_steps
     per_worker = max(trainer.bytes_sent)
     # Data parallel sends one gradient per worker per inner step; with one worker, nothing.
     dp_per_worker = (steps_total // k) * tensor_bytes(trainer.params) if k > 1 else 0
@@ -372,14 +451,33 @@ def _summary(cfg: TrainConfig, run: Run, val_loss: float, step: int) -> dict[str
         "time_to_target_s": run.target["sim_time_s"] if run.target else None,
         "steps_to_target": run.target["inner_step"] if run.target else None,
         "wall_time_s": round(run.wall_time_s(), 3),
+        "eval_time_s": round(run.eval_time_s, 3),
         "sim_time_s": trainer.sim_time_s,
+        "runtime": cfg.runtime,
+        **_utilisation(run.timing_total),
+        **({"bytes_per_rank": trainer.bytes_per_rank} if hasattr(trainer, "bytes_per_rank") else {}),
+    }
+
+
+def _utilisation(timing: dict[str, float]) -> dict[str, float]:
+    """Measured compute and communication time of a real runtime (none in the simulator)."""
+    total = timing["compute_s"] + timing["comm_s"]
+    if not total:
+        return {}
+    return {
+        "compute_s": round(timing["compute_s"], 3),
+        "comm_s": round(timing["comm_s"], 3),
+        "compute_utilisation": round(timing["compute_s"] / total, 4),
     }
 
 
 def format_summary(s: dict[str, Any]) -> str:
     mb = 1e6
     lines = [
-        f"done in {s['wall_time_s']:.1f} s ({s['sim_time_s']:.1f} s simulated): {s['run_dir']}",
+        f"done in {s['wall_time_s']:.1f} s"
+        + (f" ({s['sim_time_s']:.1f} s simulated)" if s["sim_time_s"] is not None else "")
+        + (f", compute utilisation {s['compute_utilisation']:.1%}" if "compute_utilisation" in s else "")
+        + f": {s['run_dir']}",
         f"  val_loss {s['val_loss']:.4f}   val_ppl {s['val_ppl']:.3f}   (whole validation split)",
         f"  tokens {s['tokens']:,}   inner steps {s['inner_steps']:,} "
         f"({s['inner_steps_per_worker']:,} per worker)   outer updates {s['outer_updates']}",

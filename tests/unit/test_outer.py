@@ -71,3 +71,12 @@ def test_weighted_average_is_the_weighted_sum():
         torch.testing.assert_close(a, 0.25 * x + 0.75 * y)
     with pytest.raises(ValueError):
         weighted_average([g1, g2], [1.0])
+
+
+def test_kept_weights_rescale_only_when_something_is_missing():
+    from diloco.outer import kept_weights
+
+    weights = [0.2, 0.3, 0.5]
+    assert kept_weights(weights, [True, True, True]) == weights
+    assert kept_weights(weights, [True, False, True]) == pytest.approx([0.2 / 0.7, 0.5 / 0.7])
+    assert kept_weights(weights, [True, True]) == pytest.approx([0.4, 0.6])  # third worker inactive

@@ -106,3 +106,46 @@ def test_bytes_are_message_sizes():
     trainer.round()
     assert trainer.bytes_sent == [2 * size, 2 * size]
     assert trainer.bytes_received == [2 * size, 2 * size]
+
+
+def test_dropped_outer_grads_leave_the_worker_on_its_own_parameters():
+    from diloco.schedule import outer_grad_dropped
+
+    torch.manual_seed(0)
+    trainer = DiLoCo(
+        partial(GPT, TINY), _adamw, [_sampler(1), _sampler(2)], inner_steps=2, drop_prob=0.5, seed=1
+    )
+    drops = [[outer_grad_dropped(1, r, w, 0.5) for w in range(2)] for r in range(6)]
+    # seed 1 draws: round 2 keeps both, round 4 loses both, round 5 loses worker 1's
+    assert drops[2] == [False, False] and drops[4] == [True, True] and drops[5] == [False, True]
+    for r in range(6):
+        before = [p.detach().clone() for p in trainer.params]
+        version = trainer.version
+        trainer.round()
+        assert trainer.own_start == drops[r]
+        if all(drops[r]):  # every outer_grad lost: no update
+            assert trainer.version == version and all(
+                torch.equal(a, b) for a, b in zip(before, trainer.params)
+            )
+        else:
+            assert trainer.version == version + 1
+    # worker 1 keeps its own parameters, not the new global ones, and starts from them next
+    own = [p.detach().clone() for p in trainer.workers[1].params]
+    assert not all(torch.equal(a, b) for a, b in zip(own, trainer.params))
+    trainer.drop_prob = 0.0
+    received = trainer.bytes_received[1]
+    result_start = [p.detach().clone() for p in trainer.workers[1].params]
+    trainer.round()
+    assert trainer.bytes_received[1] == received  # it did not pull the global parameters
+    assert not all(torch.equal(a, b) for a, b in zip(result_start, trainer.workers[1].params))
+
+
+def test_inactive_workers_neither_train_nor_count():
+    torch.manual_seed(0)
+    trainer = DiLoCo(partial(GPT, TINY), _adamw, [_sampler(1), _sampler(2)], inner_steps=2)
+    torch.manual_seed(0)
+    alone = DiLoCo(partial(GPT, TINY), _adamw, [_sampler(1)], inner_steps=2)
+    trainer.round(active=1)
+    alone.round()
+    assert all(torch.equal(a, b) for a, b in zip(trainer.params, alone.params))  # weight renormalised to 1
+    assert trainer.workers[1].step == 0 and trainer.total_steps == 2 and trainer.bytes_sent[1] == 0

@@ -4,7 +4,8 @@ Both pools take jobs "worker w: start from these parameters, run this many inner
 hand back its InnerResult. The simulator decides the order of events from its virtual clock
 alone, and each worker's computation depends only on its own state and the parameters it is
 given, so results are bit-identical whatever the number of processes (at one intra-op thread
-per process). Worker w lives in process w mod P for the whole run.
+per process). A worker lives in one process for the whole run; workers are spread so that the
+processes' expected loads are even (`balanced_assignment`).
 
     diloco train --workers 8 --procs 2
 """
@@ -20,6 +21,18 @@ import torch
 from diloco.inner import InnerResult, Worker
 
 WorkerFactory = Callable[[int], Worker]
+
+
+def balanced_assignment(loads: list[float], procs: int) -> list[int]:
+    """worker -> process: heaviest first onto the least-loaded process (ties: lower index), so
+    that P processes finish their share at about the same time. Equal loads give w mod P."""
+    totals = [0.0] * procs
+    assign = [0] * len(loads)
+    for w in sorted(range(len(loads)), key=lambda w: (-loads[w], w)):
+        p = min(range(procs), key=lambda p: (totals[p], p))
+        assign[w] = p
+        totals[p] += loads[w]
+    return assign
 
 
 class InlinePool:
@@ -40,7 +53,7 @@ class InlinePool:
     def submit(
         self,
         w: int,
-        start: list[torch.Tensor],
+        start: list[torch.Tensor] | None,
         steps: int,
         *,
         lr_step: int | None = None,
@@ -48,7 +61,12 @@ class InlinePool:
     ) -> None:
         """Queue worker w's job (see Worker.run); the start parameters are copied now, since the
         caller's may change before the job runs."""
-        self._jobs[w] = ([t.detach().clone() for t in start], steps, lr_step, shard)
+        self._jobs[w] = (
+            None if start is None else [t.detach().clone() for t in start],
+            steps,
+            lr_step,
+            shard,
+        )
 
     def result(self, w: int) -> InnerResult:
         start, steps, lr_step, shard = self._jobs.pop(w)
@@ -99,14 +117,27 @@ class ProcessPool:
     a process runs its own jobs in the order they were submitted.
     """
 
-    def __init__(self, factory: WorkerFactory, num_workers: int, procs: int, *, threads: int = 1):
+    def __init__(
+        self,
+        factory: WorkerFactory,
+        num_workers: int,
+        procs: int,
+        *,
+        threads: int = 1,
+        assignment: list[int] | None = None,
+    ):
         self.num_workers = num_workers
         self.procs = min(procs, num_workers)
+        # worker -> process; by default round robin (w mod P)
+        self.assign = (
+            list(assignment) if assignment is not None else [w % self.procs for w in range(num_workers)]
+        )
+        self.members = [[w for w in range(num_workers) if self.assign[w] == p] for p in range(self.procs)]
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         for p in range(self.procs):
             parent, child = ctx.Pipe()
-            ids = list(range(p, num_workers, self.procs))
+            ids = self.members[p]
             proc = ctx.Process(target=_serve, args=(child, factory, ids, threads), daemon=True)
             proc.start()
             child.close()
@@ -121,20 +152,21 @@ class ProcessPool:
     def submit(
         self,
         w: int,
-        start: list[torch.Tensor],
+        start: list[torch.Tensor] | None,
         steps: int,
         *,
         lr_step: int | None = None,
         shard: int | None = None,
     ) -> None:
-        p = w % self.procs
+        p = self.assign[w]
         # Clone: torch pickles tensors for multiprocessing by sharing their memory, and the
         # caller's parameters change (the server applies updates) while the job runs.
-        self._conns[p].send(("run", (w, [t.detach().clone() for t in start], steps, lr_step, shard)))
+        start = None if start is None else [t.detach().clone() for t in start]
+        self._conns[p].send(("run", (w, start, steps, lr_step, shard)))
         self._queued[p].append(w)
 
     def result(self, w: int) -> InnerResult:
-        p = w % self.procs
+        p = self.assign[w]
         while w not in self._done:
             self._done[self._queued[p].pop(0)] = self._conns[p].recv()
         return self._done.pop(w)
@@ -143,13 +175,13 @@ class ProcessPool:
         states: list[Any] = [None] * self.num_workers
         for p, conn in enumerate(self._conns):
             conn.send(("state", None))
-            for w, state in zip(range(p, self.num_workers, self.procs), conn.recv(), strict=True):
+            for w, state in zip(self.members[p], conn.recv(), strict=True):
                 states[w] = state
         return states
 
     def load_state_dict(self, states: list[dict[str, Any]]) -> None:
         for p, conn in enumerate(self._conns):
-            conn.send(("load", states[p :: self.procs]))
+            conn.send(("load", [states[w] for w in self.members[p]]))
             conn.recv()
 
     def close(self) -> None:

@@ -20,9 +20,10 @@ import torch.nn as nn
 
 from diloco.codec import Codec, Fp32Codec, tensor_bytes
 from diloco.inner import LossFn, Worker, gpt_loss
-from diloco.outer import Nesterov, OuterOpt, weighted_average
+from diloco.outer import Nesterov, OuterOpt, kept_weights, weighted_average
 from diloco.runtime.clock import Clock
 from diloco.runtime.pool import InlinePool, ProcessPool
+from diloco.schedule import outer_grad_dropped
 
 ModelFn = Callable[[], nn.Module]
 OptFn = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -80,6 +81,8 @@ class DiLoCo:
         codec: Codec | None = None,
         pool: InlinePool | ProcessPool | None = None,
         clock: Clock | None = None,
+        drop_prob: float = 0.0,
+        seed: int = 0,
     ):
         self.model = model_fn()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -111,8 +114,12 @@ class DiLoCo:
         self.weights = weights
         self.codec = codec or Fp32Codec()
         self.clock = clock or Clock([1.0] * k)
+        self.drop_prob, self.seed = drop_prob, seed
+        self.own_start = [False] * k  # workers whose last outer_grad was dropped
         self.version = 0
-        self.inner_step = 0  # inner steps each worker has taken
+        self.rounds_done = 0
+        self.total_steps = 0  # inner steps over all workers
+        self.inner_step = 0  # inner steps each (always active) worker has taken
         self.sim_time_s = 0.0
         self.bytes_sent = [0] * k
         self.bytes_received = [0] * k
@@ -126,27 +133,41 @@ class DiLoCo:
         """The worker objects, when they live in this process."""
         return self.pool.workers
 
-    def round(self) -> RoundStats:
-        """One outer step: every worker's inner steps, then the averaged outer update."""
-        k, H, start = self.num_workers, self.inner_steps, self.sim_time_s
+    def round(self, *, active: int | None = None) -> RoundStats:
+        """One outer step: every active worker's inner steps, then the averaged outer update.
+
+        `active` (default all) workers take part: the first `active` ones. With `drop_prob`, each
+        outer_grad is lost with that probability; its worker then continues from its own
+        parameters next round, and the others' weights are rescaled to sum to 1.
+        """
+        n, H, start = active or self.num_workers, self.inner_steps, self.sim_time_s
         pull_bytes = tensor_bytes(self.params)
-        for w in range(k):  # all jobs first, so a process pool computes them side by side
-            self.bytes_received[w] += pull_bytes
-            self.pool.submit(w, self.params, H)
-        outer_grads, losses, lr, end = [], [], 0.0, start
-        for w in range(k):
+        for w in range(n):  # all jobs first, so a process pool computes them side by side
+            if self.own_start[w]:
+                self.pool.submit(w, None, H)
+            else:
+                self.bytes_received[w] += pull_bytes
+                self.pool.submit(w, self.params, H)
+        outer_grads, kept, losses, lr, end = [], [], [], 0.0, start
+        for w in range(n):
             result = self.pool.result(w)
             message = self.codec.encode(result.outer_grad)
             self.bytes_sent[w] += message.nbytes
-            outer_grads.append(self.codec.decode(message))
+            self.own_start[w] = outer_grad_dropped(self.seed, self.rounds_done, w, self.drop_prob)
+            kept.append(not self.own_start[w])
+            if kept[-1]:
+                outer_grads.append(self.codec.decode(message))
             losses.append(result.mean_loss)
             lr = result.last_lr
             pulled = start + self.clock.transfer_s(pull_bytes)
-            computed = pulled + self.clock.compute_s(w, pulled, H, job=self.version)
+            computed = pulled + self.clock.compute_s(w, pulled, H, job=self.rounds_done)
             end = max(end, computed + self.clock.transfer_s(message.nbytes))
-        self.outer_opt.step(self.params, weighted_average(outer_grads, self.weights))
-        self.version += 1
+        if outer_grads:
+            self.outer_opt.step(self.params, weighted_average(outer_grads, kept_weights(self.weights, kept)))
+            self.version += 1
+        self.rounds_done += 1
         self.inner_step += H
+        self.total_steps += n * H
         self.sim_time_s = end
         return self._stats(losses, lr)
 
@@ -167,6 +188,9 @@ class DiLoCo:
             "outer_opt": self.outer_opt.state_dict(),
             "workers": self.pool.state_dict(),
             "version": self.version,
+            "rounds_done": self.rounds_done,
+            "total_steps": self.total_steps,
+            "own_start": list(self.own_start),
             "inner_step": self.inner_step,
             "sim_time_s": self.sim_time_s,
             "bytes_sent": list(self.bytes_sent),
@@ -178,6 +202,9 @@ class DiLoCo:
         self.outer_opt.load_state_dict(state["outer_opt"])
         self.pool.load_state_dict(state["workers"])
         self.version = int(state["version"])
+        self.rounds_done = int(state["rounds_done"])
+        self.total_steps = int(state["total_steps"])
+        self.own_start = [bool(x) for x in state["own_start"]]
         self.inner_step = int(state["inner_step"])
         self.sim_time_s = float(state["sim_time_s"])
         self.bytes_sent = [int(b) for b in state["bytes_sent"]]
@@ -253,7 +280,7 @@ class DataParallel(DiLoCo):
     def num_workers(self) -> int:
         return self.k
 
-    def round(self) -> RoundStats:
+    def round(self, *, active: int | None = None) -> RoundStats:
         worker = self.workers[0]
         total, lr = 0.0, 0.0
         for _ in range(self.inner_steps):
@@ -266,6 +293,8 @@ class DataParallel(DiLoCo):
         step_s = max(self.clock.step_s[: self.k] or [1.0])
         self.sim_time_s += self.inner_steps * (step_s + 2 * self.clock.transfer_s(step_bytes))
         self.inner_step += self.inner_steps
+        self.total_steps += self.k * self.inner_steps
+        self.rounds_done += 1
         return self._stats([total / self.inner_steps], lr)
 
     def state_dict(self) -> dict[str, Any]:

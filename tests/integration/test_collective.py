@@ -1,0 +1,160 @@
+"""The collective runtime in real processes: torchrun, gloo on CPU, the tiny model.
+
+Each test launches `torchrun --standalone` with real ranks and compares with the simulator run
+in this process on the same config and seed."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+from diloco.train import train
+
+TINY = ["--model", "nano", "--seq-len", "32", "--batch-size", "4", "--inner-steps", "4", "--rounds", "3"]
+
+
+def _torchrun(tmp_path, nproc, *flags, env=None, max_restarts=0, timeout=60):
+    # A config file shrinks the model further than the flags can.
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text("[model]\nn_layer = 2\nn_head = 2\nd_model = 32\n[inner]\nwarmup_steps = 2\n")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        "-m",
+        "diloco",
+        "train",
+        "--runtime",
+        "collective",
+        "--config",
+        str(cfg),
+        *TINY,
+        *flags,
+    ]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env={**os.environ, **(env or {})}
+    )
+
+
+def _sim(tiny, tmp_path, name, **kw):
+    import dataclasses
+
+    from diloco.config import SimConfig
+
+    base = tiny(rounds=3, out=str(tmp_path / name), sim=SimConfig(procs=1))
+    cfg = dataclasses.replace(base, **kw)
+    train(cfg, progress=False)
+    return load_file(str(tmp_path / name / "model.safetensors"))
+
+
+def _max_rel(a, b):
+    num = sum(float((a[k] - b[k]).pow(2).sum()) for k in a) ** 0.5
+    den = sum(float(b[k].pow(2).sum()) for k in b) ** 0.5
+    return num / den
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_collective_equals_the_simulator(tiny, tmp_path, nproc):
+    proc = _torchrun(tmp_path, nproc, "--out", str(tmp_path / "c"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    real = load_file(str(tmp_path / "c" / "model.safetensors"))
+    sim = _sim(tiny, tmp_path, "s", num_workers=nproc)
+    if nproc == 2:  # a + b is the same in any order: bitwise
+        assert all(real[k].equal(sim[k]) for k in sim)
+    else:  # gloo's all-reduce sums four terms in its own order
+        assert _max_rel(real, sim) < 1e-6
+    summary = json.loads((tmp_path / "c" / "summary.json").read_text())
+    assert summary["num_workers"] == nproc and summary["outer_updates"] == 3
+    assert 0 < summary["compute_utilisation"] <= 1
+    lines = [json.loads(x) for x in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
+    outer = [x for x in lines if x["kind"] == "outer"]
+    assert len(outer) == 3 and all("comm_s" in x and "sim_time_s" not in x for x in outer)
+    assert summary["bytes_sent_per_worker"] == 3 * summary["params"] * 4
+
+
+@pytest.mark.timeout(90)
+def test_two_workers_of_two_ranks_equal_two_simulated_workers_at_double_batch(tiny, tmp_path):
+    import dataclasses
+
+    proc = _torchrun(tmp_path, 4, "--procs-per-worker", "2", "--out", str(tmp_path / "c"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "c" / "summary.json").read_text())
+    size = summary["params"] * 4 * 3  # 3 rounds of one model-sized message
+    # leaders all-reduce (send and receive) and broadcast (send); the others only receive
+    assert summary["bytes_per_rank"] == [[2 * size, size], [0, size], [2 * size, size], [0, size]]
+    real = load_file(str(tmp_path / "c" / "model.safetensors"))
+    base = tiny()
+    sim = _sim(tiny, tmp_path, "s", num_workers=2, data=dataclasses.replace(base.data, batch_size=8))
+    # DDP averages two half-batch gradients; the simulator takes one full-batch gradient:
+    # the same up to float rounding, which AdamW can amplify a little over 12 steps.
+    assert _max_rel(real, sim) < 1e-4
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_mid_round_restarts_and_resumes_from_the_checkpoint(tiny, tmp_path):
+    out = tmp_path / "c"
+    proc = _torchrun(
+        tmp_path,
+        2,
+        "--rounds",
+        "4",
+        "--checkpoint-every",
+        "2",
+        "--out",
+        str(out),
+        env={"DILOCO_FAULT": "kill:1:3:2"},
+        max_restarts=1,
+        timeout=110,
+    )
+    assert proc.returncode == 0, "\n".join(x for x in proc.stderr.splitlines() if not x.startswith("W"))[
+        :6000
+    ]
+    assert "SIGKILL" in proc.stderr or "Signal 9" in proc.stderr or "exitcode: -9" in proc.stderr
+    straight = tmp_path / "straight"
+    proc = _torchrun(tmp_path, 2, "--rounds", "4", "--out", str(straight))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(straight / "model.safetensors"))
+    assert all(a[k].equal(b[k]) for k in a)  # lost only round 3, redone identically
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["version"] for x in lines if x["kind"] == "outer"] == [1, 2, 3, 4]
+
+
+@pytest.mark.timeout(90)
+def test_a_perturbed_rank_is_caught_by_the_hash_check(tmp_path):
+    proc = _torchrun(tmp_path, 2, "--out", str(tmp_path / "c"), env={"DILOCO_FAULT": "perturb:1:2"})
+    assert proc.returncode != 0
+    assert "global parameters of rank 1 differ from rank 0's after round 2" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_collective_outside_torchrun_and_wrong_worker_count_are_clear_errors(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "diloco", "train", "--runtime", "collective"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2 and "runs under torchrun" in proc.stderr
+    proc = _torchrun(tmp_path, 2, "--workers", "3", "--out", str(tmp_path / "c"))
+    assert proc.returncode != 0 and "--workers 3 does not match 2 ranks" in proc.stderr
+
+
+@pytest.mark.timeout(90)
+def test_drop_prob_and_workers_schedule_match_the_simulator(tiny, tmp_path):
+    proc = _torchrun(
+        tmp_path, 2, "--drop-prob", "0.5", "--workers-schedule", "0:1,0.5:2", "--out", str(tmp_path / "c")
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    real = load_file(str(tmp_path / "c" / "model.safetensors"))
+    sim = _sim(tiny, tmp_path, "s", num_workers=2, drop_prob=0.5, workers_schedule="0:1,0.5:2")
+    assert all(real[k].equal(sim[k]) for k in sim)
