@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test test-all lint bench clean
+.PHONY: setup run test test-all lint bench bench-async clean
 
 setup: $(VENV)/.installed
 
@@ -26,8 +26,14 @@ test-all: setup
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
+# About 10 minutes; bench-async (the asynchronous methods against sync, 3 seeds) about 40.
 bench: setup
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/sim_parallel.py
+	$(PY) benchmarks/collective.py
+
+bench-async: setup
+	$(PY) benchmarks/async_vs_sync.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

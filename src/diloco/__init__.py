@@ -9,19 +9,30 @@ Library use, around your own model and data (see README.md for a runnable exampl
         trainer.round()          # trainer.model holds the global parameters
 """
 
+from diloco.async_rules import AsyncRule, DelayedNesterov, build_async_rule
 from diloco.codec import Codec, Fp32Codec
 from diloco.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, TrainConfig
 from diloco.errors import UserError
 from diloco.inner import InnerResult, Worker
 from diloco.model import GPT
 from diloco.outer import SGD, Adam, Nesterov, OuterOpt, weighted_average
-from diloco.runtime.sim import DataParallel, DiLoCo, RoundStats
+from diloco.runtime.async_sim import AsyncDiLoCo
+from diloco.runtime.clock import Clock
+from diloco.runtime.pool import InlinePool
+from diloco.runtime.sim import DataParallel, DiLoCo, RoundStats, make_worker
 from diloco.train import train
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GPT",
+    "AsyncDiLoCo",
+    "AsyncRule",
+    "Clock",
+    "DelayedNesterov",
+    "InlinePool",
+    "build_async_rule",
+    "make_worker",
     "SGD",
     "Adam",
     "Codec",
