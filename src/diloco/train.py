@@ -325,6 +325,10 @@ def train(
         state = checkpoint.load(found)
         if not (resume / "metrics.jsonl").is_file():
             raise UserError(f"run directory {resume} has no metrics.jsonl; it is not a complete diloco run.")
+    run_dir = resume
+    if resume is None and (cfg.runtime == "sim" or int(os.environ.get("RANK", "0")) == 0):
+        # Before the workers are built: a bad --out is an error before anything starts.
+        run_dir = _new_run_dir(cfg, reuse=restarted)
     trainer = build_trainer(cfg, data)
     try:
         return _train(
@@ -335,7 +339,7 @@ def train(
             state=state,
             stop_after=stop_after,
             progress=progress,
-            restarted=restarted,
+            run_dir=run_dir,
         )
     finally:
         trainer.close()
@@ -353,7 +357,7 @@ def _restore(trainer, state: dict[str, Any] | None, resume: Path) -> None:
         ) from None
 
 
-def _train(cfg, trainer, data, *, resume, state, stop_after, progress, restarted=False) -> dict[str, Any]:
+def _train(cfg, trainer, data, *, resume, state, stop_after, progress, run_dir) -> dict[str, Any]:
     main = getattr(trainer, "is_main", True)
     if resume is not None:
         _restore(trainer, state, resume)
@@ -380,9 +384,7 @@ def _train(cfg, trainer, data, *, resume, state, stop_after, progress, restarted
             target=state.get("target"),
         )
     else:
-        run_dir = cfg.run_dir
         if main:
-            run_dir = _new_run_dir(cfg, reuse=restarted)
             cfg = dataclasses.replace(cfg, out=str(run_dir))
             checkpoint.atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
         start_round = 0
@@ -390,7 +392,10 @@ def _train(cfg, trainer, data, *, resume, state, stop_after, progress, restarted
             cfg,
             trainer,
             data,
-            MetricsWriter(run_dir, truncate_to=0 if restarted else None) if main else NullWriter(),
+            # a torchrun restart before any checkpoint starts the metrics over
+            MetricsWriter(run_dir, truncate_to=0 if (run_dir / "metrics.jsonl").exists() else None)
+            if main
+            else NullWriter(),
         )
         run.evaluate(0)
     try:

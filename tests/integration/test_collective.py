@@ -158,3 +158,21 @@ def test_drop_prob_and_workers_schedule_match_the_simulator(tiny, tmp_path):
     real = load_file(str(tmp_path / "c" / "model.safetensors"))
     sim = _sim(tiny, tmp_path, "s", num_workers=2, drop_prob=0.5, workers_schedule="0:1,0.5:2")
     assert all(real[k].equal(sim[k]) for k in sim)
+
+
+@pytest.mark.timeout(120)
+def test_a_restart_before_any_checkpoint_starts_over_in_the_same_directory(tmp_path):
+    out = tmp_path / "c"
+    proc = _torchrun(
+        tmp_path, 2, "--out", str(out), env={"DILOCO_FAULT": "kill:0:2:1"}, max_restarts=1, timeout=110
+    )
+    assert proc.returncode == 0, "\n".join(x for x in proc.stderr.splitlines() if not x.startswith("W"))[
+        :6000
+    ]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["version"] for x in lines if x["kind"] == "outer"] == [
+        1,
+        2,
+        3,
+    ]  # the lost attempt's lines are gone
+    assert json.loads((out / "summary.json").read_text())["outer_updates"] == 3

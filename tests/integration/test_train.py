@@ -12,7 +12,7 @@ from diloco.metrics import read_metrics
 from diloco.train import train
 
 RUN_FILES = {"config.json", "metrics.jsonl", "summary.json", "model.safetensors"}
-TIMES = ("wall_time_s",)
+TIMES = ("wall_time_s", "eval_time_s")
 
 
 def _same_params(a, b):
