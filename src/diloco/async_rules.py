@@ -34,6 +34,10 @@ class AsyncRule:
     ) -> bool:
         raise NotImplementedError
 
+    def flush(self, params: Tensors) -> bool:
+        """Apply whatever the rule still holds back when training ends; True if θ changed."""
+        return False
+
     def state_dict(self) -> dict:
         return {}
 
@@ -104,9 +108,16 @@ class Buffer(AsyncRule):
         self.pending.append((worker, [g.clone() for g in grad]))
         if len(self.pending) < self.size:
             return False
+        return self.flush(params)
+
+    def flush(self, params: Tensors) -> bool:
+        """One Nesterov step on the mean of the arrivals held (all N, or the last few at the end)."""
+        if not self.pending:
+            return False
         arrivals = sorted(self.pending, key=lambda a: a[0])
         self.pending = []
-        self.opt.step(params, weighted_average([g for _, g in arrivals], [1.0 / self.size] * self.size))
+        n = len(arrivals)
+        self.opt.step(params, weighted_average([g for _, g in arrivals], [1.0 / n] * n))
         return True
 
     def state_dict(self) -> dict:

@@ -103,7 +103,8 @@ class Worker:
             loss, lr = self.train_step(None if lr_step is None else lr_step + j)
             total_loss += loss
         with torch.no_grad():
-            outer_grad = [s - p for s, p in zip(start, self.params, strict=True)]
+            # On the start's device: the CPU for a GPU worker of the collective runtime.
+            outer_grad = [s - p.to(s.device) for s, p in zip(start, self.params, strict=True)]
         return InnerResult(outer_grad, steps, total_loss / steps, lr)
 
     def state_dict(self) -> dict[str, Any]:

@@ -182,7 +182,9 @@ def _run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Pa
     cfg, trainer, writer = run.cfg, run.trainer, run.writer
     H = cfg.inner_steps
     every = cfg.eval_every or H
-    tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
+    # a worker of M ranks (collective runtime) processes M batches a step
+    ranks_per_worker = cfg.procs_per_worker if cfg.runtime == "collective" else 1
+    tokens_per_step = cfg.data.batch_size * cfg.model.seq_len * ranks_per_worker
     schedule = parse_workers_schedule(cfg.workers_schedule, cfg.num_workers) if cfg.workers_schedule else None
     bar = _progress(cfg, cfg.rounds, start_round, "round", progress)
     try:
@@ -309,8 +311,15 @@ def train(
 
         collective.init(cfg)
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        if resume is None and restarted and checkpoint.latest(cfg.run_dir / "checkpoints") is not None:
-            resume = cfg.run_dir
+        if resume is None and restarted:
+            # Rank 0 decides and tells everyone: other machines may not see the run directory.
+            found = (
+                int(os.environ["RANK"]) == 0 and checkpoint.latest(cfg.run_dir / "checkpoints") is not None
+            )
+            box = [found]
+            collective.broadcast_object(box)
+            if box[0]:
+                resume = cfg.run_dir
         threads = collective.threads_per_rank(cfg)
     set_threads(threads)
     data = prepare_data(cfg)
@@ -330,8 +339,9 @@ def train(
         # Before the workers are built: a bad --out is an error before anything starts.
         run_dir = _new_run_dir(cfg, reuse=restarted)
     trainer = build_trainer(cfg, data)
+    clean = False
     try:
-        return _train(
+        result = _train(
             cfg,
             trainer,
             data,
@@ -341,8 +351,10 @@ def train(
             progress=progress,
             run_dir=run_dir,
         )
+        clean = True
+        return result
     finally:
-        trainer.close()
+        trainer.close(clean=clean)
 
 
 def _restore(trainer, state: dict[str, Any] | None, resume: Path) -> None:

@@ -138,3 +138,17 @@ def test_grace_period_restarts_caught_workers_together(tiny, tmp_path, grace_s, 
     train(cfg, progress=False)
     lines = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "worker"]
     assert [round(m["sim_time_s"], 6) for m in lines[:4]] == times
+
+
+@pytest.mark.timeout(60)
+def test_buffer_arrivals_left_at_the_end_are_applied(tiny, tmp_path):
+    cfg = tiny(
+        method="async",
+        rounds=2,
+        sim=SimConfig(speeds=(1.0, 3.0), procs=1),
+        server=ServerConfig(rule="buffer", buffer=3, dylu=True),
+    )
+    summary = train(cfg, progress=False)
+    arrivals = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "worker"]
+    assert len(arrivals) % 3 != 0  # some are left in the buffer at the end
+    assert summary["outer_updates"] == -(-len(arrivals) // 3)  # ceil: the rest is one last step

@@ -91,6 +91,7 @@ def test_two_workers_of_two_ranks_equal_two_simulated_workers_at_double_batch(ti
     size = summary["params"] * 4 * 3  # 3 rounds of one model-sized message
     # leaders all-reduce (send and receive) and broadcast (send); the others only receive
     assert summary["bytes_per_rank"] == [[2 * size, size], [0, size], [2 * size, size], [0, size]]
+    assert summary["tokens"] == 3 * 4 * 2 * (2 * 4) * 32  # rounds × H × workers × (M × batch) × seq
     real = load_file(str(tmp_path / "c" / "model.safetensors"))
     base = tiny()
     sim = _sim(tiny, tmp_path, "s", num_workers=2, data=dataclasses.replace(base.data, batch_size=8))

@@ -95,3 +95,15 @@ def test_every_rule_state_round_trips(name):
         a.apply(pa, _t(i + 1), worker=i % 3, staleness=1, pulled=_t(0))
         b.apply(pb, _t(i + 1), worker=i % 3, staleness=1, pulled=_t(0))
     assert torch.equal(pa[0], pb[0])
+
+
+def test_buffer_flush_applies_the_last_few_arrivals():
+    theta, ref = _t(0), _t(0)
+    rule, sync = Buffer(0.7, 0.9, size=4), Nesterov(0.7, 0.9)
+    for w in (1, 0):
+        assert not rule.apply(theta, _t(w + 1), worker=w, staleness=0)
+    assert rule.flush(theta) and not rule.flush(theta)
+    from diloco.outer import weighted_average
+
+    sync.step(ref, weighted_average([_t(1), _t(2)], [0.5, 0.5]))
+    assert torch.equal(theta[0], ref[0])

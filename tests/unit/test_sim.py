@@ -149,3 +149,11 @@ def test_inactive_workers_neither_train_nor_count():
     alone.round()
     assert all(torch.equal(a, b) for a, b in zip(trainer.params, alone.params))  # weight renormalised to 1
     assert trainer.workers[1].step == 0 and trainer.total_steps == 2 and trainer.bytes_sent[1] == 0
+
+
+def test_a_worker_rejoining_after_inactivity_starts_from_the_global_parameters():
+    torch.manual_seed(0)
+    trainer = DiLoCo(partial(GPT, TINY), _adamw, [_sampler(1), _sampler(2)], inner_steps=2)
+    trainer.own_start[1] = True  # as if its last outer_grad had been dropped
+    trainer.round(active=1)
+    assert trainer.own_start == [False, False]

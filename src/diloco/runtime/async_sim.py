@@ -171,6 +171,8 @@ class AsyncDiLoCo:
                 restart = group[-1][0] if not self._heap else t + self.grace_s
             for _, wa in group:
                 self._dispatch(wa, restart)
+        # Arrivals a rule still holds (a buffer of fewer than N at the end) are not lost.
+        self.version += int(self.rule.flush(self.params))
 
-    def close(self) -> None:
+    def close(self, *, clean: bool = True) -> None:
         self.pool.close()

@@ -231,6 +231,8 @@ class CollectiveDiLoCo:
         dropped = [
             outer_grad_dropped(self.cfg.seed, self.rounds_done, i, self.cfg.drop_prob) for i in range(n)
         ]
+        if w >= n:  # an inactive worker rejoins from the global parameters
+            self.own_start = False
         if w < n:
             kill = _fault("kill", self.rank, self.rounds_done + 1)
             if kill is not None:
@@ -339,12 +341,19 @@ class CollectiveDiLoCo:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def close(self) -> None:
+    def close(self, *, clean: bool = True) -> None:
+        """Leave the job. On the normal path all ranks leave together (a rank that tears gloo
+        down while rank 0 still writes the summary can abort its peers); after an error this rank
+        must not wait for the others, who may be blocked in a collective it will never join."""
         if dist.is_initialized():
-            # Leave together: a rank that tears gloo down while rank 0 still writes the summary
-            # can abort its peers ("terminate called without an active exception").
-            dist.barrier()
+            if clean:
+                dist.barrier()
             dist.destroy_process_group()
+
+
+def broadcast_object(box: list) -> None:
+    """Rank 0's box[0] to every rank, in place (before any CollectiveDiLoCo exists)."""
+    dist.broadcast_object_list(box, src=0)
 
 
 def threads_per_rank(cfg: TrainConfig) -> int:

@@ -172,6 +172,8 @@ class ProcessPool:
         return self._done.pop(w)
 
     def state_dict(self) -> list[dict[str, Any]]:
+        if any(self._queued):
+            raise RuntimeError("ProcessPool.state_dict with jobs in flight; collect their results first")
         states: list[Any] = [None] * self.num_workers
         for p, conn in enumerate(self._conns):
             conn.send(("state", None))

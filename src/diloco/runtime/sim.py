@@ -141,6 +141,8 @@ class DiLoCo:
         parameters next round, and the others' weights are rescaled to sum to 1.
         """
         n, H, start = active or self.num_workers, self.inner_steps, self.sim_time_s
+        for w in range(n, self.num_workers):  # an inactive worker rejoins from the global parameters
+            self.own_start[w] = False
         pull_bytes = tensor_bytes(self.params)
         for w in range(n):  # all jobs first, so a process pool computes them side by side
             if self.own_start[w]:
@@ -210,7 +212,7 @@ class DiLoCo:
         self.bytes_sent = [int(b) for b in state["bytes_sent"]]
         self.bytes_received = [int(b) for b in state["bytes_received"]]
 
-    def close(self) -> None:
+    def close(self, *, clean: bool = True) -> None:
         self.pool.close()
 
 
