@@ -87,7 +87,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="diloco", description="Low-communication training of language models.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    train = sub.add_parser("train", help="train with DiLoCo or a baseline in the simulator")
+    train = sub.add_parser(
+        "train", help="train with DiLoCo, asynchronous Local-SGD or a baseline (simulator or torchrun)"
+    )
     train.add_argument("--config", type=Path, help="TOML file of settings; flags override it")
     for dest, (_, kind, help_) in TRAIN_FLAGS.items():
         flag = "--" + dest.replace("_", "-")
