@@ -181,7 +181,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _report(summary: dict) -> None:
-    from diloco.train import format_summary
+    from diloco.summary import format_summary
 
     if "rank" in summary:  # a rank other than 0 under torchrun: rank 0 reports
         return

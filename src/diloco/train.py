@@ -23,12 +23,12 @@ from safetensors.torch import save_file
 
 from diloco import checkpoint
 from diloco.build import Data, build_trainer, prepare_data
-from diloco.codec import tensor_bytes
 from diloco.config import TrainConfig, from_dict, load_json
 from diloco.errors import Interrupted, UserError
 from diloco.metrics import MetricsWriter, NullWriter
 from diloco.runtime.async_sim import Arrival, AsyncDiLoCo
 from diloco.schedule import active_workers, parse_workers_schedule
+from diloco.summary import summarize
 
 EVAL_BATCH = 64
 
@@ -435,90 +435,6 @@ def _train(cfg, trainer, data, *, resume, state, stop_after, progress, run_dir) 
     save_file(
         {k: v.contiguous() for k, v in trainer.model.state_dict().items()}, str(run_dir / "model.safetensors")
     )
-    summary = _summary(cfg, run, final_loss, step)
+    summary = summarize(cfg, run, final_loss, step)
     checkpoint.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
-
-
-def _summary(cfg: TrainConfig, run: Run, val_loss: float, step: int) -> dict[str, Any]:
-    trainer = run.trainer
-    k = trainer.num_workers
-    steps_total = trainer.applied if isinstance(trainer, AsyncDiLoCo) else trainer.total_steps
-    per_worker = max(trainer.bytes_sent)
-    # Data parallel sends one gradient per worker per inner step; with one worker, nothing.
-    dp_per_worker = (steps_total // k) * tensor_bytes(trainer.params) if k > 1 else 0
-    return {
-        "run_dir": cfg.out,
-        "method": cfg.method,
-        "num_workers": k,
-        "params": sum(p.numel() for p in trainer.params),
-        "val_loss": val_loss,
-        "val_ppl": math.exp(val_loss),
-        "final_subset_val_loss": run.val_loss,
-        "tokens": run.tokens,
-        "inner_steps": steps_total,  # summed over workers; data parallel: a gradient per worker per step
-        "inner_steps_per_worker": steps_total // k,
-        "outer_updates": trainer.version,
-        "bytes_sent": sum(trainer.bytes_sent),
-        "bytes_received": sum(trainer.bytes_received),
-        "bytes_sent_per_worker": per_worker,
-        "dp_bytes_sent_per_worker": dp_per_worker,
-        "dp_bytes_ratio": dp_per_worker / per_worker if per_worker and dp_per_worker else None,
-        "target_loss": cfg.target_loss or None,
-        "time_to_target_s": run.target["sim_time_s"] if run.target else None,
-        "steps_to_target": run.target["inner_step"] if run.target else None,
-        "wall_time_s": round(run.wall_time_s(), 3),
-        "eval_time_s": round(run.eval_time_s, 3),
-        "sim_time_s": trainer.sim_time_s,
-        "runtime": cfg.runtime,
-        **_utilisation(run.timing_total),
-        **({"bytes_per_rank": trainer.bytes_per_rank} if hasattr(trainer, "bytes_per_rank") else {}),
-    }
-
-
-def _utilisation(timing: dict[str, float]) -> dict[str, float]:
-    """Measured compute and communication time of a real runtime (none in the simulator)."""
-    total = timing["compute_s"] + timing["comm_s"]
-    if not total:
-        return {}
-    return {
-        "compute_s": round(timing["compute_s"], 3),
-        "comm_s": round(timing["comm_s"], 3),
-        "compute_utilisation": round(timing["compute_s"] / total, 4),
-    }
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    mb = 1e6
-    lines = [
-        f"done in {s['wall_time_s']:.1f} s"
-        + (f" ({s['sim_time_s']:.1f} s simulated)" if s["sim_time_s"] is not None else "")
-        + (f", compute utilisation {s['compute_utilisation']:.1%}" if "compute_utilisation" in s else "")
-        + f": {s['run_dir']}",
-        f"  val_loss {s['val_loss']:.4f}   val_ppl {s['val_ppl']:.3f}   (whole validation split)",
-        f"  tokens {s['tokens']:,}   inner steps {s['inner_steps']:,} "
-        f"({s['inner_steps_per_worker']:,} per worker)   outer updates {s['outer_updates']}",
-    ]
-    sent = s["bytes_sent_per_worker"]
-    if s["method"] == "dp" and sent:
-        lines.append(f"  bytes sent per worker {sent / mb:.2f} MB (a gradient every step)")
-    elif s["dp_bytes_ratio"] is not None:
-        lines.append(
-            f"  bytes sent per worker {sent / mb:.2f} MB: {s['dp_bytes_ratio']:.1f}x fewer than data "
-            f"parallel ({s['dp_bytes_sent_per_worker'] / mb:.2f} MB) for the same inner steps"
-        )
-    else:
-        lines.append(
-            f"  bytes sent per worker {sent / mb:.2f} MB (one worker: data parallel would send nothing)"
-        )
-    if s["target_loss"] is not None:
-        reached = s["time_to_target_s"]
-        lines.append(
-            f"  target val_loss {s['target_loss']}: "
-            + (
-                f"reached at {reached:.1f} s simulated (step {s['steps_to_target']})"
-                if reached is not None
-                else "not reached"
-            )
-        )
-    return "\n".join(lines)
