@@ -306,6 +306,8 @@ def train(
     restarts after a failure resumes from the run's latest checkpoint by itself."""
     restarted = False
     threads = cfg.resolved_threads
+    # the process that reads and writes the run directory: the only one, or rank 0 under torchrun
+    main = cfg.runtime == "sim" or int(os.environ.get("RANK", "0")) == 0
     if cfg.runtime == "collective":
         from diloco.runtime import collective
 
@@ -313,10 +315,7 @@ def train(
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         if resume is None and restarted:
             # Rank 0 decides and tells everyone: other machines may not see the run directory.
-            found = (
-                int(os.environ["RANK"]) == 0 and checkpoint.latest(cfg.run_dir / "checkpoints") is not None
-            )
-            box = [found]
+            box = [main and checkpoint.latest(cfg.run_dir / "checkpoints") is not None]
             collective.broadcast_object(box)
             if box[0]:
                 resume = cfg.run_dir
@@ -324,7 +323,7 @@ def train(
     set_threads(threads)
     data = prepare_data(cfg)
     state = None
-    if resume is not None and (cfg.runtime == "sim" or int(os.environ.get("RANK", "0")) == 0):
+    if resume is not None and main:
         found = checkpoint.latest(resume / "checkpoints")
         if found is None:
             raise UserError(
@@ -335,7 +334,7 @@ def train(
         if not (resume / "metrics.jsonl").is_file():
             raise UserError(f"run directory {resume} has no metrics.jsonl; it is not a complete diloco run.")
     run_dir = resume
-    if resume is None and (cfg.runtime == "sim" or int(os.environ.get("RANK", "0")) == 0):
+    if resume is None and main:
         # Before the workers are built: a bad --out is an error before anything starts.
         run_dir = _new_run_dir(cfg, reuse=restarted)
     trainer = build_trainer(cfg, data)

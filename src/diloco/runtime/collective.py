@@ -283,7 +283,6 @@ class CollectiveDiLoCo:
             float(leaders[0][1]),
             list(self.bytes_sent),
             list(self.bytes_received),
-            0.0,
         )
 
     # -- checkpoints: rank 0 holds the whole state, like the simulator's DiLoCo.state_dict ------

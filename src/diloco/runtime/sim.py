@@ -39,7 +39,6 @@ class RoundStats:
     lr: float  # inner lr of the round's last step
     bytes_sent: list[int] = field(default_factory=list)  # cumulative, per worker
     bytes_received: list[int] = field(default_factory=list)  # cumulative, per worker
-    sim_time_s: float = 0.0  # simulated time at the end of the round
 
 
 def make_worker(model_fn: ModelFn, inner_opt_fn: OptFn, batches: Iterator, **kwargs: Any) -> Worker:
@@ -181,7 +180,6 @@ class DiLoCo:
             lr,
             list(self.bytes_sent),
             list(self.bytes_received),
-            self.sim_time_s,
         )
 
     def state_dict(self) -> dict[str, Any]:
