@@ -1,4 +1,11 @@
-"""The one exception a user can cause: the CLI prints its sentence and exits with code 2."""
+"""Exceptions that end a run with one sentence and no traceback.
+
+- `UserError` (exit code 2): bad input a user can fix (config, data, run directory, checkpoint).
+- `RunFailed` (exit code 3): the run itself went wrong (a non-finite loss, ranks that diverged or
+  hung, a worker process that died); the message names what and where, and the last good
+  checkpoint is left intact.
+Internal bugs raise ordinary exceptions instead.
+"""
 
 
 class UserError(ValueError):
@@ -13,5 +20,17 @@ class Interrupted(Exception):
     """The user stopped a run (Ctrl-C); the message says whether and how it can be continued."""
 
 
-class ReplicaMismatch(RuntimeError):
+class RunFailed(RuntimeError):
+    """The run cannot go on (exit code 3); the message names what failed and where."""
+
+
+class ReplicaMismatch(RunFailed):
     """Ranks of a real runtime hold different global parameters: the run cannot go on."""
+
+
+class NonFinite(RunFailed):
+    """A worker produced a NaN or Inf training loss or outer_grad (see --on-nonfinite)."""
+
+
+class WorkerDied(RunFailed):
+    """A process computing workers (--procs) or a rank (torchrun) died or hung."""
