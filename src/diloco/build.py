@@ -13,6 +13,7 @@ from functools import partial
 
 import torch
 
+from diloco import faults
 from diloco.async_rules import build_async_rule
 from diloco.codec import build_codec
 from diloco.config import InnerConfig, TrainConfig
@@ -20,6 +21,7 @@ from diloco.data import ShardSampler, ShardSet, eval_windows, load_corpus, make_
 from diloco.inner import Worker
 from diloco.model import GPT
 from diloco.outer import build_outer_opt
+from diloco.outer_side import OuterSide
 from diloco.runtime.async_sim import AsyncDiLoCo
 from diloco.runtime.clock import Clock, parse_slowdown, profile
 from diloco.runtime.pool import InlinePool, ProcessPool, balanced_assignment
@@ -82,13 +84,15 @@ def build_worker(w: int, cfg: TrainConfig, shards: list[torch.Tensor], batch_mul
     """Worker w of a CLI run (module-level, so worker processes can build it). A worker made of
     M ranks (collective runtime) draws batches of M × batch_size rows and splits them."""
     batches = ShardSet([sampler(cfg, shards, i, batch_multiple) for i in range(len(shards))], current=w)
-    return make_worker(
+    worker = make_worker(
         partial(GPT, cfg.model),
         partial(adamw, inner=cfg.inner),
         batches,
         lr_schedule=lr_schedule(cfg),
         grad_clip=cfg.inner.grad_clip,
+        codec=build_codec(cfg.codec),
     )
+    return faults.wrap_worker(worker, w)
 
 
 def build_pool(cfg: TrainConfig, data: Data) -> InlinePool | ProcessPool:
@@ -117,65 +121,51 @@ def build_clock(cfg: TrainConfig, k: int) -> Clock:
     )
 
 
-def build_trainer(cfg: TrainConfig, data: Data) -> DiLoCo | DataParallel | AsyncDiLoCo:
-    """The runtime object for `cfg.method`; the global model is initialised from `cfg.seed`."""
+def build_trainer(cfg: TrainConfig, data: Data):
+    """The runtime for `cfg` (see runtime/__init__.py); the global model comes from `cfg.seed`."""
     if cfg.runtime == "collective":
         from diloco.runtime.collective import CollectiveDiLoCo
 
         return CollectiveDiLoCo(cfg, data.shards, data.weights, build_worker=build_worker)
     torch.manual_seed(cfg.seed)
-    model_fn = partial(GPT, cfg.model)
-    k = len(data.shards)
-    clock = build_clock(cfg, cfg.num_workers)
+    model = GPT(cfg.model)  # built before the pool, so the pool cannot change the initialisation
     if cfg.method in ("single", "dp"):
-        samplers = [sampler(cfg, data.shards, i) for i in range(k)]
+        k = len(data.shards)
+        clock = build_clock(cfg, cfg.num_workers)
         return DataParallel(
-            model_fn,
+            lambda: model,
             partial(adamw, inner=cfg.inner),
-            samplers,
+            [sampler(cfg, data.shards, i) for i in range(k)],
             inner_steps=cfg.inner_steps,
             lr_schedule=lr_schedule(cfg),
             grad_clip=cfg.inner.grad_clip,
             clock=Clock(clock.step_s[:k], bandwidth_mbps=clock.bandwidth_mbps, latency_ms=clock.latency_ms),
         )
+    side = OuterSide(
+        model,
+        cfg.num_workers,
+        update=_async_rule(cfg) if cfg.method == "async" else build_outer_opt(cfg.outer),
+        codec=build_codec(cfg.codec),
+        weights=None if cfg.method == "async" else data.weights,
+        drop_prob=cfg.drop_prob,
+        seed=cfg.seed,
+        on_nonfinite=cfg.on_nonfinite,
+    )
+    pool, clock = build_pool(cfg, data), build_clock(cfg, cfg.num_workers)
     if cfg.method == "diloco":
-        model = model_fn()  # built before the pool, so the pool cannot change the initialisation
-        trainer = DiLoCo(
-            lambda: model,
-            inner_steps=cfg.inner_steps,
-            outer_opt=build_outer_opt(cfg.outer),
-            weights=data.weights,
-            codec=build_codec(cfg.codec),
-            pool=build_pool(cfg, data),
-            clock=clock,
-            drop_prob=cfg.drop_prob,
-            seed=cfg.seed,
-        )
-        return trainer
-    v, o = cfg.server, cfg.outer
-    rule = build_async_rule(
+        return DiLoCo.from_side(side, pool, clock, inner_steps=cfg.inner_steps)
+    return AsyncDiLoCo.from_config(cfg, side, pool, clock, shard_sizes=[len(s) for s in data.shards])
+
+
+def _async_rule(cfg: TrainConfig):
+    v = cfg.server
+    return build_async_rule(
         v.rule,
-        lr=o.lr,
-        momentum=o.momentum,
-        num_workers=k,
+        lr=cfg.outer.lr,
+        momentum=cfg.outer.momentum,
+        num_workers=cfg.num_workers,
         buffer=v.buffer,
         c=v.dn_c,
         poly_threshold=v.poly_threshold,
         delaycomp_lambda=v.delaycomp_lambda,
-    )
-    model = model_fn()
-    return AsyncDiLoCo(
-        lambda: model,
-        build_pool(cfg, data),
-        rule=rule,
-        clock=clock,
-        inner_steps=cfg.inner_steps,
-        total_steps=k * cfg.total_inner_steps,
-        codec=build_codec(cfg.codec),
-        dylu=v.dylu,
-        dylu_oracle=v.dylu_oracle,
-        dylu_alpha=v.dylu_alpha,
-        grace_s=v.grace_s,
-        shard_sizes=[len(s) for s in data.shards] if v.shard_sampling else None,
-        seed=cfg.seed,
     )

@@ -4,10 +4,24 @@ A checkpoint is a folder `checkpoints/round-000006/` holding
 - `state.safetensors`: every tensor of the nested state (parameters, optimizer moments, RNG
   states), keyed by its path in the state;
 - `state.json`: the rest of the state (numbers, strings) with `{"__tensor__": key}` where a
-  tensor stood, so any nested dict/list state round-trips exactly (int dict keys included);
+  tensor stood and `{"__float__": "nan"}` (or "inf", "-inf") where a non-finite float stood, so
+  any nested dict/list state round-trips exactly (int dict keys included) in strict JSON;
 - `checksums.json`: sha256 of both files.
-It is written under a temporary name and renamed into place, so a crash leaves either the whole
-checkpoint or none.
+
+A process killed at any moment leaves a run that can be resumed from a valid checkpoint:
+- `save` writes into a hidden `.tmp-round-N`, fsyncs every file and the folder, renames it into
+  place and fsyncs `checkpoints/`; a `round-N` folder is therefore always complete.
+- Re-saving an existing round (a round rerun after a resume) first moves the old folder aside to
+  `.replaced-round-N`, renames the new one in, and only then deletes the old one; a process killed
+  in between leaves `.replaced-round-N`, which the next `save`/`latest`/`latest_valid` renames
+  back if `round-N` is missing.
+- Pruning beyond the newest `keep` renames each folder to `.old-round-N`, fsyncs, then deletes it,
+  so a half-deleted folder never looks like a checkpoint. Checkpoints of rounds after the one
+  being saved are stale (left from before a resume that skipped them as corrupt) and go too.
+- Leftover hidden folders of a killed process are cleaned up by the next `save`.
+`latest_valid` skips a corrupt newest checkpoint (with a warning) and falls back to an older one.
+Other files the run writes whole (config.json, summary.json, model.safetensors) go through
+`atomic_write_text`, `atomic_write_json` and `atomic_save_safetensors`.
 
     diloco train --checkpoint-every 2 --rounds 4 && diloco train --resume runs/...
 """
@@ -16,22 +30,29 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from diloco.errors import UserError
+from diloco.metrics import json_safe
 
 _NAME = re.compile(r"^round-(\d{6})$")
+_HIDDEN = re.compile(r"^\.(tmp|old|replaced)-round-(\d{6})$")
+_FILES = ("state.safetensors", "state.json")
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
-    """Move tensors out of `obj` into `tensors`; return a JSON-able skeleton."""
+    """Move tensors out of `obj` into `tensors`; return a strict-JSON-able skeleton."""
     if isinstance(obj, torch.Tensor):
         tensors[path] = obj.detach().cpu().clone().contiguous()
         return {"__tensor__": path}
@@ -41,6 +62,8 @@ def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
         return {"__items__": [[k, flatten(v, tensors, f"{path}.{k}")] for k, v in obj.items()]}
     if isinstance(obj, (list, tuple)):
         return [flatten(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {"__float__": repr(obj)}  # 'nan', 'inf', '-inf'
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     raise TypeError(f"cannot checkpoint a {type(obj).__name__} at {path}")
@@ -50,6 +73,8 @@ def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(skeleton, dict):
         if "__tensor__" in skeleton:
             return tensors[skeleton["__tensor__"]]
+        if "__float__" in skeleton:
+            return _NONFINITE[skeleton["__float__"]]
         if "__items__" in skeleton:
             return {k: unflatten(v, tensors) for k, v in skeleton["__items__"]}
         return {k: unflatten(v, tensors) for k, v in skeleton.items()}
@@ -59,64 +84,226 @@ def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make renames and deletions inside `path` durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write a whole file or nothing: write a temporary file, fsync it, rename it."""
+    """Write a whole file or nothing: write a temporary file, fsync it, rename it, fsync the folder."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
-def save(checkpoint_dir: Path, round_: int, state: dict[str, Any]) -> Path:
-    """Write the state for `round_` into checkpoint_dir/round-NNNNNN atomically."""
+def atomic_write_json(path: Path, obj: Any, *, indent: int | None = 2) -> None:
+    """`atomic_write_text` of strict JSON: non-finite floats become null (see metrics.json_safe)."""
+    atomic_write_text(path, json.dumps(json_safe(obj), indent=indent, allow_nan=False) + "\n")
+
+
+def atomic_save_safetensors(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    """Write a safetensors file whole or not at all (e.g. the run's model.safetensors): a
+    temporary file in the same folder, fsync, os.replace, fsync the folder."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _round_dirs(checkpoint_dir: Path) -> dict[int, Path]:
+    """round -> checkpoint folder, for the complete (visible) ones."""
+    if not checkpoint_dir.is_dir():
+        return {}
+    found = {}
+    for p in checkpoint_dir.iterdir():
+        m = _NAME.match(p.name)
+        if m and p.is_dir():
+            found[int(m.group(1))] = p
+    return found
+
+
+def _restore_replaced(checkpoint_dir: Path) -> None:
+    """A process killed between moving round-N aside and renaming its replacement in leaves only
+    `.replaced-round-N`, a complete checkpoint: put it back."""
+    if not checkpoint_dir.is_dir():
+        return
+    restored = False
+    for p in checkpoint_dir.iterdir():
+        m = _HIDDEN.match(p.name)
+        if m and m.group(1) == "replaced" and not (checkpoint_dir / f"round-{m.group(2)}").exists():
+            os.rename(p, checkpoint_dir / f"round-{m.group(2)}")
+            restored = True
+    if restored:
+        _fsync_dir(checkpoint_dir)
+
+
+def _clean_leftovers(checkpoint_dir: Path) -> None:
+    """Delete the hidden folders a killed `save` left behind (after restoring any replaced one)."""
+    _restore_replaced(checkpoint_dir)
+    for p in checkpoint_dir.iterdir():
+        if _HIDDEN.match(p.name):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def save(checkpoint_dir: Path, round_: int, state: dict[str, Any], *, keep: int | None = 3) -> Path:
+    """Write the state for `round_` into checkpoint_dir/round-NNNNNN atomically and durably, then
+    delete all but the newest `keep` checkpoints (None keeps all) and any of later rounds.
+
+    Killed at any moment, this leaves checkpoint_dir with a complete checkpoint of `round_` or of
+    the rounds it held before (see the module docstring)."""
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be at least 1 (or None), not {keep}")
+    checkpoint_dir = Path(checkpoint_dir)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_dir / f"round-{round_:06d}"
-    tmp = checkpoint_dir / f".tmp-round-{round_:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    _clean_leftovers(checkpoint_dir)
+    name = f"round-{round_:06d}"
+    final = checkpoint_dir / name
+    tmp = checkpoint_dir / f".tmp-{name}"
     tmp.mkdir()
-    tensors: dict[str, torch.Tensor] = {}
-    skeleton = flatten(state, tensors)
-    save_file(tensors, str(tmp / "state.safetensors"))
-    (tmp / "state.json").write_text(json.dumps(skeleton))
-    sums = {name: _sha256(tmp / name) for name in ("state.safetensors", "state.json")}
-    (tmp / "checksums.json").write_text(json.dumps(sums, indent=1))
-    for name in ("state.safetensors", "state.json", "checksums.json"):
-        with open(tmp / name, "rb") as f:
-            os.fsync(f.fileno())
-    if final.exists():  # a rerun of the same round after a resume
-        shutil.rmtree(final)
+    try:
+        tensors: dict[str, torch.Tensor] = {}
+        skeleton = flatten(state, tensors)
+        save_file(tensors, str(tmp / "state.safetensors"))
+        (tmp / "state.json").write_text(json.dumps(skeleton, allow_nan=False))
+        sums = {f: _sha256(tmp / f) for f in _FILES}
+        (tmp / "checksums.json").write_text(json.dumps(sums, indent=1))
+        for f in (*_FILES, "checksums.json"):
+            _fsync_file(tmp / f)
+        _fsync_dir(tmp)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    replaced = None
+    if final.exists():  # a rerun of the same round after a resume: never delete before replacing
+        replaced = checkpoint_dir / f".replaced-{name}"
+        os.rename(final, replaced)
+        _fsync_dir(checkpoint_dir)
     os.rename(tmp, final)
+    _fsync_dir(checkpoint_dir)
+    if replaced is not None:
+        shutil.rmtree(replaced)
+    _prune(checkpoint_dir, round_, keep)
     return final
 
 
+def _prune(checkpoint_dir: Path, round_: int, keep: int | None) -> None:
+    rounds = _round_dirs(checkpoint_dir)
+    stale = [r for r in rounds if r > round_]
+    older = sorted(r for r in rounds if r < round_)
+    drop = stale + (older[: max(0, len(older) - (keep - 1))] if keep is not None else [])
+    if not drop:
+        return
+    hidden = []
+    for r in drop:
+        old = checkpoint_dir / f".old-round-{r:06d}"
+        os.rename(rounds[r], old)
+        hidden.append(old)
+    _fsync_dir(checkpoint_dir)
+    for old in hidden:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def latest(checkpoint_dir: Path) -> Path | None:
-    """The newest complete checkpoint, or None."""
-    if not checkpoint_dir.is_dir():
-        return None
-    found = sorted(p for p in checkpoint_dir.iterdir() if _NAME.match(p.name) and p.is_dir())
-    return found[-1] if found else None
+    """The newest complete checkpoint folder, or None (not verified: see `latest_valid`)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    _restore_replaced(checkpoint_dir)
+    rounds = _round_dirs(checkpoint_dir)
+    return rounds[max(rounds)] if rounds else None
+
+
+class _Corrupt(Exception):
+    """Why a checkpoint cannot be read; `kind` is "corrupt" or "unreadable"."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        sums = json.loads((path / "checksums.json").read_text())
+        for name in _FILES:
+            if _sha256(path / name) != sums[name]:
+                raise _Corrupt("corrupt", f"{name} fails its checksum")
+        tensors = load_file(str(path / "state.safetensors"))
+        return unflatten(json.loads((path / "state.json").read_text()), tensors)
+    except _Corrupt:
+        raise
+    except (OSError, KeyError, TypeError, ValueError, SafetensorError) as e:
+        raise _Corrupt("unreadable", str(e) or type(e).__name__) from None
 
 
 def load(path: Path) -> dict[str, Any]:
     """Read and verify a checkpoint; a damaged one is a UserError naming it."""
     try:
-        sums = json.loads((path / "checksums.json").read_text())
-        for name in ("state.safetensors", "state.json"):
-            if _sha256(path / name) != sums[name]:
-                raise UserError(
-                    f"checkpoint {path} is corrupt ({name} fails its checksum); "
-                    "delete that folder to resume from an earlier checkpoint."
-                )
-        tensors = load_file(str(path / "state.safetensors"))
-        return unflatten(json.loads((path / "state.json").read_text()), tensors)
-    except (OSError, KeyError, ValueError) as e:
-        if isinstance(e, UserError):
-            raise
+        return _read(Path(path))
+    except _Corrupt as e:
         raise UserError(
-            f"checkpoint {path} is unreadable ({e}); delete that folder to resume from an earlier checkpoint."
+            f"checkpoint {path} is {e.kind} ({e.reason}); "
+            "delete that folder to resume from an earlier checkpoint."
         ) from None
+
+
+def latest_valid(checkpoint_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that loads and verifies, and its state; None if there is none.
+
+    A corrupt or unreadable newer one is skipped with a warning on stderr naming it and the
+    checkpoint resumed from instead; if every checkpoint is damaged, a UserError names the newest.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    _restore_replaced(checkpoint_dir)
+    rounds = _round_dirs(checkpoint_dir)
+    skipped: list[tuple[Path, _Corrupt]] = []
+    for r in sorted(rounds, reverse=True):
+        try:
+            state = _read(rounds[r])
+        except _Corrupt as e:
+            skipped.append((rounds[r], e))
+            continue
+        for path, e in skipped:
+            print(
+                f"diloco: warning: checkpoint {path} is {e.kind} ({e.reason}); resuming from {rounds[r]}",
+                file=sys.stderr,
+            )
+        return rounds[r], state
+    if not skipped:
+        return None
+    path, e = skipped[0]
+    raise UserError(
+        f"checkpoint {path} is {e.kind} ({e.reason}) and no older one in {checkpoint_dir} is valid; "
+        "delete that folder and start the run again without --resume."
+    )

@@ -9,74 +9,53 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
-from diloco.config import METHODS, MODEL_PRESETS, OUTER_OPTS, SHARDINGS, from_dict, load_toml, merge
-from diloco.errors import Interrupted, ReplicaMismatch, UserError
+from diloco import settings
+from diloco.config import TrainConfig, from_dict, load_toml, merge
+from diloco.errors import Interrupted, RunFailed, UserError
+
+# Settings `--resume DIR` may change: where and how fast the run continues, never its results.
+RESUME_OVERRIDES = ("runtime", "threads", "sim.procs", "timeout_s")
 
 
-def _speeds(text: str) -> tuple[float, ...]:
-    from diloco.runtime.clock import parse_speeds
+def _flag_type(parse, flag: str):
+    """An argparse type from a setting's parser: its ValueError becomes argparse's one-line error."""
 
-    try:
-        return tuple(parse_speeds(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--speeds wants positive seconds per step separated by commas, got {text!r}"
-        ) from None
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e) or f"bad value for {flag}: {text!r}") from None
 
-
-# flag dest -> (config path, type or action, help)
-TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
-    "method": ("method", str, f"{' | '.join(METHODS)} (default diloco)"),
-    "workers": ("num_workers", int, "number of workers k (default 4)"),
-    "inner_steps": ("inner_steps", int, "inner steps per round H (default 50)"),
-    "rounds": ("rounds", int, "rounds (outer steps) to run (default 6)"),
-    "model": ("model.name", str, f"model preset: {' | '.join(MODEL_PRESETS)} (default nano)"),
-    "batch_size": ("data.batch_size", int, "sequences per inner step per worker (default 16)"),
-    "seq_len": ("model.seq_len", int, "tokens per sequence (default: the preset's)"),
-    "shards": ("data.shards", str, f"{' | '.join(SHARDINGS)} (default iid)"),
-    "inner_lr": ("inner.lr", float, "peak inner AdamW learning rate (default 1e-3)"),
-    "outer_opt": ("outer.opt", str, f"{' | '.join(OUTER_OPTS)} (default nesterov)"),
-    "outer_lr": ("outer.lr", float, "outer learning rate (default 0.7)"),
-    "outer_momentum": ("outer.momentum", float, "outer momentum (default 0.9)"),
-    "seed": ("seed", int, "seed for initialisation, shards and batches (default 0)"),
-    "out": ("out", str, "run directory (default runs/<method>-k<k>-H<H>-s<seed>)"),
-    "eval_every": ("eval_every", int, "inner steps between evaluations (default 50)"),
-    "checkpoint_every": ("checkpoint_every", int, "rounds between checkpoints (default 0: none)"),
-    "threads": ("threads", int, "intra-op threads of the main process (default 0: every core)"),
-    "target_loss": ("target_loss", float, "report when the validation loss first reaches this"),
-    "runtime": ("runtime", str, "sim (one process) | collective (under torchrun; see docs/distributed.md)"),
-    "procs_per_worker": ("procs_per_worker", int, "collective: ranks per worker doing data parallel (1)"),
-    "bucket_mb": ("bucket_mb", float, "collective: outer sync bucket size in MB (25)"),
-    "drop_prob": ("drop_prob", float, "lose each outer_grad with this probability (default 0)"),
-    "workers_schedule": ("workers_schedule", str, "active workers over training, e.g. 0:4,0.5:8"),
-    # the simulator's clock and processes
-    "speeds": ("sim.speeds", _speeds, "seconds per inner step per worker, e.g. 0.58,0.75,1.51,3.33"),
-    "heterogeneity": ("sim.heterogeneity", str, "none | slight | moderate | very (1x, 1.5x, 3x, 6x spread)"),
-    "speed_jitter": ("sim.speed_jitter", float, "per-round relative jitter of time per step (default 0)"),
-    "slowdown": ("sim.slowdowns", "append", "W:FACTOR@START-END, e.g. 2:4@100-200 (repeatable)"),
-    "bandwidth_mbps": ("sim.bandwidth_mbps", float, "network bandwidth for pulls and pushes (0: unlimited)"),
-    "latency_ms": ("sim.latency_ms", float, "latency added to every pull and push (default 0)"),
-    "procs": ("sim.procs", int, "processes computing workers, one thread each (default 0: one per core)"),
-    # the asynchronous server
-    "async_rule": ("server.rule", str, "dn | naive | buffer | poly | polythres | delaycomp (default dn)"),
-    "dn_buffer": ("server.buffer", int, "N for dn and buffer (default 0: the number of workers)"),
-    "dn_c": ("server.dn_c", float, "c of delayed Nesterov, in [0, 1/N] (default 0)"),
-    "poly_threshold": ("server.poly_threshold", int, "polythres drops updates staler than this (10)"),
-    "delaycomp_lambda": ("server.delaycomp_lambda", float, "lambda of delay compensation (0.5)"),
-    "dylu": ("server.dylu", bool, "dynamic local updates from measured speeds"),
-    "dylu_oracle": ("server.dylu_oracle", bool, "dynamic local updates from the true speed profile"),
-    "dylu_alpha": ("server.dylu_alpha", float, "weight of the newest speed measurement (0.5)"),
-    "shard_sampling": ("server.shard_sampling", bool, "hand out shards by how far behind they are"),
-    "grace_s": ("server.grace_s", float, "grace period in simulated seconds (default 0; inf = sync)"),
-}
+    return convert
 
 
-def _nest(path: str, value: Any) -> dict[str, Any]:
-    head, _, rest = path.partition(".")
-    return {head: _nest(rest, value) if rest else value}
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field that declares one (config.py), dest = the field's dotted path;
+    a section's flags (model, data, ...) are grouped under its docstring's first line."""
+    groups: dict[str, Any] = {"": parser}
+    sections = settings.sections(TrainConfig)
+    for s in settings.walk(TrainConfig):
+        if not s.flag:
+            continue
+        section = s.path.rpartition(".")[0]
+        if section not in groups:
+            doc = (sections[section].__doc__ or "").split("\n")[0].rstrip(".")
+            groups[section] = parser.add_argument_group(f"[{section}] {doc}")
+        kw: dict[str, Any] = {"dest": s.path, "default": None, "help": settings.help_text(s)}
+        metavar = s.flag.lstrip("-").replace("-", "_").upper()
+        if s.type is bool:
+            kw["action"] = "store_true"
+        elif s.meta.parse is not None:
+            kw.update(type=_flag_type(s.meta.parse, s.flag), metavar=metavar)
+        elif settings.is_list(s.type):  # repeatable: each use adds one item
+            kw.update(action="append", type=typing.get_args(s.type)[0], metavar=metavar)
+        else:
+            kw.update(type=s.type, metavar=metavar)
+        groups[section].add_argument(s.flag, **kw)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -91,19 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train with DiLoCo, asynchronous Local-SGD or a baseline (simulator or torchrun)"
     )
     train.add_argument("--config", type=Path, help="TOML file of settings; flags override it")
-    for dest, (_, kind, help_) in TRAIN_FLAGS.items():
-        flag = "--" + dest.replace("_", "-")
-        if kind is bool:
-            train.add_argument(flag, dest=dest, action="store_true", default=None, help=help_)
-        elif kind == "append":
-            train.add_argument(flag, dest=dest, action="append", help=help_)
-        else:
-            train.add_argument(flag, dest=dest, type=kind, help=help_)
+    _add_setting_flags(train)
     train.add_argument(
         "--resume",
         type=Path,
         metavar="RUN_DIR",
-        help="continue a run from its latest checkpoint, bit for bit",
+        help="continue a run from its latest checkpoint, bit for bit; only "
+        + ", ".join(settings.find(TrainConfig, p).flag for p in RESUME_OVERRIDES)
+        + " may change",
     )
     train.add_argument(
         "--stop-after",
@@ -143,21 +117,40 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace) -> int:
-    from diloco.train import load_run_config, train
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given as flags: {dotted path: value}."""
+    flagged = (s.path for s in settings.walk(TrainConfig) if s.flag)
+    return {path: getattr(args, path) for path in flagged if getattr(args, path) is not None}
 
-    overrides = {dest: getattr(args, dest) for dest in TRAIN_FLAGS if getattr(args, dest) is not None}
+
+def _resumed_config(args: argparse.Namespace, overrides: dict[str, Any]) -> TrainConfig:
+    from diloco.train import load_run_config
+
+    refused = [settings.find(TrainConfig, p).flag for p in overrides if p not in RESUME_OVERRIDES]
+    refused += ["--config"] if args.config is not None else []
+    if refused:
+        allowed = ", ".join(settings.find(TrainConfig, p).flag for p in RESUME_OVERRIDES)
+        raise UserError(
+            f"--resume continues a run with its saved config.json and allows only {allowed} besides; "
+            f"drop the other settings ({', '.join(refused)})."
+        )
+    cfg = load_run_config(args.resume)
+    for path, value in overrides.items():
+        cfg = settings.replace(cfg, path, value)  # validated again
+    return cfg
+
+
+def _train(args: argparse.Namespace) -> int:
+    from diloco.train import train
+
+    overrides = _overrides(args)
     if args.resume is not None:
-        if overrides or args.config is not None:
-            raise UserError(
-                "--resume continues a run with its saved config.json; drop the other settings "
-                f"({', '.join('--' + d.replace('_', '-') for d in overrides) or '--config'})."
-            )
-        cfg = load_run_config(args.resume)
+        cfg = _resumed_config(args, overrides)
+        procs_given = "sim.procs" in overrides
     else:
         values = load_toml(args.config) if args.config is not None else {}
-        for dest, value in overrides.items():
-            values = merge(values, _nest(TRAIN_FLAGS[dest][0], value))
+        for path, value in overrides.items():
+            values = merge(values, settings.nest(path, value))
         if (
             values.get("runtime") == "collective"
             and "num_workers" not in values
@@ -166,6 +159,13 @@ def _train(args: argparse.Namespace) -> int:
             # under torchrun the number of workers follows from the ranks started
             values["num_workers"] = int(os.environ["WORLD_SIZE"]) // int(values.get("procs_per_worker", 1))
         cfg = from_dict(values, where=str(args.config) if args.config else "the flags")
+        procs_given = "procs" in (values.get("sim") or {})
+    if procs_given and cfg.runtime == "collective" and settings.changed(cfg, "sim.procs"):
+        # config.py exempts sim.procs (a sim run's config.json carries it); given now, it is a mistake
+        raise UserError(
+            "sim.procs (--procs) applies only with --runtime sim; drop it "
+            "(torchrun's --nproc-per-node starts the ranks of --runtime collective)."
+        )
     if args.stop_after is not None and args.stop_after < 1:
         raise UserError(f"--stop-after must be a round >= 1, got {args.stop_after}.")
     summary = train(cfg, resume=args.resume, stop_after=args.stop_after, progress=args.progress)
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"diloco: error: {e}", file=sys.stderr)
         return 2
-    except ReplicaMismatch as e:
+    except RunFailed as e:  # a non-finite loss, diverged or dead ranks: the checkpoints are intact
         print(f"diloco: error: {e}", file=sys.stderr)
         return 3
     except (KeyboardInterrupt, Interrupted) as e:

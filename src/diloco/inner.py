@@ -2,7 +2,12 @@
 and returns outer_grad = θ_start − θ_local.
 
 A worker owns its model replica, its inner optimizer state (kept across rounds, never sent),
-its step count (which drives its lr schedule) and its data iterator.
+its step count (which drives its lr schedule), its data iterator and its codec state (error
+feedback of lossy codecs): it encodes its own outer_grad, as a remote worker would.
+
+A job whose training loss or outer_grad is not finite is reported as such (`finite` False); the
+worker then clears its inner optimizer state (AdamW moments full of NaN would spoil every later
+job), and the outer side decides whether to stop the run or drop that outer_grad.
 
     python -m pytest tests/unit/test_sim.py tests/unit/test_outer.py
 """
@@ -13,8 +18,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import math
+
 import torch
 import torch.nn as nn
+
+from diloco.codec import Codec, Encoded
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -33,6 +42,8 @@ class InnerResult:
     steps: int
     mean_loss: float  # mean training loss over the steps
     last_lr: float
+    finite: bool = True  # every loss and the outer_grad were finite
+    message: Encoded | None = None  # the outer_grad encoded by the worker's codec, if it has one
 
 
 class Worker:
@@ -51,6 +62,7 @@ class Worker:
         loss_fn: LossFn = gpt_loss,
         lr_schedule: Callable[[int], float] | None = None,
         grad_clip: float = 0.0,
+        codec: Codec | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -58,6 +70,8 @@ class Worker:
         self.loss_fn = loss_fn
         self.lr_schedule = lr_schedule
         self.grad_clip = grad_clip
+        self.codec = codec
+        self.codec_state: dict[str, Any] = {}  # the codec's per-worker state (error feedback)
         self.step = 0  # inner steps taken so far, over all rounds
         self.params = [p for p in model.parameters() if p.requires_grad]
 
@@ -105,13 +119,18 @@ class Worker:
         with torch.no_grad():
             # On the start's device: the CPU for a GPU worker of the collective runtime.
             outer_grad = [s - p.to(s.device) for s, p in zip(start, self.params, strict=True)]
-        return InnerResult(outer_grad, steps, total_loss / steps, lr)
+            finite = math.isfinite(total_loss) and all(bool(torch.isfinite(g).all()) for g in outer_grad)
+        if not finite:
+            self.optimizer.state.clear()  # fresh moments: the next job starts clean
+        message = self.codec.encode(outer_grad, self.codec_state) if self.codec is not None else None
+        return InnerResult(outer_grad, steps, total_loss / steps, lr, finite, message)
 
     def state_dict(self) -> dict[str, Any]:
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
+            "codec": self.codec_state,
         }
         if hasattr(self.batches, "state_dict"):
             state["batches"] = self.batches.state_dict()
@@ -121,5 +140,6 @@ class Worker:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
+        self.codec_state = dict(state.get("codec", {}))
         if "batches" in state:
             self.batches.load_state_dict(state["batches"])

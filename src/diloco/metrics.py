@@ -4,15 +4,47 @@ Every line has `kind` (`inner`, `worker`, `outer`, `eval`), `version`, `inner_st
 `wall_time_s` and, in the simulator, `sim_time_s`; see README.md, "The run directory". Plots and
 benchmarks read these files; nothing parses console output.
 
+metrics.jsonl is strict JSON: a non-finite number (a diverged loss, its perplexity) is written as
+`null` (`json_safe`), never as the `NaN`/`Infinity` literals that other JSON readers reject; other
+JSON files go through `json_safe` too (checkpoint.atomic_write_json). TensorBoard gets such
+values as they are (it plots NaN and Inf), so a divergence stays visible there.
+
     tensorboard --logdir runs/
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
+
+
+def json_safe(obj: Any) -> Any:
+    """`obj` with every non-finite float (NaN, ±Inf) replaced by None, recursively through dicts,
+    lists and tuples (tuples become lists, as JSON has them); everything else is unchanged."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def perplexity(loss: float | None) -> float | None:
+    """exp(loss), or None when the loss is None or not finite or exp overflows (a diverged loss
+    such as 1e4): a perplexity is then not a number worth writing."""
+    if loss is None:
+        return None
+    loss = float(loss)
+    if not math.isfinite(loss):
+        return None
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return None
 
 
 class MetricsWriter:
@@ -20,6 +52,7 @@ class MetricsWriter:
 
     On resume, `truncate_to` cuts metrics.jsonl back to its size when the checkpoint was saved
     and `purge_step` makes TensorBoard drop the events after it, so no line appears twice.
+    Lines are strict JSON: non-finite numbers are written as null (TensorBoard gets them as is).
     """
 
     def __init__(self, run_dir: Path, *, truncate_to: int | None = None, purge_step: int | None = None):
@@ -39,7 +72,7 @@ class MetricsWriter:
 
     def log(self, kind: str, **fields: Any) -> None:
         line = {"kind": kind, **fields}
-        self._file.write(json.dumps(line) + "\n")
+        self._file.write(json.dumps(json_safe(line), allow_nan=False) + "\n")
         self._file.flush()
         step = fields.get("inner_step", 0)
         suffix = f"/worker{fields['worker']}" if "worker" in fields else ""
@@ -53,7 +86,7 @@ class MetricsWriter:
 
 
 def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
-    """All lines of a run's metrics.jsonl."""
+    """All lines of a run's metrics.jsonl (non-finite numbers read back as None)."""
     with open(Path(run_dir) / "metrics.jsonl") as f:
         return [json.loads(line) for line in f if line.strip()]
 

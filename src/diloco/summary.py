@@ -6,35 +6,36 @@ print(f(json.load(open('runs/diloco-k4-H50-s0/summary.json'))))"
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from diloco.codec import tensor_bytes
 from diloco.config import TrainConfig
-from diloco.runtime.async_sim import AsyncDiLoCo
+from diloco.metrics import perplexity
 
 
 def summarize(cfg: TrainConfig, run, val_loss: float, step: int) -> dict[str, Any]:
+    """summary.json's fields, from the runtime interface (runtime/__init__.py) alone."""
     trainer = run.trainer
+    side = trainer.side
     k = trainer.num_workers
-    steps_total = trainer.applied if isinstance(trainer, AsyncDiLoCo) else trainer.total_steps
-    per_worker = max(trainer.bytes_sent)
+    steps_total = side.total_steps
+    per_worker = max(side.bytes_sent)
     # Data parallel sends one gradient per worker per inner step; with one worker, nothing.
-    dp_per_worker = (steps_total // k) * tensor_bytes(trainer.params) if k > 1 else 0
+    dp_per_worker = (steps_total // k) * side.param_bytes if k > 1 else 0
     return {
         "run_dir": cfg.out,
         "method": cfg.method,
         "num_workers": k,
-        "params": sum(p.numel() for p in trainer.params),
+        "params": sum(p.numel() for p in side.params),
         "val_loss": val_loss,
-        "val_ppl": math.exp(val_loss),
+        "val_ppl": perplexity(val_loss),
         "final_subset_val_loss": run.val_loss,
         "tokens": run.tokens,
         "inner_steps": steps_total,  # summed over workers; data parallel: a gradient per worker per step
         "inner_steps_per_worker": steps_total // k,
-        "outer_updates": trainer.version,
-        "bytes_sent": sum(trainer.bytes_sent),
-        "bytes_received": sum(trainer.bytes_received),
+        "outer_updates": side.version,
+        "nonfinite_dropped": side.nonfinite_dropped,
+        "bytes_sent": sum(side.bytes_sent),
+        "bytes_received": sum(side.bytes_received),
         "bytes_sent_per_worker": per_worker,
         "dp_bytes_sent_per_worker": dp_per_worker,
         "dp_bytes_ratio": dp_per_worker / per_worker if per_worker and dp_per_worker else None,
@@ -46,7 +47,7 @@ def summarize(cfg: TrainConfig, run, val_loss: float, step: int) -> dict[str, An
         "sim_time_s": trainer.sim_time_s,
         "runtime": cfg.runtime,
         **_utilisation(run.timing_total),
-        **({"bytes_per_rank": trainer.bytes_per_rank} if hasattr(trainer, "bytes_per_rank") else {}),
+        **trainer.summary_extras(),
     }
 
 
@@ -69,7 +70,9 @@ def format_summary(s: dict[str, Any]) -> str:
         + (f" ({s['sim_time_s']:.1f} s simulated)" if s["sim_time_s"] is not None else "")
         + (f", compute utilisation {s['compute_utilisation']:.1%}" if "compute_utilisation" in s else "")
         + f": {s['run_dir']}",
-        f"  val_loss {s['val_loss']:.4f}   val_ppl {s['val_ppl']:.3f}   (whole validation split)",
+        f"  val_loss {s['val_loss']:.4f}   val_ppl "
+        + (f"{s['val_ppl']:.3f}" if s["val_ppl"] is not None else "overflow")
+        + "   (whole validation split)",
         f"  tokens {s['tokens']:,}   inner steps {s['inner_steps']:,} "
         f"({s['inner_steps_per_worker']:,} per worker)   outer updates {s['outer_updates']}",
     ]

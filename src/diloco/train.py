@@ -19,14 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from diloco import checkpoint
 from diloco.build import Data, build_trainer, prepare_data
 from diloco.config import TrainConfig, from_dict, load_json
 from diloco.errors import Interrupted, UserError
-from diloco.metrics import MetricsWriter, NullWriter
-from diloco.runtime.async_sim import Arrival, AsyncDiLoCo
+from diloco.metrics import MetricsWriter, NullWriter, json_safe, perplexity
 from diloco.schedule import active_workers, parse_workers_schedule
 from diloco.summary import summarize
 
@@ -56,13 +54,29 @@ def evaluate(model: torch.nn.Module, windows_NT: torch.Tensor) -> float:
     return total / count
 
 
-def _new_run_dir(cfg: TrainConfig, *, reuse: bool = False) -> Path:
-    """The run directory, created; `reuse` (a torchrun restart before any checkpoint) takes the
-    failed attempt's directory again."""
+LAUNCH_FILE = "launch.json"  # torchrun's run id of the launch that owns the run directory
+
+
+def _launch_id() -> str | None:
+    """torchrun's id of this launch (the same in every restart of it), or None outside torchrun."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
+
+
+def _owned_by_this_launch(run_dir: Path) -> bool:
+    """Whether run_dir was created by this very torchrun launch (a restart may take it again)."""
+    try:
+        return json.loads((run_dir / LAUNCH_FILE).read_text()).get("run_id") == _launch_id()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _new_run_dir(cfg: TrainConfig, *, restarted: bool = False) -> tuple[Path, bool]:
+    """The run directory, created; returns (it, whether it is this launch's own from an earlier
+    attempt). A torchrun restart takes the directory again only if this launch created it: an
+    `--out` that holds another run stays refused on every attempt and is never touched."""
     run_dir = cfg.run_dir
-    if reuse:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        return run_dir
+    if restarted and run_dir.is_dir() and _owned_by_this_launch(run_dir):
+        return run_dir, True
     if cfg.runtime == "collective" and run_dir.exists() and any(run_dir.iterdir()):
         raise UserError(
             f"run directory {run_dir} already exists; the collective runtime never renames it (its "
@@ -85,7 +99,9 @@ def _new_run_dir(cfg: TrainConfig, *, reuse: bool = False) -> Path:
         raise UserError(
             f"cannot create run directory {run_dir} ({e.strerror}); choose another --out."
         ) from None
-    return run_dir
+    if _launch_id() is not None:
+        checkpoint.atomic_write_text(run_dir / LAUNCH_FILE, json.dumps({"run_id": _launch_id()}))
+    return run_dir, False
 
 
 def load_run_config(run_dir: Path) -> TrainConfig:
@@ -122,11 +138,11 @@ class Run:
     @property
     def is_main(self) -> bool:
         """Only the main process (rank 0 under torchrun) evaluates and writes the run directory."""
-        return getattr(self.trainer, "is_main", True)
+        return self.trainer.is_main
 
     def clock(self, inner_step: int) -> dict[str, Any]:
         line = {
-            "version": self.trainer.version,
+            "version": self.trainer.side.version,
             "inner_step": inner_step,
             "tokens": self.tokens,
             "wall_time_s": round(self.wall_time_s(), 3),
@@ -143,7 +159,7 @@ class Run:
             return math.nan
         windows = self.data.eval_subset if split == "subset" else self.data.eval_full
         t0 = time.perf_counter()
-        loss = evaluate(self.trainer.model, windows)
+        loss = evaluate(self.trainer.side.model, windows)
         self.eval_time_s += time.perf_counter() - t0
         now = self.clock(inner_step)
         self.writer.log(
@@ -151,8 +167,8 @@ class Run:
             **now,
             split=split,
             val_loss=loss,
-            val_ppl=math.exp(loss),
-            bytes_sent=sum(self.trainer.bytes_sent),
+            val_ppl=perplexity(loss),
+            bytes_sent=sum(self.trainer.side.bytes_sent),
         )
         if split == "subset":
             self.val_loss = loss
@@ -175,6 +191,26 @@ def _progress(cfg: TrainConfig, total: int, initial: int, unit: str, progress: b
         unit=unit,
         disable=None if progress is None else not progress,
     )
+
+
+def save_checkpoint(run: Run, round_: int, run_dir: Path) -> None:
+    """Checkpoint `round_` (a collective call under torchrun: every rank joins)."""
+    state = run.trainer.state_dict()
+    if run.is_main:
+        checkpoint.save(
+            run_dir / "checkpoints",
+            round_,
+            {
+                "trainer": state,
+                "torch_rng": torch.get_rng_state(),
+                "round": round_,
+                "tokens": run.tokens,
+                "wall_time_s": run.wall_time_s(),
+                "target": run.target,
+                "metrics_offset": run.writer.offset(),
+            },
+            keep=run.cfg.keep_checkpoints,
+        )
 
 
 def _run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Path, progress) -> bool:
@@ -203,7 +239,7 @@ def _run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Pa
                     bytes_sent=stats.bytes_sent[w],
                     bytes_received=stats.bytes_received[w],
                 )
-            timing = getattr(trainer, "timing", None)  # real runtimes: measured compute and communication
+            timing = stats.timing  # real runtimes: measured compute and communication
             if timing:
                 total_s = timing["compute_s"] + timing["comm_s"]
                 timing = {**timing, "compute_utilisation": timing["compute_s"] / total_s if total_s else 1.0}
@@ -225,21 +261,7 @@ def _run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Pa
             )
             stopping = stop_after is not None and r == stop_after and r < cfg.rounds
             if (cfg.checkpoint_every and r % cfg.checkpoint_every == 0) or stopping:
-                state = trainer.state_dict()  # a collective call under torchrun: every rank joins
-                if run.is_main:
-                    checkpoint.save(
-                        run_dir / "checkpoints",
-                        r,
-                        {
-                            "trainer": state,
-                            "torch_rng": torch.get_rng_state(),
-                            "round": r,
-                            "tokens": run.tokens,
-                            "wall_time_s": run.wall_time_s(),
-                            "target": run.target,
-                            "metrics_offset": writer.offset(),
-                        },
-                    )
+                save_checkpoint(run, r, run_dir)
             if stopping:
                 return False
     finally:
@@ -247,49 +269,65 @@ def _run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Pa
     return True
 
 
-def _run_async(run: Run, *, progress) -> None:
-    """The asynchronous server until the compute budget (k × rounds × H inner steps) is spent."""
+def _run_async(run: Run, *, start_round: int, stop_after: int | None, run_dir: Path, progress) -> bool:
+    """The asynchronous server until the compute budget (k × rounds × H inner steps) is spent.
+    A "round" here is k × H inner steps applied (one sync round's compute): checkpoints and
+    --stop-after count those, and are taken once the grace group that crossed one is applied.
+    Returns False if stopped early by --stop-after."""
     cfg, trainer, writer = run.cfg, run.trainer, run.writer
-    k = trainer.num_workers
-    every = (cfg.eval_every or cfg.inner_steps) * k  # in inner steps summed over workers
+    k, H = trainer.num_workers, cfg.inner_steps
+    per_round = k * H
+    every = (cfg.eval_every or H) * k  # in inner steps summed over workers
     tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
-    bar = _progress(cfg, trainer.total_steps, 0, "step", progress)
-
-    def on_arrival(a: Arrival) -> None:
-        before = trainer.applied - a.steps
-        run.tokens += a.steps * tokens_per_step
-        step = trainer.applied // k  # per-worker equivalent, comparable with sync's inner_step
-        now = run.clock(step)
-        writer.log(
-            "worker",
-            **now,
-            worker=a.worker,
-            steps=a.steps,
-            staleness=a.staleness,
-            shard=a.shard,
-            speed_est_s=a.speed_est_s,
-            train_loss=a.train_loss,
-            lr=a.lr,
-            bytes_sent=trainer.bytes_sent[a.worker],
-            bytes_received=trainer.bytes_received[a.worker],
-        )
-        if a.changed:
-            writer.log(
-                "outer",
-                **now,
-                staleness=a.staleness,
-                bytes_sent=sum(trainer.bytes_sent),
-                bytes_received=sum(trainer.bytes_received),
-            )
-        if trainer.applied // every > before // every or trainer.applied == trainer.total_steps:
-            run.evaluate(step)
-        bar.update(a.steps)
-        bar.set_postfix(version=trainer.version, val_loss=f"{run.val_loss:.3f}" if run.val_loss else "-")
-
+    bar = _progress(cfg, trainer.total_steps, trainer.applied, "step", progress)
+    last_round = start_round  # the last round boundary handled
     try:
-        trainer.run(on_arrival)
+        while not trainer.done:
+            a = trainer.step()
+            if a is None:
+                break
+            before = trainer.applied - a.steps
+            run.tokens += a.steps * tokens_per_step
+            step = trainer.applied // k  # per-worker equivalent, comparable with sync's inner_step
+            now = run.clock(step)
+            writer.log(
+                "worker",
+                **now,
+                worker=a.worker,
+                steps=a.steps,
+                staleness=a.staleness,
+                shard=a.shard,
+                speed_est_s=a.speed_est_s,
+                train_loss=a.train_loss,
+                lr=a.lr,
+                bytes_sent=trainer.side.bytes_sent[a.worker],
+                bytes_received=trainer.side.bytes_received[a.worker],
+            )
+            if a.changed:
+                writer.log(
+                    "outer",
+                    **now,
+                    staleness=a.staleness,
+                    bytes_sent=sum(trainer.side.bytes_sent),
+                    bytes_received=sum(trainer.side.bytes_received),
+                )
+            if trainer.applied // every > before // every or trainer.applied == trainer.total_steps:
+                run.evaluate(step)
+            bar.update(a.steps)
+            bar.set_postfix(version=trainer.version, val_loss=f"{run.val_loss:.3f}" if run.val_loss else "-")
+            r = trainer.applied // per_round
+            if r == last_round or not trainer.at_boundary or trainer.done:
+                continue
+            crossed = range(last_round + 1, r + 1)
+            last_round = r
+            stopping = stop_after is not None and r >= stop_after
+            if (cfg.checkpoint_every and any(x % cfg.checkpoint_every == 0 for x in crossed)) or stopping:
+                save_checkpoint(run, r, run_dir)
+            if stopping:
+                return False
     finally:
         bar.close()
+    return True
 
 
 def train(
@@ -301,42 +339,48 @@ def train(
 ) -> dict[str, Any]:
     """Run (or continue) a training run; returns the summary (or where it stopped early).
 
-    Under torchrun (`runtime = "collective"`) every rank calls this; rank 0 writes the run
-    directory and returns the summary, the others return {"rank": r}. A job that torchrun
-    restarts after a failure resumes from the run's latest checkpoint by itself."""
-    restarted = False
+    Under torchrun (`runtime = "collective"`) every rank calls this; rank 0 reads and writes the
+    run directory and tells the others what it decided (or the user error it found), returns
+    the summary, the others return {"rank": r}. A job that torchrun restarts after a failure
+    resumes from its own run's latest checkpoint, and only its own."""
     threads = cfg.resolved_threads
-    # the process that reads and writes the run directory: the only one, or rank 0 under torchrun
-    main = cfg.runtime == "sim" or int(os.environ.get("RANK", "0")) == 0
-    if cfg.runtime == "collective":
-        from diloco.runtime import collective
+    collective = cfg.runtime == "collective"
+    if collective:
+        from diloco.runtime import collective as coll
 
-        collective.init(cfg)
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        if resume is None and restarted:
-            # Rank 0 decides and tells everyone: other machines may not see the run directory.
-            box = [main and checkpoint.latest(cfg.run_dir / "checkpoints") is not None]
-            collective.broadcast_object(box)
-            if box[0]:
-                resume = cfg.run_dir
-        threads = collective.threads_per_rank(cfg)
+        coll.init(cfg)
+        threads = coll.threads_per_rank(cfg)
     set_threads(threads)
+    # the process that reads and writes the run directory: the only one, or rank 0 under torchrun
+    main = not collective or int(os.environ.get("RANK", "0")) == 0
+    restarted = collective and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     data = prepare_data(cfg)
-    state = None
-    if resume is not None and main:
-        found = checkpoint.latest(resume / "checkpoints")
-        if found is None:
-            raise UserError(
-                f"run directory {resume} has no checkpoint to resume from; "
-                "checkpoints are saved only with --checkpoint-every."
-            )
-        state = checkpoint.load(found)
-        if not (resume / "metrics.jsonl").is_file():
-            raise UserError(f"run directory {resume} has no metrics.jsonl; it is not a complete diloco run.")
-    run_dir = resume
-    if resume is None and main:
-        # Before the workers are built: a bad --out is an error before anything starts.
-        run_dir = _new_run_dir(cfg, reuse=restarted)
+    found: dict[str, Any] = {}
+
+    def decide() -> tuple[str, bool]:
+        """(run directory, whether to resume), checked before anything is written but the
+        directory itself; the checkpoint to resume from is read into `found`."""
+        run_dir, own = (resume, True) if resume is not None else _new_run_dir(cfg, restarted=restarted)
+        if resume is None and not own:
+            return str(run_dir), False
+        latest = checkpoint.latest_valid(run_dir / "checkpoints")
+        if latest is None:
+            if resume is not None:
+                raise UserError(
+                    f"run directory {resume} has no checkpoint to resume from; "
+                    "checkpoints are saved only with --checkpoint-every or --stop-after."
+                )
+            return str(run_dir), False  # a torchrun restart before any checkpoint starts over
+        if not (run_dir / "metrics.jsonl").is_file():
+            raise UserError(f"run directory {run_dir} has no metrics.jsonl; it is not a complete diloco run.")
+        found["state"] = latest[1]
+        return str(run_dir), True
+
+    if collective:
+        run_dir_text, resuming = coll.agree(decide, main=main)
+    else:
+        run_dir_text, resuming = decide()
+    run_dir = Path(run_dir_text)
     trainer = build_trainer(cfg, data)
     clean = False
     try:
@@ -344,8 +388,8 @@ def train(
             cfg,
             trainer,
             data,
-            resume=resume,
-            state=state,
+            state=found.get("state") if resuming else None,
+            resuming=resuming,
             stop_after=stop_after,
             progress=progress,
             run_dir=run_dir,
@@ -356,32 +400,31 @@ def train(
         trainer.close(clean=clean)
 
 
-def _restore(trainer, state: dict[str, Any] | None, resume: Path) -> None:
+def _restore(trainer, state: dict[str, Any] | None, run_dir: Path) -> None:
     try:
         trainer.load_state_dict(state["trainer"] if state is not None else None)
         if state is not None:
             torch.set_rng_state(state["torch_rng"])
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
         raise UserError(
-            f"the checkpoint in {resume} does not match its config.json ({str(e)[:120]}); "
+            f"the checkpoint in {run_dir} does not match its config.json ({str(e)[:160]}); "
             "restore the run's original config.json."
         ) from None
 
 
-def _train(cfg, trainer, data, *, resume, state, stop_after, progress, run_dir) -> dict[str, Any]:
-    main = getattr(trainer, "is_main", True)
-    if resume is not None:
-        _restore(trainer, state, resume)
-        if hasattr(trainer, "broadcast"):  # under torchrun only rank 0 read the checkpoint
-            state = trainer.broadcast(
-                None if state is None else {k: v for k, v in state.items() if k != "trainer"}
-            )
-        run_dir = resume
+def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir) -> dict[str, Any]:
+    main = trainer.is_main
+    if main:  # config.json names the run directory and, after a move, the new runtime
+        cfg = dataclasses.replace(cfg, out=str(run_dir))
+        checkpoint.atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+    if resuming:
+        _restore(trainer, state, run_dir)
+        # under torchrun only rank 0 read the checkpoint
+        state = trainer.broadcast(None if state is None else {k: v for k, v in state.items() if k != "trainer"})
         start_round = state["round"]
+        step = start_round * cfg.inner_steps
         writer = (
-            MetricsWriter(
-                run_dir, truncate_to=state["metrics_offset"], purge_step=start_round * cfg.inner_steps + 1
-            )
+            MetricsWriter(run_dir, truncate_to=state["metrics_offset"], purge_step=step + 1)
             if main
             else NullWriter()
         )
@@ -395,9 +438,6 @@ def _train(cfg, trainer, data, *, resume, state, stop_after, progress, run_dir) 
             target=state.get("target"),
         )
     else:
-        if main:
-            cfg = dataclasses.replace(cfg, out=str(run_dir))
-            checkpoint.atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
         start_round = 0
         run = Run(
             cfg,
@@ -409,14 +449,11 @@ def _train(cfg, trainer, data, *, resume, state, stop_after, progress, run_dir) 
             else NullWriter(),
         )
         run.evaluate(0)
+        if cfg.checkpoint_every:  # from here on the run can always be resumed
+            save_checkpoint(run, 0, run_dir)
+    loop = _run_async if cfg.method == "async" else _run_sync
     try:
-        if isinstance(trainer, AsyncDiLoCo):
-            _run_async(run, progress=progress)
-        elif not _run_sync(
-            run, start_round=start_round, stop_after=stop_after, run_dir=run_dir, progress=progress
-        ):
-            run.writer.close()
-            return {"stopped_after": stop_after, "run_dir": str(run_dir)}
+        finished = loop(run, start_round=start_round, stop_after=stop_after, run_dir=run_dir, progress=progress)
     except KeyboardInterrupt:
         run.writer.close()
         has_checkpoint = checkpoint.latest(run_dir / "checkpoints") is not None
@@ -425,15 +462,21 @@ def _train(cfg, trainer, data, *, resume, state, stop_after, progress, run_dir) 
             if has_checkpoint
             else f"interrupted before any checkpoint; {run_dir} cannot be resumed (use --checkpoint-every)"
         ) from None
-
+    except BaseException:
+        run.writer.close()
+        raise
+    if not finished:
+        run.writer.close()
+        return {"stopped_after": stop_after, "run_dir": str(run_dir)}
     if not main:
         return {"rank": trainer.rank}
-    step = trainer.applied // trainer.num_workers if isinstance(trainer, AsyncDiLoCo) else trainer.inner_step
+    side = trainer.side
+    step = side.total_steps // trainer.num_workers if cfg.method == "async" else side.inner_step
     final_loss = run.evaluate(step, "full")
     run.writer.close()
-    save_file(
-        {k: v.contiguous() for k, v in trainer.model.state_dict().items()}, str(run_dir / "model.safetensors")
+    checkpoint.atomic_save_safetensors(
+        {k: v.contiguous() for k, v in side.model.state_dict().items()}, run_dir / "model.safetensors"
     )
     summary = summarize(cfg, run, final_loss, step)
-    checkpoint.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    checkpoint.atomic_write_text(run_dir / "summary.json", json.dumps(json_safe(summary), indent=2))
     return summary

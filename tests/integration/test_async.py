@@ -97,8 +97,6 @@ def test_async_only_settings_are_refused_for_sync(tiny):
 
     with pytest.raises(UserError, match="add --method async"):
         tiny(server=ServerConfig(dylu=True))
-    with pytest.raises(UserError, match="not supported yet for --method async"):
-        tiny(method="async", checkpoint_every=1)
     with pytest.raises(UserError, match="gives 3 speeds for 2 workers"):
         tiny(sim=SimConfig(speeds=(1.0, 2.0, 3.0)))
     with pytest.raises(UserError, match="W:FACTOR@START-END"):

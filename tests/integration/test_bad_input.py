@@ -106,3 +106,79 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("diloco: error: num_workers (--workers)")
     assert "Traceback" not in proc.stderr and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "toml,needle",
+    [
+        ("out = 5", "out (--out) must be a string, got 5; set it to a string."),
+        ("rounds = true", "rounds (--rounds) must be an integer, got True"),
+        ('[inner]\nlr = "x"', "inner.lr (--inner-lr) must be a number, got 'x'"),
+        ('[sim]\nspeeds = ["a"]', "sim.speeds (--speeds) must be a list of numbers, got ['a']"),
+        ("[server]\ndylu = 1", "server.dylu (--dylu) must be true or false, got 1"),
+        ("[model]\nn_layer = 2.5", "model.n_layer must be an integer, got 2.5"),
+        ('[sim]\nslowdowns = ["1:inf@0-10"]', "sim.slowdowns (--slowdown) must be W:FACTOR@START-END"),
+        ('[sim]\nslowdowns = ["1:nan@0-10"]', "a finite FACTOR > 0"),
+        ('on_nonfinite = "ignore"', "on_nonfinite (--on-nonfinite) must be one of stop, drop"),
+        ("keep_checkpoints = 0\ncheckpoint_every = 1", "keep_checkpoints (--keep-checkpoints) must be"),
+        ("timeout_s = 60", "timeout_s (--timeout-s) applies only with --runtime collective"),
+        ("[server]\ngrace_s = 2.0", "server.grace_s (--grace-s) applies only with --method async"),
+    ],
+)
+def test_a_toml_value_of_the_wrong_type_exits_2_naming_key_flag_and_type(
+    tmp_path, monkeypatch, capsys, toml, needle
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.toml").write_text(toml + "\n")
+    code, err = _run_in_process(capsys, ["train", "--config", "c.toml"])
+    assert code == 2 and needle in err, err
+    assert err.startswith("diloco: error:") and err.count("\n") == 1 and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml"]  # no run directory
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--async-rule", "naive"], "server.rule (--async-rule) applies only with --method async"),
+        (["--dn-buffer", "2"], "add --method async or drop it."),
+        (["--dylu-alpha", "0.9", "--method", "dp"], "(this run has dp)"),
+        (["--bucket-mb", "4"], "bucket_mb (--bucket-mb) applies only with --runtime collective"),
+        (["--procs-per-worker", "2"], "add --runtime collective or drop it."),
+        (["--timeout-s", "10"], "timeout_s (--timeout-s) applies only with --runtime collective"),
+        (
+            ["--runtime", "collective", "--speeds", "1,2,3,4"],
+            "sim.speeds (--speeds) applies only with --runtime sim",
+        ),
+        (["--runtime", "collective", "--heterogeneity", "very"], "add --runtime sim or drop it."),
+        (["--runtime", "collective", "--latency-ms", "5"], "sim.latency_ms (--latency-ms) applies only"),
+        (["--runtime", "collective", "--procs", "2"], "sim.procs (--procs) applies only with --runtime sim"),
+        (
+            ["--runtime", "collective", "--timeout-s", "0"],
+            "timeout_s (--timeout-s) must be a finite number > 0.0",
+        ),
+        (["--keep-checkpoints", "5"], "add --checkpoint-every N or drop it."),
+        (["--slowdown", "1:2@0-nan"], "sim.slowdowns (--slowdown) must be W:FACTOR@START-END"),
+        (["--on-nonfinite", "skip"], "must be one of stop, drop, got 'skip'"),
+    ],
+)
+def test_a_flag_that_does_not_apply_exits_2(tmp_path, monkeypatch, capsys, flags, needle):
+    monkeypatch.chdir(tmp_path)
+    code, err = _run_in_process(capsys, ["train", *flags])
+    assert code == 2 and needle in err, err
+    assert err.startswith("diloco: error:") and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(60)
+def test_resume_with_new_threads_and_procs_finishes_the_run(tiny, tmp_path, capsys):
+    from diloco.train import train
+
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    train(tiny(checkpoint_every=1, rounds=2, out=str(run)), stop_after=1, progress=False)
+    train(tiny(checkpoint_every=1, rounds=2, out=str(straight)), progress=False)
+    code, err = _run_in_process(capsys, ["train", "--resume", str(run), "--threads", "2", "--procs", "2"])
+    assert code == 0, err
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (run, straight))
+    assert a["val_loss"] == b["val_loss"]  # neither threads nor processes change a result

@@ -112,7 +112,7 @@ def test_a_rank_killed_mid_round_restarts_and_resumes_from_the_checkpoint(tiny, 
         "2",
         "--out",
         str(out),
-        env={"DILOCO_FAULT": "kill:1:3:2"},
+        env={"DILOCO_FAULT": "kill:1:10"},
         max_restarts=1,
         timeout=110,
     )
@@ -165,7 +165,7 @@ def test_drop_prob_and_workers_schedule_match_the_simulator(tiny, tmp_path):
 def test_a_restart_before_any_checkpoint_starts_over_in_the_same_directory(tmp_path):
     out = tmp_path / "c"
     proc = _torchrun(
-        tmp_path, 2, "--out", str(out), env={"DILOCO_FAULT": "kill:0:2:1"}, max_restarts=1, timeout=110
+        tmp_path, 2, "--out", str(out), env={"DILOCO_FAULT": "kill:0:5"}, max_restarts=1, timeout=110
     )
     assert proc.returncode == 0, "\n".join(x for x in proc.stderr.splitlines() if not x.startswith("W"))[
         :6000

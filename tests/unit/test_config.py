@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -62,3 +63,110 @@ def test_toml_and_json_round_trip(tmp_path):
         load_toml(path)
     with pytest.raises(UserError, match="does not exist"):
         load_toml(tmp_path / "missing.toml")
+
+
+def test_new_settings_and_their_defaults():
+    cfg = TrainConfig()
+    assert (cfg.on_nonfinite, cfg.keep_checkpoints, cfg.timeout_s) == ("stop", 3, 300.0)
+    cfg = from_dict({"on_nonfinite": "drop", "checkpoint_every": 1, "keep_checkpoints": 1})
+    assert (cfg.on_nonfinite, cfg.keep_checkpoints) == ("drop", 1)
+    assert from_dict({"runtime": "collective", "timeout_s": 0.5}).timeout_s == 0.5
+
+
+@pytest.mark.parametrize(
+    "values,needle",
+    [
+        ({"out": 5}, "out (--out) must be a string, got 5; set it to a string."),
+        ({"rounds": True}, "rounds (--rounds) must be an integer, got True; set it to an integer."),
+        ({"num_workers": 2.0}, "num_workers (--workers) must be an integer, got 2.0"),
+        ({"inner": {"lr": "x"}}, "inner.lr (--inner-lr) must be a number, got 'x'; set it to a number."),
+        ({"inner": {"beta1": False}}, "inner.beta1 must be a number, got False"),
+        ({"target_loss": True}, "target_loss (--target-loss) must be a number, got True"),
+        ({"sim": {"speeds": ["a"]}}, "sim.speeds (--speeds) must be a list of numbers, got ['a']"),
+        ({"sim": {"speeds": "1,2"}}, "sim.speeds (--speeds) must be a list of numbers, got '1,2'"),
+        ({"sim": {"slowdowns": [1]}}, "sim.slowdowns (--slowdown) must be a list of strings, got [1]"),
+        ({"server": {"dylu": 1}}, "server.dylu (--dylu) must be true or false, got 1"),
+        ({"method": 3}, "method (--method) must be a string, got 3"),
+        ({"on_nonfinite": "skip"}, "on_nonfinite (--on-nonfinite) must be one of stop, drop, got 'skip'"),
+        ({"keep_checkpoints": 0, "checkpoint_every": 1}, "keep_checkpoints (--keep-checkpoints) must be an"),
+        ({"runtime": "collective", "timeout_s": 0}, "timeout_s (--timeout-s) must be a finite number > 0.0"),
+        ({"runtime": "collective", "timeout_s": math.inf}, "timeout_s (--timeout-s) must be a finite number"),
+        ({"sim": {"slowdowns": ["1:inf@0-10"]}}, "sim.slowdowns (--slowdown) must be W:FACTOR@START-END"),
+        ({"sim": {"slowdowns": ["1:nan@0-10"]}}, "a finite FACTOR > 0"),
+        ({"sim": {"slowdowns": ["1:0@0-10"]}}, "a finite FACTOR > 0"),
+        ({"sim": {"slowdowns": ["1:2@nan-10"]}}, "got '1:2@nan-10'"),
+        ({"sim": {"slowdowns": ["1:2@inf-inf"]}}, "got '1:2@inf-inf'"),
+        ({"sim": {"slowdowns": ["1:2@5-5"]}}, "START < END"),
+        ({"server": {"grace_s": math.nan}, "method": "async"}, "server.grace_s (--grace-s) must be a number"),
+    ],
+)
+def test_every_type_is_checked_with_one_sentence_naming_key_flag_and_type(values, needle):
+    with pytest.raises(UserError) as e:
+        from_dict(values)
+    message = str(e.value)
+    assert needle in message and message.endswith(".") and "\n" not in message
+
+
+def test_an_int_is_a_float_and_inf_is_a_grace_and_a_slowdown_end():
+    cfg = from_dict({"inner": {"lr": 1}, "outer": {"lr": 1}, "sim": {"speeds": [1, 2.5, 3, 4]}})
+    assert (cfg.inner.lr, cfg.outer.lr, cfg.sim.speeds) == (1, 1, (1, 2.5, 3, 4))
+    cfg = from_dict({"method": "async", "server": {"grace_s": math.inf}, "sim": {"slowdowns": ["1:2@5-inf"]}})
+    assert cfg.server.grace_s == math.inf and cfg.sim.slowdowns == ("1:2@5-inf",)
+
+
+@pytest.mark.parametrize(
+    "values,needle",
+    [
+        ({"server": {"rule": "naive"}}, "server.rule (--async-rule) applies only with --method async (this"),
+        ({"server": {"buffer": 2}}, "server.buffer (--dn-buffer) applies only with --method async"),
+        ({"server": {"dn_c": 0.1}}, "server.dn_c (--dn-c) applies only with --method async"),
+        ({"server": {"poly_threshold": 3}}, "server.poly_threshold (--poly-threshold) applies only with"),
+        ({"server": {"delaycomp_lambda": 0.1}}, "server.delaycomp_lambda (--delaycomp-lambda) applies only"),
+        (
+            {"server": {"dylu_alpha": 0.9}},
+            "server.dylu_alpha (--dylu-alpha) applies only with --method async",
+        ),
+        ({"server": {"grace_s": 1.0}, "method": "single"}, "run has single); add --method async or drop it."),
+        ({"server": {"dylu_oracle": True}}, "server.dylu_oracle (--dylu-oracle) applies only with"),
+        (
+            {"procs_per_worker": 2},
+            "procs_per_worker (--procs-per-worker) applies only with --runtime collective",
+        ),
+        (
+            {"bucket_mb": 5},
+            "bucket_mb (--bucket-mb) applies only with --runtime collective (this run has sim)",
+        ),
+        ({"timeout_s": 60}, "timeout_s (--timeout-s) applies only with --runtime collective"),
+        (
+            {"runtime": "collective", "sim": {"speeds": [1, 2, 3, 4]}},
+            "sim.speeds (--speeds) applies only with",
+        ),
+        ({"runtime": "collective", "sim": {"heterogeneity": "very"}}, "sim.heterogeneity (--heterogeneity)"),
+        ({"runtime": "collective", "sim": {"speed_jitter": 0.1}}, "sim.speed_jitter (--speed-jitter)"),
+        ({"runtime": "collective", "sim": {"slowdowns": ["0:2@0-1"]}}, "add --runtime sim or drop it."),
+        ({"runtime": "collective", "sim": {"bandwidth_mbps": 10}}, "sim.bandwidth_mbps (--bandwidth-mbps)"),
+        ({"runtime": "collective", "sim": {"latency_ms": 5}}, "sim.latency_ms (--latency-ms) applies only"),
+        ({"drop_prob": 0.1, "method": "async"}, "drop_prob (--drop-prob) applies only with --method diloco"),
+        ({"workers_schedule": "0:1", "method": "dp"}, "workers_schedule (--workers-schedule) applies only"),
+        ({"keep_checkpoints": 5}, "keep_checkpoints (--keep-checkpoints) applies only with checkpoints"),
+    ],
+)
+def test_a_setting_that_does_not_apply_is_an_error(values, needle):
+    with pytest.raises(UserError) as e:
+        from_dict(values)
+    assert needle in str(e.value) and str(e.value).endswith(".")
+
+
+def test_settings_at_their_defaults_apply_anywhere(tiny):
+    # the defaults, written out, are not "given": a full config.json resumes in either runtime
+    full = TrainConfig().to_dict()
+    assert from_dict({**full, "runtime": "collective"}).runtime == "collective"
+    assert from_dict({**full, "method": "single"}).method == "single"
+    # sim.procs never changes a result: tiny configs (procs=1) are valid under collective too
+    collective = dataclasses.replace(tiny(), runtime="collective", procs_per_worker=2, timeout_s=10.0)
+    assert (collective.sim.procs, collective.runtime) == (1, "collective")
+    assert from_dict(collective.to_dict()) == collective
+
+
+def test_async_checkpoints_are_no_longer_refused(tiny):
+    assert tiny(method="async", checkpoint_every=1).checkpoint_every == 1

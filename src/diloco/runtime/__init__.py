@@ -1,1 +1,41 @@
-"""Runtimes move tensors and time; the algorithm lives in the core modules."""
+"""Runtimes: where workers compute and how messages and time move. Each keeps an `OuterSide`
+(outer_side.py) and exposes the small interface below, which is all `train.py` and
+`summary.py` use; they never ask which runtime they hold.
+
+- `side`: the OuterSide (global parameters `side.model`, `version`, counters).
+- `num_workers`, `is_main` (this process evaluates and writes the run directory).
+- `sim_time_s`: the simulated clock, or None in real runtimes.
+- sync: `round(active) -> RoundStats`; async: `step() -> list[Arrival]` until `done`.
+- `summary_extras() -> dict`: runtime-specific fields of summary.json.
+- `state_dict()` / `load_state_dict(state)`: {"outer": ..., "workers": [...], "runtime": {name: ...}}
+  — the one checkpoint layout; a runtime reads only its own entry under "runtime".
+- `broadcast(obj)`: the main process's object on every process (identity in one process).
+- `close(clean=True)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from diloco.outer_side import OuterSide
+
+
+class Runtime(Protocol):
+    side: OuterSide
+    is_main: bool
+
+    @property
+    def num_workers(self) -> int: ...
+
+    @property
+    def sim_time_s(self) -> float | None: ...
+
+    def summary_extras(self) -> dict[str, Any]: ...
+
+    def state_dict(self) -> dict[str, Any] | None: ...
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None: ...
+
+    def broadcast(self, obj: Any) -> Any: ...
+
+    def close(self, *, clean: bool = True) -> None: ...

@@ -18,9 +18,13 @@ import heapq
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from diloco.async_rules import AsyncRule, DelayComp
-from diloco.codec import Codec, Fp32Codec, tensor_bytes
+from diloco.codec import Codec, Encoded, Fp32Codec
+from diloco.config import TrainConfig
+from diloco.inner import InnerResult
+from diloco.outer_side import OuterSide
 from diloco.runtime.clock import Clock
 from diloco.runtime.pool import InlinePool, ProcessPool
 from diloco.runtime.sim import ModelFn
@@ -46,8 +50,17 @@ class AsyncDiLoCo:
     """The asynchronous server and its workers, driven by the virtual clock.
 
     `total_steps` is the compute budget: inner steps over all workers (k × rounds × H for equal
-    compute with sync). `run(on_arrival)` processes every push in time order.
+    compute with sync). `step()` processes the next push (and, with a grace period, the pushes
+    synced with it) and hands out new jobs; `run(on_arrival)` steps until `done`. The global
+    parameters, the rule and the counters are the `side` (outer_side.py).
+
+    Between steps the whole state can be saved: `state_dict()` first collects the results of
+    the jobs in flight (each worker's computation depends only on its own state and the
+    parameters it pulled, so computing a job early changes nothing) and saves them with the
+    event queue, the clock, the speed estimates, the shard step counts and the random state.
     """
+
+    is_main = True
 
     def __init__(
         self,
@@ -65,31 +78,69 @@ class AsyncDiLoCo:
         grace_s: float = 0.0,
         shard_sizes: list[int] | None = None,
         seed: int = 0,
+        on_nonfinite: str = "stop",
     ):
-        self.model = model_fn()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.pool, self.rule, self.clock = pool, rule, clock
-        self.codec = codec or Fp32Codec()
+        side = OuterSide(
+            model_fn(), len(pool), update=rule, codec=codec, seed=seed, on_nonfinite=on_nonfinite
+        )
+        self._setup(
+            side, pool, clock, inner_steps, total_steps, dylu, dylu_oracle, dylu_alpha, grace_s, shard_sizes
+        )
+
+    @classmethod
+    def from_config(
+        cls, cfg: TrainConfig, side: OuterSide, pool, clock: Clock, *, shard_sizes: list[int]
+    ) -> AsyncDiLoCo:
+        """A run built by build.py: the server's settings come from `cfg.server`."""
+        v, self = cfg.server, cls.__new__(cls)
+        total = cfg.num_workers * cfg.total_inner_steps
+        sizes = shard_sizes if v.shard_sampling else None
+        self._setup(
+            side, pool, clock, cfg.inner_steps, total, v.dylu, v.dylu_oracle, v.dylu_alpha, v.grace_s, sizes
+        )
+        return self
+
+    def _setup(
+        self, side, pool, clock, inner_steps, total_steps, dylu, dylu_oracle, dylu_alpha, grace_s, shard_sizes
+    ) -> None:
         k = len(pool)
+        self.side, self.pool, self.rule, self.clock = side, pool, side.update, clock
         self.inner_steps, self.total_steps = inner_steps, total_steps
         self.dylu, self.dylu_oracle, self.grace_s = dylu or dylu_oracle, dylu_oracle, grace_s
         self.estimators = [SpeedEstimator(dylu_alpha) for _ in range(k)]
         self.shard_sizes = shard_sizes  # None: every worker keeps its own shard
         self.shard_steps = [0] * (len(shard_sizes) if shard_sizes else k)
-        self.rng = random.Random(seed)
-        self.version = 0
-        self.sim_time_s = 0.0
+        self.rng = random.Random(side.seed)
+        self._sim_time_s = 0.0
         self.dispatched = 0  # inner steps handed out
         self.applied = 0  # inner steps whose outer_grad has arrived
-        self.bytes_sent = [0] * k
-        self.bytes_received = [0] * k
         self._jobs = [0] * k  # jobs per worker, numbering jitter draws
         self._heap: list[tuple[float, int, int]] = []
         self._inflight: dict[int, dict] = {}
+        self._ready: dict[int, InnerResult] = {}  # results collected early (for a checkpoint)
+        self._started = False
+        self._group: list[tuple[float, int]] = []  # the grace group being applied
+        self._pending: list[int] = []  # its workers not applied yet
+        self._restart = 0.0  # when its workers restart
+
+    model = property(lambda self: self.side.model)
+    params = property(lambda self: self.side.params)
+    version = property(lambda self: self.side.version)
+    bytes_sent = property(lambda self: self.side.bytes_sent)
+    bytes_received = property(lambda self: self.side.bytes_received)
+    codec = property(lambda self: self.side.codec)
 
     @property
     def num_workers(self) -> int:
         return len(self.pool)
+
+    @property
+    def sim_time_s(self) -> float:
+        return self._sim_time_s
+
+    @property
+    def done(self) -> bool:
+        return self._started and not self._heap and not self._group
 
     def _steps_for(self, w: int, t: float) -> int:
         if not self.dylu:
@@ -117,9 +168,8 @@ class AsyncDiLoCo:
         key = w if shard is None else shard
         shard_step = self.shard_steps[key]
         self.shard_steps[key] += steps
-        pull_bytes = tensor_bytes(self.params)
-        self.bytes_received[w] += pull_bytes
-        self.pool.submit(w, self.params, steps, lr_step=shard_step, shard=shard)
+        pull_bytes = self.side.param_bytes
+        self.pool.submit(w, self.side.pull(w), steps, lr_step=shard_step, shard=shard)
         pulled_at = t + self.clock.transfer_s(pull_bytes)
         compute_s = self.clock.compute_s(w, pulled_at, steps, job=self._jobs[w])
         arrival = pulled_at + compute_s + self.clock.transfer_s(self.codec.message_bytes(self.params))
@@ -137,42 +187,157 @@ class AsyncDiLoCo:
 
     def _arrive(self, w: int, t: float) -> Arrival:
         job = self._inflight.pop(w)
-        result = self.pool.result(w)
-        message = self.codec.encode(result.outer_grad)
-        self.bytes_sent[w] += message.nbytes
+        result = self._ready.pop(w) if w in self._ready else self.pool.result(w)
+        message = result.message or self.codec.encode(result.outer_grad)
         staleness = self.version - job["version"]
-        changed = self.rule.apply(
-            self.params, self.codec.decode(message), worker=w, staleness=staleness, pulled=job["pulled"]
+        changed = self.side.apply_async(
+            w, message, steps=job["steps"], staleness=staleness, finite=result.finite, pulled=job["pulled"]
         )
-        self.version += int(changed)
         self.applied += job["steps"]
-        self.sim_time_s = t
+        self._sim_time_s = t
         estimate = self.estimators[w].update(job["compute_s"], job["steps"])
         return Arrival(
             w, job["steps"], staleness, changed, result.mean_loss, result.last_lr, job["shard"], estimate, t
         )
 
-    def run(self, on_arrival: Callable[[Arrival], None] = lambda a: None) -> None:
-        """Hand out the first jobs, then process every push in simulated-time order."""
-        for w in range(self.num_workers):
-            self._dispatch(w, 0.0)
-        while self._heap:
+    @property
+    def at_boundary(self) -> bool:
+        """No grace group is half-applied: the state can be saved (see `state_dict`)."""
+        return not self._group
+
+    def step(self) -> Arrival | None:
+        """Apply the next push in time order and return it (None when the budget is spent).
+
+        With a grace period, the pushes landing within `grace_s` of it form a group: each is
+        applied in turn by the following calls, and once the last one is, the group's workers
+        restart together from the same θ. The first call hands out the first jobs. At the end,
+        what a rule still holds back (a buffer of fewer than N) is applied, not lost."""
+        if not self._started:
+            self._started = True
+            for w in range(self.num_workers):
+                self._dispatch(w, 0.0)
+        if not self._group:
+            if not self._heap:
+                return None
             t, _, w = heapq.heappop(self._heap)
-            group = [(t, w)]
-            # Grace period: workers finishing soon after this update are synced too, then all
-            # restart together from the same θ.
+            self._group = [(t, w)]
             while self.grace_s > 0 and self._heap and self._heap[0][0] <= t + self.grace_s:
                 ta, _, wa = heapq.heappop(self._heap)
-                group.append((ta, wa))
-            for ta, wa in group:
-                on_arrival(self._arrive(wa, ta))
+                self._group.append((ta, wa))
             restart = t
             if self.grace_s > 0:
-                restart = group[-1][0] if not self._heap else t + self.grace_s
-            for _, wa in group:
-                self._dispatch(wa, restart)
-        # Arrivals a rule still holds (a buffer of fewer than N at the end) are not lost.
-        self.version += int(self.rule.flush(self.params))
+                restart = self._group[-1][0] if not self._heap else t + self.grace_s
+            self._restart = restart
+            self._pending = [w for _, w in self._group]
+        ta, wa = self._group[len(self._group) - len(self._pending)]
+        arrival = self._arrive(self._pending.pop(0), ta)
+        if not self._pending:
+            for _, w in self._group:
+                self._dispatch(w, self._restart)
+            self._group = []
+            if not self._heap:
+                self.side.flush()
+        return arrival
+
+    def run(self, on_arrival: Callable[[Arrival], None] = lambda a: None) -> None:
+        """Process every push in simulated-time order until the compute budget is spent."""
+        while (arrival := self.step()) is not None:
+            on_arrival(arrival)
+
+    def summary_extras(self) -> dict[str, Any]:
+        return {}
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if not self.at_boundary:
+            raise RuntimeError("AsyncDiLoCo.state_dict in the middle of a grace group; save at_boundary")
+        for w in list(self._inflight):  # results first: the pools hold no job in flight after this
+            if w not in self._ready:
+                self._ready[w] = self.pool.result(w)
+        inflight = [
+            {
+                **{k: v for k, v in job.items() if k != "pulled"},
+                "worker": w,
+                "pulled": job["pulled"] if job["pulled"] is not None else [],
+                "result": _result_state(self._ready[w]),
+            }
+            for w, job in sorted(self._inflight.items())
+        ]
+        version, internal, gauss = self.rng.getstate()
+        return {
+            "outer": self.side.state_dict(),
+            "workers": self.pool.state_dict(),
+            "runtime": {
+                "async": {
+                    "sim_time_s": self._sim_time_s,
+                    "dispatched": self.dispatched,
+                    "applied": self.applied,
+                    "started": self._started,
+                    "jobs": list(self._jobs),
+                    "heap": [list(e) for e in self._heap],
+                    "inflight": inflight,
+                    "speed_estimates": [e.step_s for e in self.estimators],
+                    "shard_steps": list(self.shard_steps),
+                    "rng": [version, list(internal), gauss],
+                }
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "async" not in state.get("runtime", {}):
+            raise ValueError("this checkpoint is not from an asynchronous run (--method async)")
+        a = state["runtime"]["async"]
+        self.side.load_state_dict(state["outer"])
+        self.pool.load_state_dict(state["workers"])
+        self._sim_time_s = float(a["sim_time_s"])
+        self.dispatched, self.applied = int(a["dispatched"]), int(a["applied"])
+        self._started = bool(a["started"])
+        self._jobs = [int(j) for j in a["jobs"]]
+        self._heap = [(float(t), int(i), int(w)) for t, i, w in a["heap"]]
+        heapq.heapify(self._heap)
+        self._inflight, self._ready = {}, {}
+        for job in a["inflight"]:
+            w = int(job["worker"])
+            self._ready[w] = _result_from_state(job["result"])
+            self._inflight[w] = {
+                "steps": int(job["steps"]),
+                "compute_s": float(job["compute_s"]),
+                "version": int(job["version"]),
+                "pulled": [t.clone() for t in job["pulled"]] if job["pulled"] else None,
+                "shard": int(job["shard"]),
+            }
+        for e, step_s in zip(self.estimators, a["speed_estimates"], strict=True):
+            e.step_s = None if step_s is None else float(step_s)
+        self.shard_steps = [int(n) for n in a["shard_steps"]]
+        version, internal, gauss = a["rng"]
+        self.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
 
     def close(self, *, clean: bool = True) -> None:
         self.pool.close()
+
+
+def _result_state(r: InnerResult) -> dict[str, Any]:
+    """A job's result as checkpoint state (its message, not the raw outer_grad)."""
+    message = r.message if r.message is not None else Fp32Codec().encode(r.outer_grad)
+    return {
+        "steps": r.steps,
+        "mean_loss": r.mean_loss,
+        "last_lr": r.last_lr,
+        "finite": r.finite,
+        "message": message.state_dict(),
+    }
+
+
+def _result_from_state(state: dict[str, Any]) -> InnerResult:
+    message = Encoded.from_state(state["message"])
+    return InnerResult(
+        [],
+        int(state["steps"]),
+        float(state["mean_loss"]),
+        float(state["last_lr"]),
+        bool(state["finite"]),
+        message,
+    )

@@ -17,8 +17,9 @@ links between workers instead of M, and the broadcast stays on the fast links in
 from __future__ import annotations
 
 import os
-import signal
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -26,11 +27,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from diloco import faults
+from diloco.codec import Encoded, build_codec
 from diloco.config import TrainConfig
-from diloco.errors import ReplicaMismatch, UserError
-from diloco.outer import build_outer_opt, kept_weights
+from diloco.errors import ReplicaMismatch, RunFailed, UserError, WorkerDied
+from diloco.outer import build_outer_opt
+from diloco.outer_side import OuterSide
 from diloco.runtime.sim import RoundStats
-from diloco.schedule import outer_grad_dropped
 
 
 def param_hash(params: list[torch.Tensor]) -> int:
@@ -101,33 +104,9 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-class _KillAt:
-    """Fault injection for tests: SIGKILL this process when its n-th batch is asked for."""
-
-    def __init__(self, inner, n: int):
-        self.inner, self.n = inner, n
-
-    def __next__(self):
-        self.n -= 1
-        if self.n < 0:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return next(self.inner)
-
-
-def _fault(kind: str, rank: int, round_: int) -> int | None:
-    """DILOCO_FAULT='kill:RANK:ROUND:STEP' or 'perturb:RANK:ROUND' (tests only; kill fires on
-    the first attempt only, so a restarted job runs through)."""
-    spec = os.environ.get("DILOCO_FAULT", "").split(":")
-    if len(spec) < 3 or spec[0] != kind or int(spec[1]) != rank or int(spec[2]) != round_:
-        return None
-    if kind == "kill" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return None
-    return int(spec[3]) if len(spec) > 3 else 0
-
-
 class CollectiveDiLoCo:
-    """One rank's share of sync DiLoCo; the same interface as the simulator's DiLoCo where the
-    training loop needs it (round, state_dict, model, counters). Rank 0 is `is_main`."""
+    """One rank's share of sync DiLoCo, with the runtime interface of runtime/__init__.py.
+    Rank 0 is `is_main`; every rank holds the whole outer side."""
 
     def __init__(self, cfg: TrainConfig, shards: list[torch.Tensor], weights: list[float], *, build_worker):
         self.rank, self.world, _ = world_from_env()
@@ -154,8 +133,7 @@ class CollectiveDiLoCo:
         torch.manual_seed(cfg.seed)
         from diloco.model import GPT
 
-        self.model = GPT(cfg.model)  # the global parameters: the same on every rank by construction
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        model = GPT(cfg.model)  # the global parameters: the same on every rank by construction
         worker = build_worker(self.worker_id, cfg, shards, batch_multiple=M)
         self.device = _device()
         if M > 1:
@@ -170,20 +148,32 @@ class CollectiveDiLoCo:
                 process_group=self._ddp_group(),
             )
         self.worker = worker
-        self.outer_opt = build_outer_opt(cfg.outer)
-        self.version = self.rounds_done = self.inner_step = self.total_steps = 0
-        self.own_start = False
-        self.sim_time_s = None  # real processes: wall time only
-        self.bytes_sent = [0] * self.k  # per worker (its leader's traffic), known on every rank
-        self.bytes_received = [0] * self.k
-        self.rank_bytes = [0, 0]  # this rank's own (sent, received)
+        # Every rank keeps the whole outer side and applies the same summed update.
+        self.side = OuterSide(
+            model,
+            self.k,
+            update=build_outer_opt(cfg.outer),
+            codec=build_codec(cfg.codec),
+            weights=weights,
+            drop_prob=cfg.drop_prob,
+            seed=cfg.seed,
+            on_nonfinite=cfg.on_nonfinite,
+        )
+        self.params = self.side.params
+        self.rank_bytes = [0, 0]  # this rank's own payload bytes (sent, received)
         self.bytes_per_rank = [[0, 0] for _ in range(self.world)]  # every rank's, cumulative
-        self.timing = {"compute_s": 0.0, "comm_s": 0.0}
-        self._check_replicas(-1)
+        with self._collective("the first replica check"):
+            self._check_replicas(-1)
+
+    @property
+    def sim_time_s(self) -> None:  # real processes: wall time only
+        return None
 
     @property
     def num_workers(self) -> int:
         return self.k
+
+    model = property(lambda self: self.side.model)
 
     def _ddp_group(self):
         """The worker's own group: NCCL when all its ranks have GPUs, else gloo."""
@@ -201,138 +191,162 @@ class CollectiveDiLoCo:
                 "restart from the last checkpoint."
             )
 
-    def _allreduce_buckets(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Sum `grads` over the leaders in flat buckets of at most bucket_mb, then broadcast the
-        sums inside each worker group. Returns the summed tensors (CPU, float32)."""
-        flat = torch.cat([g.detach().reshape(-1).float().cpu() for g in grads])
-        per_bucket = max(1, int(self.cfg.bucket_mb * 1e6) // 4)
+    def _allreduce_buckets(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Sum `tensors` over the leaders in flat buckets of at most bucket_mb, then broadcast
+        the sums inside each worker group. Returns the summed tensors (CPU)."""
+        flat = torch.cat([t.detach().reshape(-1).cpu() for t in tensors])
+        per_bucket = max(1, int(self.cfg.bucket_mb * 1e6) // flat.element_size())
         for lo in range(0, flat.numel(), per_bucket):
             bucket = flat[lo : lo + per_bucket]
-            nbytes = bucket.numel() * 4
+            nbytes = bucket.numel() * bucket.element_size()
             if self.local == 0:
                 dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=self.leaders)
                 self.rank_bytes[0] += nbytes
                 self.rank_bytes[1] += nbytes
-            if self.M > 1:
-                dist.broadcast(bucket, src=self.worker_id * self.M, group=self.worker_groups[self.worker_id])
-                self.rank_bytes[0 if self.local == 0 else 1] += nbytes
+            self._share_in_worker(bucket, nbytes)
         out, offset = [], 0
-        for g in grads:
-            out.append(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for t in tensors:
+            out.append(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
         return out
 
+    def _share_in_worker(self, tensor: torch.Tensor, nbytes: int) -> None:
+        if self.M > 1:
+            dist.broadcast(tensor, src=self.worker_id * self.M, group=self.worker_groups[self.worker_id])
+            self.rank_bytes[0 if self.local == 0 else 1] += nbytes
+
+    def _gather_messages(self, message: Encoded | None, n: int) -> list[Encoded | None]:
+        """Every worker's message, as bytes, to every rank (codecs whose messages cannot be
+        summed); the outer side then reduces them in worker order, as the simulator does."""
+        blob = message.to_bytes() if message is not None and self.local == 0 else b""
+        gathered: list[Any] = [None] * self.k
+        if self.local == 0:
+            dist.all_gather_object(gathered, blob, group=self.leaders)
+            self.rank_bytes[0] += len(blob)
+            self.rank_bytes[1] += sum(len(b) for b in gathered)
+        if self.M > 1:
+            box = [gathered]
+            dist.broadcast_object_list(
+                box, src=self.worker_id * self.M, group=self.worker_groups[self.worker_id]
+            )
+            gathered = box[0]
+        return [Encoded.from_bytes(b) if b else None for b in gathered[:n]]
+
     def round(self, *, active: int | None = None) -> RoundStats:
-        n, H = active or self.k, self.cfg.inner_steps
-        w = self.worker_id
+        side, H, w = self.side, self.cfg.inner_steps, self.worker_id
         t0 = time.perf_counter()
-        loss, lr = float("nan"), 0.0
-        contribution = [torch.zeros_like(p) for p in self.params]
-        dropped = [
-            outer_grad_dropped(self.cfg.seed, self.rounds_done, i, self.cfg.drop_prob) for i in range(n)
-        ]
-        if w >= n:  # an inactive worker rejoins from the global parameters
-            self.own_start = False
+        starts = side.begin_round(active)
+        n = len(starts)
+        loss, lr, message, finite = float("nan"), 0.0, None, True
         if w < n:
-            kill = _fault("kill", self.rank, self.rounds_done + 1)
-            if kill is not None:
-                self.worker.batches = _KillAt(self.worker.batches, kill)
-            result = self.worker.run(None if self.own_start else self.params, H)
-            loss, lr = result.mean_loss, result.last_lr
-            if not dropped[w]:
-                kept = [not d for d in dropped]
-                weight = kept_weights(self.weights, kept)[sum(kept[:w])]
-                contribution = [torch.zeros_like(g).add_(g, alpha=weight) for g in result.outer_grad]
-            self.own_start = dropped[w]
+            result = self.worker.run(self.params if starts[w] else None, H)
+            loss, lr, finite = result.mean_loss, result.last_lr, result.finite
+            message = result.message
         compute_s = time.perf_counter() - t0
         before = list(self.rank_bytes)
-        averaged = self._allreduce_buckets(contribution)
-        if not all(dropped):
-            self.outer_opt.step(self.params, averaged)
-            self.version += 1
-        if _fault("perturb", self.rank, self.rounds_done + 1) is not None:
-            with torch.no_grad():
-                self.params[0].view(-1)[0] += 1e-3
-        self.rounds_done += 1
-        self.inner_step += H
-        self.total_steps += n * H
+        with self._collective("the outer sync"):
+            # Every rank learns each worker's message size and whether it is finite, so every
+            # outer side makes the same decisions (drops, weights) before the reduction.
+            mine = torch.tensor([message.nbytes if message else 0, int(finite)], dtype=torch.int64)
+            every = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
+            dist.all_gather(every, mine)
+            counts = [side.report(i, int(every[i * self.M][0]), bool(every[i * self.M][1])) for i in range(n)]
+            if side.codec.summable:
+                own = side.contribution(w, message if w < n and counts[w] else None) if w < n else None
+                summed = self._allreduce_buckets(
+                    own if own is not None else [torch.zeros_like(p) for p in self.params]
+                )
+            else:
+                summed = side.reduce(self._gather_messages(message if w < n else None, n))
+            side.end_round(summed, H)
+        faults.perturb_after(self.rank, side.rounds_done, self.params)
         comm_s = time.perf_counter() - t0 - compute_s
-        self._check_replicas(self.rounds_done - 1)
-        # Everyone learns every worker's loss and traffic (a few numbers per rank).
-        mine = torch.tensor(
-            [loss, lr, compute_s, comm_s, self.rank_bytes[0] - before[0], self.rank_bytes[1] - before[1]],
-            dtype=torch.float64,
-        )
-        every = [torch.zeros(6, dtype=torch.float64) for _ in range(self.world)]
-        dist.all_gather(every, mine)
+        with self._collective("the replica check"):
+            self._check_replicas(side.rounds_done - 1)
+            # Everyone learns every worker's loss and traffic (a few numbers per rank).
+            mine = torch.tensor(
+                [loss, lr, compute_s, comm_s, self.rank_bytes[0] - before[0], self.rank_bytes[1] - before[1]],
+                dtype=torch.float64,
+            )
+            every = [torch.zeros(6, dtype=torch.float64) for _ in range(self.world)]
+            dist.all_gather(every, mine)
         leaders = [every[i * self.M] for i in range(self.k)]
-        for i, row in enumerate(leaders):
-            self.bytes_sent[i] += int(row[4])
-            self.bytes_received[i] += int(row[5])
         for r, row in enumerate(every):
             self.bytes_per_rank[r][0] += int(row[4])
             self.bytes_per_rank[r][1] += int(row[5])
-        self.timing = {
-            "compute_s": max(float(r[2]) for r in every),
-            "comm_s": max(float(r[3]) for r in every),
-        }
+        timing = {"compute_s": max(float(r[2]) for r in every), "comm_s": max(float(r[3]) for r in every)}
         return RoundStats(
-            self.version,
-            self.inner_step,
+            side.version,
+            side.inner_step,
             [float(r[0]) for r in leaders[:n]],
             float(leaders[0][1]),
-            list(self.bytes_sent),
-            list(self.bytes_received),
+            list(side.bytes_sent),
+            list(side.bytes_received),
+            timing,
         )
 
-    # -- checkpoints: rank 0 holds the whole state, like the simulator's DiLoCo.state_dict ------
-    def _common(self) -> dict[str, Any]:
-        return {
-            "global": self.model.state_dict(),
-            "outer_opt": self.outer_opt.state_dict(),
-            "version": self.version,
-            "rounds_done": self.rounds_done,
-            "total_steps": self.total_steps,
-            "inner_step": self.inner_step,
-            "bytes_sent": list(self.bytes_sent),
-            "bytes_received": list(self.bytes_received),
-            "bytes_per_rank": [list(b) for b in self.bytes_per_rank],
-        }
+    @contextmanager
+    def _collective(self, what: str):
+        """Turn a failed or timed-out collective into one sentence (exit code 3)."""
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as e:
+            if isinstance(e, RunFailed):
+                raise
+            raise WorkerDied(
+                f"rank {self.rank}: {what} failed after round {self.side.rounds_done} "
+                f"({str(e).splitlines()[0][:160]}): another rank died or hung longer than --timeout-s "
+                f"{self.cfg.timeout_s:g}; restart the run with --resume from its last checkpoint."
+            ) from None
 
+    def summary_extras(self) -> dict[str, Any]:
+        return {"bytes_per_rank": [list(b) for b in self.bytes_per_rank]}
+
+    # -- checkpoints: rank 0 holds the whole state, in the layout every runtime uses -----------
     def _worker_state(self) -> dict[str, Any]:
         state = self.worker.state_dict()
         if self.M > 1:  # DDP prefixes parameter names with "module."
             state["model"] = self.worker.model.module.state_dict()
-        return {**state, "own_start": self.own_start}
+        return state
 
     def state_dict(self) -> dict[str, Any] | None:
         gathered = [None] * self.world if self.is_main else None
-        dist.gather_object(self._worker_state() if self.local == 0 else None, gathered, dst=0)
+        with self._collective("gathering the checkpoint"):
+            dist.gather_object(self._worker_state() if self.local == 0 else None, gathered, dst=0)
         if not self.is_main:
             return None
-        return {**self._common(), "workers": [gathered[w * self.M] for w in range(self.k)]}
+        return {
+            "outer": self.side.state_dict(),
+            "workers": [gathered[w * self.M] for w in range(self.k)],
+            "runtime": {"collective": {"bytes_per_rank": [list(b) for b in self.bytes_per_rank]}},
+        }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         parts = None
         if self.is_main:
-            common = {k: v for k, v in state.items() if k != "workers"}
-            parts = [{**common, "worker": state["workers"][r // self.M]} for r in range(self.world)]
+            if len(state["workers"]) != self.k:
+                raise ValueError(f"the checkpoint has {len(state['workers'])} workers, this job {self.k}")
+            mine = state.get("runtime", {}).get("collective", {})
+            per_rank = (
+                mine.get("bytes_per_rank") if len(mine.get("bytes_per_rank", [])) == self.world else None
+            )
+            parts = [
+                {"outer": state["outer"], "worker": state["workers"][r // self.M], "bytes_per_rank": per_rank}
+                for r in range(self.world)
+            ]
         received = [None]
-        dist.scatter_object_list(received, parts, src=0)
+        with self._collective("sending the checkpoint"):
+            dist.scatter_object_list(received, parts, src=0)
         mine = received[0]
-        self.model.load_state_dict(mine["global"])
-        self.outer_opt.load_state_dict(mine["outer_opt"])
-        for key in ("version", "rounds_done", "total_steps", "inner_step"):
-            setattr(self, key, int(mine[key]))
-        self.bytes_sent = [int(b) for b in mine["bytes_sent"]]
-        self.bytes_received = [int(b) for b in mine["bytes_received"]]
-        self.bytes_per_rank = [[int(x) for x in b] for b in mine["bytes_per_rank"]]
+        self.side.load_state_dict(mine["outer"])
+        if mine["bytes_per_rank"] is not None:  # a run from another runtime or size starts at 0
+            self.bytes_per_rank = [[int(x) for x in b] for b in mine["bytes_per_rank"]]
         worker = dict(mine["worker"])
-        self.own_start = bool(worker.pop("own_start"))
         target = self.worker.model.module if self.M > 1 else self.worker.model
         target.load_state_dict(worker.pop("model"))
         self.worker.optimizer.load_state_dict(worker["optimizer"])
         self.worker.step = int(worker["step"])
+        self.worker.codec_state = dict(worker.get("codec", {}))
         self.worker.batches.load_state_dict(worker["batches"])
 
     def broadcast(self, obj: Any) -> Any:
@@ -350,9 +364,21 @@ class CollectiveDiLoCo:
             dist.destroy_process_group()
 
 
-def broadcast_object(box: list) -> None:
-    """Rank 0's box[0] to every rank, in place (before any CollectiveDiLoCo exists)."""
+def agree(decide: Callable[[], Any], *, main: bool) -> Any:
+    """Rank 0 runs `decide` (checks that need the run directory, which other machines may not
+    see) and every rank gets its value, or raises the same UserError with rank 0's sentence,
+    instead of dying later in a collective with a peer's "Connection closed"."""
+    box: list[Any] = [None]
+    if main:
+        try:
+            box[0] = ("ok", decide())
+        except UserError as e:
+            box[0] = ("error", str(e))
     dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise UserError(value)
+    return value
 
 
 def threads_per_rank(cfg: TrainConfig) -> int:
@@ -362,7 +388,8 @@ def threads_per_rank(cfg: TrainConfig) -> int:
 
 
 def init(cfg: TrainConfig) -> None:
-    """Join the job torchrun started: gloo for CPU tensors (the outer sync always uses it)."""
+    """Join the job torchrun started: gloo for CPU tensors (the outer sync always uses it), with
+    `timeout_s` for every collective and the store, so a hung rank ends the run in that time."""
     _, world, _ = world_from_env()
     if world % cfg.procs_per_worker:
         raise UserError(
@@ -375,10 +402,13 @@ def init(cfg: TrainConfig) -> None:
             f"{cfg.procs_per_worker} ({world // cfg.procs_per_worker} workers); drop --workers or fix it."
         )
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=_store(), rank=int(os.environ["RANK"]), world_size=world)
+        timeout = timedelta(seconds=cfg.timeout_s)
+        dist.init_process_group(
+            "gloo", store=_store(timeout), rank=int(os.environ["RANK"]), world_size=world, timeout=timeout
+        )
 
 
-def _store() -> dist.Store:
+def _store(timeout: timedelta) -> dist.Store:
     """torchrun's store, with keys prefixed by the restart attempt: torchrun's agent keeps its
     store across restarts, and without a prefix a restarted rank can read the dead attempt's
     addresses and fail to connect ("Gloo connectFullMesh failed ... Connection refused")."""
@@ -388,7 +418,7 @@ def _store() -> dist.Store:
         int(os.environ["MASTER_PORT"]),
         int(os.environ["WORLD_SIZE"]),
         is_master=not agent and int(os.environ["RANK"]) == 0,
-        timeout=timedelta(minutes=30),
+        timeout=timeout,
         multi_tenant=not agent,
     )
     return dist.PrefixStore(f"diloco/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

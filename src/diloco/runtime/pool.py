@@ -7,17 +7,25 @@ given, so results are bit-identical whatever the number of processes (at one int
 per process). A worker lives in one process for the whole run; workers are spread so that the
 processes' expected loads are even (`balanced_assignment`).
 
+A worker process that dies (killed, out of memory) or whose worker raises is a `WorkerDied`
+naming the process, its workers and what it was doing, never a hang or a bare EOFError: the
+parent waits for a reply while checking that the process is alive, and a process sends back
+the exception of a failing worker (its traceback goes to stderr) before it exits.
+
     diloco train --workers 8 --procs 2
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from diloco.errors import WorkerDied
 from diloco.inner import InnerResult, Worker
 
 WorkerFactory = Callable[[int], Worker]
@@ -90,23 +98,57 @@ class InlinePool:
 
 
 def _serve(conn, factory: WorkerFactory, ids: list[int], threads: int) -> None:
+    """A worker process: build workers `ids`, then answer commands with ("ok", value) until told
+    to close. A failing worker is answered with ("error", what happened), and the process exits."""
+    # Ctrl-C reaches every process of the terminal: the parent decides what happens and closes us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
-    pool = InlinePool([factory(w) for w in ids])
-    index = {w: i for i, w in enumerate(ids)}
-    while True:
-        cmd, args = conn.recv()
-        if cmd == "run":
-            w, start, steps, lr_step, shard = args
-            pool.submit(index[w], start, steps, lr_step=lr_step, shard=shard)
-            conn.send(pool.result(index[w]))
-        elif cmd == "state":
-            conn.send(pool.state_dict())
-        elif cmd == "load":
-            pool.load_state_dict(args)
-            conn.send(None)
-        else:
-            conn.close()
-            return
+    doing = "starting"
+    try:
+        workers = []
+        for w in ids:
+            doing = f"building worker {w}"
+            workers.append(factory(w))
+        pool = InlinePool(workers)
+        index = {w: i for i, w in enumerate(ids)}
+        while True:
+            doing = "waiting for a command"
+            cmd, args = conn.recv()
+            if cmd == "run":
+                w, start, steps, lr_step, shard = args
+                doing = f"computing worker {w}"
+                pool.submit(index[w], start, steps, lr_step=lr_step, shard=shard)
+                conn.send(("ok", pool.result(index[w])))
+            elif cmd == "state":
+                doing = "getting its workers' state"
+                conn.send(("ok", pool.state_dict()))
+            elif cmd == "load":
+                doing = "loading its workers' state"
+                pool.load_state_dict(args)
+                conn.send(("ok", None))
+            else:
+                conn.close()
+                return
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the parent is gone: nobody to tell
+    except Exception as e:
+        traceback.print_exc()
+        try:
+            conn.send(("error", f"{doing} raised {e!r}"))
+        except Exception:
+            pass
+        conn.close()
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "closed its pipe"
+    if code < 0:
+        try:
+            return f"died with exit code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"died with exit code {code}"
 
 
 class ProcessPool:
@@ -114,8 +156,11 @@ class ProcessPool:
 
     `factory(w)` builds worker w inside its process, so it must be picklable (a module-level
     function or a functools.partial of one). Jobs for different processes run at the same time;
-    a process runs its own jobs in the order they were submitted.
+    a process runs its own jobs in the order they were submitted. A process that dies or whose
+    worker raises makes every later call that needs it raise `WorkerDied`; `close` still works.
     """
+
+    poll_s = 1.0  # how often a wait for a reply checks that the process is still alive
 
     def __init__(
         self,
@@ -145,6 +190,7 @@ class ProcessPool:
             self._procs.append(proc)
         self._queued: list[list[int]] = [[] for _ in range(self.procs)]  # submitted, not yet received
         self._done: dict[int, InnerResult] = {}
+        self._failed: list[str | None] = [None] * self.procs  # why process p is gone
 
     def __len__(self) -> int:
         return self.num_workers
@@ -162,36 +208,95 @@ class ProcessPool:
         # Clone: torch pickles tensors for multiprocessing by sharing their memory, and the
         # caller's parameters change (the server applies updates) while the job runs.
         start = None if start is None else [t.detach().clone() for t in start]
-        self._conns[p].send(("run", (w, start, steps, lr_step, shard)))
+        self._send(p, ("run", (w, start, steps, lr_step, shard)), f"receiving a job for worker {w}")
         self._queued[p].append(w)
 
     def result(self, w: int) -> InnerResult:
         p = self.assign[w]
         while w not in self._done:
-            self._done[self._queued[p].pop(0)] = self._conns[p].recv()
+            head = self._queued[p][0]
+            self._done[head] = self._recv(p, f"computing worker {head}")
+            self._queued[p].pop(0)
         return self._done.pop(w)
 
     def state_dict(self) -> list[dict[str, Any]]:
+        for p in range(self.procs):
+            if self._failed[p] is not None:
+                raise WorkerDied(self._failed[p])
         if any(self._queued):
             raise RuntimeError("ProcessPool.state_dict with jobs in flight; collect their results first")
         states: list[Any] = [None] * self.num_workers
-        for p, conn in enumerate(self._conns):
-            conn.send(("state", None))
-            for w, state in zip(self.members[p], conn.recv(), strict=True):
+        for p in range(self.procs):
+            self._send(p, ("state", None), "sending its workers' state")
+            for w, state in zip(self.members[p], self._recv(p, "sending its workers' state"), strict=True):
                 states[w] = state
         return states
 
     def load_state_dict(self, states: list[dict[str, Any]]) -> None:
-        for p, conn in enumerate(self._conns):
-            conn.send(("load", [states[w] for w in self.members[p]]))
-            conn.recv()
+        for p in range(self.procs):
+            self._send(p, ("load", [states[w] for w in self.members[p]]), "loading its workers' state")
+            self._recv(p, "loading its workers' state")
+
+    def _name(self, p: int) -> str:
+        ws = self.members[p]
+        return f"worker process {p} ({'worker' if len(ws) == 1 else 'workers'} {', '.join(map(str, ws))})"
+
+    def _fail(self, p: int, what: str) -> WorkerDied:
+        """Record process p as gone; the error that says so (raised again by later calls)."""
+        if self._failed[p] is None:
+            self._failed[p] = (
+                f"{self._name(p)} {what}; resume the run from its last checkpoint "
+                "(diloco train --resume RUN_DIR)"
+            )
+        return WorkerDied(self._failed[p])
+
+    def _died(self, p: int, doing: str) -> WorkerDied:
+        proc = self._procs[p]
+        proc.join(timeout=5)  # a process whose pipe broke is exiting: wait for its exit code
+        return self._fail(p, f"{_exit_text(proc.exitcode)} while {doing}")
+
+    def _send(self, p: int, message: tuple, doing: str) -> None:
+        if self._failed[p] is not None:
+            raise WorkerDied(self._failed[p])
+        try:
+            self._conns[p].send(message)
+        except (OSError, EOFError):  # BrokenPipeError, ConnectionResetError: the process is gone
+            raise self._died(p, doing) from None
+
+    def _recv(self, p: int, doing: str) -> Any:
+        """The next reply of process p. Waits as long as the process lives (jobs can be long);
+        a dead process, or an error it sends back, is a WorkerDied."""
+        if self._failed[p] is not None:
+            raise WorkerDied(self._failed[p])
+        conn, proc = self._conns[p], self._procs[p]
+        try:
+            while not conn.poll(self.poll_s):
+                # A dead process's pipe normally reads as closed at once; this catches one that
+                # stays open (its end inherited elsewhere). A reply sent just before death wins.
+                if not proc.is_alive() and not conn.poll(0):
+                    raise self._died(p, doing)
+            status, value = conn.recv()
+        except (OSError, EOFError):
+            raise self._died(p, doing) from None
+        if status == "error":
+            proc.join(timeout=5)
+            raise self._fail(p, f"failed: {value} (its traceback is above)")
+        return value
 
     def close(self) -> None:
-        for conn, proc in zip(self._conns, self._procs, strict=True):
-            try:
-                conn.send(("close", None))
-            except (BrokenPipeError, OSError):
-                pass
-            proc.join(timeout=10)
+        """Stop every process; never hangs or raises, even on dead ones. A process still
+        computing jobs nobody collected is killed rather than waited for."""
+        for p, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True)):
+            if self._failed[p] is None and not self._queued[p]:
+                try:
+                    conn.send(("close", None))
+                except (OSError, EOFError, ValueError):
+                    pass
+                proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+                proc.join(timeout=10)
+            try:
+                conn.close()
+            except OSError:
+                pass

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from diloco.codec import Codec, Fp32Codec, tensor_bytes
+from diloco.codec import Codec, Fp32Codec
 from diloco.inner import LossFn, Worker, gpt_loss
-from diloco.outer import Nesterov, OuterOpt, kept_weights, weighted_average
+from diloco.outer import Nesterov, OuterOpt
+from diloco.outer_side import OuterSide
 from diloco.runtime.clock import Clock
 from diloco.runtime.pool import InlinePool, ProcessPool
-from diloco.schedule import outer_grad_dropped
 
 ModelFn = Callable[[], nn.Module]
 OptFn = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -39,6 +39,7 @@ class RoundStats:
     lr: float  # inner lr of the round's last step
     bytes_sent: list[int] = field(default_factory=list)  # cumulative, per worker
     bytes_received: list[int] = field(default_factory=list)  # cumulative, per worker
+    timing: dict[str, float] | None = None  # real runtimes: measured compute_s and comm_s of the round
 
 
 def make_worker(model_fn: ModelFn, inner_opt_fn: OptFn, batches: Iterator, **kwargs: Any) -> Worker:
@@ -57,13 +58,18 @@ class DiLoCo:
     Each round every worker starts from the global parameters, runs `inner_steps` steps of its
     own optimizer on its own batches, and sends outer_grad = θ_start − θ_local through `codec`;
     the weighted average (weights default 1/k) is applied by `outer_opt` (default Nesterov,
-    lr 0.7, momentum 0.9). `model` holds the global parameters.
+    lr 0.7, momentum 0.9). `model` holds the global parameters; the bookkeeping of the round
+    (drops, active workers, weights, version, counters) is the `side` (outer_side.py), shared
+    with every other runtime.
 
     Workers come from `inner_opt_fn` and `batches` (one iterator per worker), or ready-made in a
     `pool` (runtime/pool.py: inline or in several processes). `clock` (runtime/clock.py) gives
     simulated durations; by default every inner step takes 1 s and messages are free. A round
-    ends when the last worker's push lands.
+    ends when the last worker's push lands. `on_nonfinite` ("stop" or "drop") says what a NaN or
+    Inf loss or outer_grad does: raise `NonFinite`, or drop that outer_grad.
     """
+
+    is_main = True
 
     def __init__(
         self,
@@ -82,9 +88,10 @@ class DiLoCo:
         clock: Clock | None = None,
         drop_prob: float = 0.0,
         seed: int = 0,
+        on_nonfinite: str = "stop",
     ):
-        self.model = model_fn()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        model = model_fn()
+        codec = codec or Fp32Codec()
         if pool is None:
             if inner_opt_fn is None or batches is None:
                 raise ValueError("DiLoCo needs inner_opt_fn and batches (one iterator per worker), or a pool")
@@ -97,6 +104,7 @@ class DiLoCo:
                         loss_fn=loss_fn,
                         lr_schedule=lr_schedule,
                         grad_clip=grad_clip,
+                        codec=codec,
                     )
                     for it in batches
                 ]
@@ -104,28 +112,57 @@ class DiLoCo:
         k = len(pool)
         if k < 1 or inner_steps < 1:
             raise ValueError(f"DiLoCo needs at least one worker and inner_steps >= 1, got {k}, {inner_steps}")
-        weights = list(weights) if weights is not None else [1.0 / k] * k
-        if len(weights) != k or abs(sum(weights) - 1.0) > 1e-6 or min(weights) < 0:
-            raise ValueError(f"weights must be {k} non-negative numbers summing to 1, got {weights}")
-        self.pool = pool
-        self.inner_steps = inner_steps
-        self.outer_opt = outer_opt if outer_opt is not None else Nesterov()
-        self.weights = weights
-        self.codec = codec or Fp32Codec()
-        self.clock = clock or Clock([1.0] * k)
-        self.drop_prob, self.seed = drop_prob, seed
-        self.own_start = [False] * k  # workers whose last outer_grad was dropped
-        self.version = 0
-        self.rounds_done = 0
-        self.total_steps = 0  # inner steps over all workers
-        self.inner_step = 0  # inner steps each (always active) worker has taken
-        self.sim_time_s = 0.0
-        self.bytes_sent = [0] * k
-        self.bytes_received = [0] * k
+        side = OuterSide(
+            model,
+            k,
+            update=outer_opt if outer_opt is not None else Nesterov(),
+            codec=codec,
+            weights=weights,
+            drop_prob=drop_prob,
+            seed=seed,
+            on_nonfinite=on_nonfinite,
+        )
+        self._setup(side, pool, clock or Clock([1.0] * k), inner_steps)
+
+    @classmethod
+    def from_side(cls, side: OuterSide, pool: InlinePool | ProcessPool, clock: Clock, *, inner_steps: int):
+        """A run built by build.py from its config: the outer side and the pool are ready."""
+        self = cls.__new__(cls)
+        self._setup(side, pool, clock, inner_steps)
+        return self
+
+    def _setup(self, side: OuterSide, pool, clock: Clock, inner_steps: int) -> None:
+        self.side, self.pool, self.clock, self.inner_steps = side, pool, clock, inner_steps
+        self._sim_time_s = 0.0
+
+    # The outer side's state, under the names a library user reads.
+    model = property(lambda self: self.side.model)
+    params = property(lambda self: self.side.params)
+    version = property(lambda self: self.side.version)
+    own_start = property(lambda self: self.side.own_start)
+    bytes_sent = property(lambda self: self.side.bytes_sent)
+    bytes_received = property(lambda self: self.side.bytes_received)
+    weights = property(lambda self: self.side.weights)
+    total_steps = property(lambda self: self.side.total_steps)
+    inner_step = property(lambda self: self.side.inner_step)
+    outer_opt = property(lambda self: self.side.update)
+    codec = property(lambda self: self.side.codec)
+
+    @property
+    def drop_prob(self) -> float:
+        return self.side.drop_prob
+
+    @drop_prob.setter
+    def drop_prob(self, value: float) -> None:
+        self.side.drop_prob = value
 
     @property
     def num_workers(self) -> int:
         return len(self.pool)
+
+    @property
+    def sim_time_s(self) -> float:
+        return self._sim_time_s
 
     @property
     def workers(self) -> list[Worker]:
@@ -139,76 +176,49 @@ class DiLoCo:
         outer_grad is lost with that probability; its worker then continues from its own
         parameters next round, and the others' weights are rescaled to sum to 1.
         """
-        n, H, start = active or self.num_workers, self.inner_steps, self.sim_time_s
-        for w in range(n, self.num_workers):  # an inactive worker rejoins from the global parameters
-            self.own_start[w] = False
-        pull_bytes = tensor_bytes(self.params)
-        for w in range(n):  # all jobs first, so a process pool computes them side by side
-            if self.own_start[w]:
-                self.pool.submit(w, None, H)
-            else:
-                self.bytes_received[w] += pull_bytes
-                self.pool.submit(w, self.params, H)
-        outer_grads, kept, losses, lr, end = [], [], [], 0.0, start
-        for w in range(n):
+        side, H, start = self.side, self.inner_steps, self._sim_time_s
+        starts = side.begin_round(active)
+        for w, from_global in enumerate(starts):  # all jobs first: a process pool runs them side by side
+            self.pool.submit(w, self.params if from_global else None, H)
+        pull_bytes = side.param_bytes
+        messages, losses, lr, end = [], [], 0.0, start
+        for w in range(len(starts)):
             result = self.pool.result(w)
-            message = self.codec.encode(result.outer_grad)
-            self.bytes_sent[w] += message.nbytes
-            self.own_start[w] = outer_grad_dropped(self.seed, self.rounds_done, w, self.drop_prob)
-            kept.append(not self.own_start[w])
-            if kept[-1]:
-                outer_grads.append(self.codec.decode(message))
+            message = result.message or side.codec.encode(result.outer_grad)
+            counts = side.report(w, message.nbytes, result.finite)
+            messages.append(message if counts else None)
             losses.append(result.mean_loss)
             lr = result.last_lr
             pulled = start + self.clock.transfer_s(pull_bytes)
-            computed = pulled + self.clock.compute_s(w, pulled, H, job=self.rounds_done)
+            computed = pulled + self.clock.compute_s(w, pulled, H, job=side.rounds_done)
             end = max(end, computed + self.clock.transfer_s(message.nbytes))
-        if outer_grads:
-            self.outer_opt.step(self.params, weighted_average(outer_grads, kept_weights(self.weights, kept)))
-            self.version += 1
-        self.rounds_done += 1
-        self.inner_step += H
-        self.total_steps += n * H
-        self.sim_time_s = end
+        side.end_round(side.reduce(messages), H)
+        self._sim_time_s = end
         return self._stats(losses, lr)
 
     def _stats(self, losses: list[float], lr: float) -> RoundStats:
         return RoundStats(
-            self.version,
-            self.inner_step,
-            losses,
-            lr,
-            list(self.bytes_sent),
-            list(self.bytes_received),
+            self.version, self.inner_step, losses, lr, list(self.bytes_sent), list(self.bytes_received)
         )
+
+    def summary_extras(self) -> dict[str, Any]:
+        return {}
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "global": self.model.state_dict(),
-            "outer_opt": self.outer_opt.state_dict(),
+            "outer": self.side.state_dict(),
             "workers": self.pool.state_dict(),
-            "version": self.version,
-            "rounds_done": self.rounds_done,
-            "total_steps": self.total_steps,
-            "own_start": list(self.own_start),
-            "inner_step": self.inner_step,
-            "sim_time_s": self.sim_time_s,
-            "bytes_sent": list(self.bytes_sent),
-            "bytes_received": list(self.bytes_received),
+            "runtime": {"sim": {"sim_time_s": self._sim_time_s}},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["global"])
-        self.outer_opt.load_state_dict(state["outer_opt"])
+        self.side.load_state_dict(state["outer"])
         self.pool.load_state_dict(state["workers"])
-        self.version = int(state["version"])
-        self.rounds_done = int(state["rounds_done"])
-        self.total_steps = int(state["total_steps"])
-        self.own_start = [bool(x) for x in state["own_start"]]
-        self.inner_step = int(state["inner_step"])
-        self.sim_time_s = float(state["sim_time_s"])
-        self.bytes_sent = [int(b) for b in state["bytes_sent"]]
-        self.bytes_received = [int(b) for b in state["bytes_received"]]
+        # A run that comes from a real runtime has no simulated time yet: it starts at 0.
+        self._sim_time_s = float(state.get("runtime", {}).get("sim", {}).get("sim_time_s", 0.0))
 
     def close(self, *, clean: bool = True) -> None:
         self.pool.close()
@@ -269,38 +279,30 @@ class DataParallel(DiLoCo):
             **kwargs,
         )
         self.k = k
-        self.bytes_sent = [0] * k
-        self.bytes_received = [0] * k
-        # The single replica *is* the model: it starts from the global initialisation.
+        # The single replica *is* the model: it starts from the global initialisation, and the
+        # outer side (which never steps) holds it and the k workers' counters.
         worker = self.workers[0]
         worker.load_params(self.params)
-        self.model, self.params = worker.model, worker.params
+        self.side = OuterSide(worker.model, k, seed=self.side.seed)
 
     @property
     def num_workers(self) -> int:
         return self.k
 
     def round(self, *, active: int | None = None) -> RoundStats:
-        worker = self.workers[0]
+        worker, side = self.workers[0], self.side
         total, lr = 0.0, 0.0
         for _ in range(self.inner_steps):
             loss, lr = worker.train_step()
             total += loss
-        step_bytes = tensor_bytes(self.params) if self.k > 1 else 0
-        self.bytes_sent = [b + step_bytes * self.inner_steps for b in self.bytes_sent]
-        self.bytes_received = [b + step_bytes * self.inner_steps for b in self.bytes_received]
+        step_bytes = side.param_bytes if self.k > 1 else 0
+        for w in range(self.k):
+            side.bytes_sent[w] += step_bytes * self.inner_steps
+            side.bytes_received[w] += step_bytes * self.inner_steps
         # Every step waits for the slowest worker's gradient (one step each, then an exchange).
         step_s = max(self.clock.step_s[: self.k] or [1.0])
-        self.sim_time_s += self.inner_steps * (step_s + 2 * self.clock.transfer_s(step_bytes))
-        self.inner_step += self.inner_steps
-        self.total_steps += self.k * self.inner_steps
-        self.rounds_done += 1
+        self._sim_time_s += self.inner_steps * (step_s + 2 * self.clock.transfer_s(step_bytes))
+        side.inner_step += self.inner_steps
+        side.total_steps += self.k * self.inner_steps
+        side.rounds_done += 1
         return self._stats([total / self.inner_steps], lr)
-
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        del state["global"]  # the same tensors as the worker's model
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict({**state, "global": self.model.state_dict()})

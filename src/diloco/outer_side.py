@@ -1,0 +1,244 @@
+"""The outer side: everything DiLoCo keeps between workers, as one pure-PyTorch object.
+
+`OuterSide` holds the global parameters, the outer optimizer (sync) or async rule, `version`,
+the round count, which workers start from their own parameters (their last outer_grad was
+dropped), the byte counters, and decodes outer_grad messages through the codec. It knows
+nothing of processes, sockets or clocks: the simulator keeps one, every rank of the collective
+runtime keeps one (each applies the same summed update), and the parameter server will keep one.
+Runtimes move encoded messages to it and parameters from it, and `state_dict` is the one layout
+every runtime checkpoints, so a run can stop in one runtime and resume in another.
+
+A synchronous round, as every runtime drives it:
+
+    starts = side.begin_round(active)          # who pulls θ (bytes counted here)
+    ... each active worker w runs H inner steps from θ (or its own parameters) ...
+    side.report(w, nbytes, finite)             # for every active worker, in worker order
+    summed = Σ_w side.contribution(w, message) # in worker order, or by an all-reduce
+    side.end_round(summed)                     # the outer step on the weighted average
+
+Asynchronous: `side.pull(w)` when a job starts, `side.apply_async(w, message, ...)` when its
+outer_grad arrives.
+
+    python -m pytest tests/unit/test_outer_side.py
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from diloco.async_rules import AsyncRule
+from diloco.codec import Codec, Encoded, Fp32Codec, tensor_bytes
+from diloco.errors import NonFinite
+from diloco.outer import Nesterov, OuterOpt, kept_weights
+from diloco.schedule import outer_grad_dropped
+
+ON_NONFINITE = ("stop", "drop")
+
+
+class OuterSide:
+    """Global parameters and everything that updates them (see the module docstring).
+
+    `update` is an `OuterOpt` (sync DiLoCo: one step per round on the weighted average) or an
+    `AsyncRule` (asynchronous: one application per arriving outer_grad). `weights` default to
+    1/k. `drop_prob` loses each outer_grad of a sync round with that probability (drawn from
+    (seed, round, worker), so every runtime agrees); `on_nonfinite` says what a NaN/Inf outer_grad
+    or loss does: `stop` raises `NonFinite`, `drop` treats it as lost and its worker restarts
+    from the global parameters.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        num_workers: int,
+        *,
+        update: OuterOpt | AsyncRule | None = None,
+        codec: Codec | None = None,
+        weights: Sequence[float] | None = None,
+        drop_prob: float = 0.0,
+        seed: int = 0,
+        on_nonfinite: str = "stop",
+    ):
+        k = num_workers
+        if k < 1:
+            raise ValueError(f"the outer side needs at least one worker, got {k}")
+        weights = list(weights) if weights is not None else [1.0 / k] * k
+        if len(weights) != k or abs(sum(weights) - 1.0) > 1e-6 or min(weights) < 0:
+            raise ValueError(f"weights must be {k} non-negative numbers summing to 1, got {weights}")
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.update = update if update is not None else Nesterov()
+        self.codec = codec or Fp32Codec()
+        self.weights = weights
+        self.drop_prob, self.seed, self.on_nonfinite = drop_prob, seed, on_nonfinite
+        self.version = 0  # outer updates applied
+        self.rounds_done = 0  # sync rounds finished (with or without an update)
+        self.inner_step = 0  # inner steps each (always active) worker has taken, sync
+        self.total_steps = 0  # inner steps summed over workers whose outer_grad arrived
+        self.own_start = [False] * k  # workers that start their next job from their own parameters
+        self.bytes_sent = [0] * k  # per worker, cumulative: its encoded outer_grads
+        self.bytes_received = [0] * k  # per worker, cumulative: global parameters it pulled
+        self.nonfinite_dropped = 0  # outer_grads dropped for NaN/Inf (with on_nonfinite "drop")
+        self._kept: list[bool] = []  # this round's active workers: whose outer_grad counts
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.weights)
+
+    @property
+    def param_bytes(self) -> int:
+        return tensor_bytes(self.params)
+
+    # -- pulls ---------------------------------------------------------------------------------
+    def pull(self, w: int) -> list[torch.Tensor]:
+        """Worker w downloads the global parameters (counted); the caller must copy them."""
+        self.bytes_received[w] += self.param_bytes
+        return self.params
+
+    # -- a synchronous round -------------------------------------------------------------------
+    def begin_round(self, active: int | None = None) -> list[bool]:
+        """Start a round with the first `active` workers (default all); returns, per active
+        worker, whether it starts from the global parameters (counting its pull) rather than its
+        own (its last outer_grad was dropped). Inactive workers rejoin from the global ones."""
+        n = active or self.num_workers
+        for w in range(n, self.num_workers):
+            self.own_start[w] = False
+        starts = []
+        for w in range(n):
+            starts.append(not self.own_start[w])
+            if starts[-1]:
+                self.bytes_received[w] += self.param_bytes
+        self._kept = []
+        return starts
+
+    def report(self, w: int, nbytes: int, finite: bool = True) -> bool:
+        """Worker w's outer_grad of this round was sent (`nbytes`); returns whether it counts.
+        Call for every active worker in worker order, before `contribution`."""
+        if w != len(self._kept):
+            raise ValueError(f"report workers in order: expected worker {len(self._kept)}, got {w}")
+        self.bytes_sent[w] += nbytes
+        dropped = outer_grad_dropped(self.seed, self.rounds_done, w, self.drop_prob)
+        self.own_start[w] = dropped
+        if not finite:
+            if self.on_nonfinite == "stop":
+                raise NonFinite(
+                    f"worker {w} produced a non-finite (NaN or Inf) training loss or outer_grad in round "
+                    f"{self.rounds_done + 1}; the run stopped before applying it, so its last checkpoint "
+                    "is intact: resume with a lower --inner-lr, or rerun with --on-nonfinite drop."
+                )
+            self.nonfinite_dropped += 1
+            self.own_start[w] = False  # its own parameters are not finite: restart from θ
+            dropped = True
+        self._kept.append(not dropped)
+        return not dropped
+
+    def round_weights(self) -> list[float]:
+        """Each active worker's weight this round: kept weights rescaled to sum to 1, 0 for a
+        dropped outer_grad (so an all-reduce of weighted contributions gives the average)."""
+        kept = kept_weights(self.weights, self._kept) if any(self._kept) else []
+        it = iter(kept)
+        return [next(it) if k else 0.0 for k in self._kept]
+
+    def contribution(self, w: int, message: Encoded | None) -> list[torch.Tensor]:
+        """Worker w's weighted share of the round's sum: w_i × payload for a summable codec
+        (decoded after summing), w_i × decode(message) otherwise; zeros if it does not count.
+        Summing contributions in worker order or by an all-reduce gives the same numbers."""
+        weight = self.round_weights()[w]
+        if message is None or weight == 0.0:
+            return [torch.zeros_like(p) for p in self.params]
+        tensors = message.payload if self.codec.summable else self.codec.decode(message)
+        return [torch.zeros_like(t).add_(t, alpha=weight) for t in tensors]
+
+    def reduce(self, messages: Sequence[Encoded | None]) -> list[torch.Tensor]:
+        """The sum of every active worker's contribution in worker order (the simulator's
+        all-reduce)."""
+        total = None
+        for w, message in enumerate(messages):
+            part = self.contribution(w, message)
+            if total is None:
+                total = part
+            else:
+                for acc, t in zip(total, part, strict=True):
+                    acc.add_(t)
+        return total if total is not None else [torch.zeros_like(p) for p in self.params]
+
+    def end_round(self, summed: list[torch.Tensor], inner_steps: int) -> bool:
+        """Apply the outer step on the summed contributions (if any outer_grad counted); every
+        active worker ran `inner_steps`. Returns whether θ changed."""
+        changed = any(self._kept)
+        if changed:
+            if self.codec.summable:
+                summed = self.codec.decode(Encoded(self.codec.name, list(summed), 0))
+            self.update.step(self.params, summed)
+            self.version += 1
+        self.rounds_done += 1
+        self.inner_step += inner_steps
+        self.total_steps += len(self._kept) * inner_steps
+        return changed
+
+    # -- asynchronous --------------------------------------------------------------------------
+    def apply_async(
+        self,
+        w: int,
+        message: Encoded,
+        *,
+        steps: int,
+        staleness: int,
+        finite: bool = True,
+        pulled: list[torch.Tensor] | None = None,
+    ) -> bool:
+        """Apply worker w's outer_grad at once with the async rule; returns whether θ changed."""
+        self.bytes_sent[w] += message.nbytes
+        self.total_steps += steps
+        if not finite:
+            if self.on_nonfinite == "stop":
+                raise NonFinite(
+                    f"worker {w} produced a non-finite (NaN or Inf) training loss or outer_grad in its job "
+                    f"arriving at version {self.version}; the run stopped before applying it, so its last "
+                    "checkpoint is intact: resume with a lower --inner-lr, or rerun with --on-nonfinite drop."
+                )
+            self.nonfinite_dropped += 1
+            return False
+        changed = self.update.apply(
+            self.params, self.codec.decode(message), worker=w, staleness=staleness, pulled=pulled
+        )
+        self.version += int(changed)
+        return changed
+
+    def flush(self) -> bool:
+        """Apply what an async rule still holds back at the end (a part-filled buffer)."""
+        changed = self.update.flush(self.params)
+        self.version += int(changed)
+        return changed
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "global": self.model.state_dict(),
+            "update": self.update.state_dict(),
+            "version": self.version,
+            "rounds_done": self.rounds_done,
+            "inner_step": self.inner_step,
+            "total_steps": self.total_steps,
+            "own_start": list(self.own_start),
+            "bytes_sent": list(self.bytes_sent),
+            "bytes_received": list(self.bytes_received),
+            "nonfinite_dropped": self.nonfinite_dropped,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        k = self.num_workers
+        if len(state["own_start"]) != k:
+            raise ValueError(f"the checkpoint has {len(state['own_start'])} workers, this run {k}")
+        self.model.load_state_dict(state["global"])
+        self.update.load_state_dict(state["update"])
+        for key in ("version", "rounds_done", "inner_step", "total_steps", "nonfinite_dropped"):
+            setattr(self, key, int(state[key]))
+        self.own_start = [bool(x) for x in state["own_start"]]
+        self.bytes_sent = [int(b) for b in state["bytes_sent"]]
+        self.bytes_received = [int(b) for b in state["bytes_received"]]

@@ -1,0 +1,287 @@
+"""Settings declared once: a config field's default, CLI flag, help text and choices in its metadata.
+
+    num_workers: int = setting(4, flag="--workers", help="number of workers k")
+
+`walk` lists the settings of a config class (fields of nested sections as dotted paths such as
+`inner.lr`); the CLI builds `diloco train`'s flags from it, `label` names a setting and its flag in
+error messages, and `check_types`, `check_choices` and `check_needs` validate any config, whether
+it came from code, a TOML file, config.json or flags. Range checks stay with each config (config.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import tomllib
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass
+from pathlib import Path
+from typing import Any
+
+from diloco.errors import UserError
+
+_KEY = "diloco"  # the key of a field's metadata that holds its Meta
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What a field declares besides its type and default."""
+
+    flag: str | None = None  # the option of `diloco train`; None: the setting is TOML-only
+    help: str = ""  # what it means; the CLI adds the choices and the default
+    choices: tuple[str, ...] = ()  # the allowed values of a str setting
+    parse: Callable[[str], Any] | None = None  # flag text -> value, where the type cannot parse it
+    default_help: str | None = None  # the default as help shows it, where the value does not say
+    needs: tuple[str, Any] | None = None  # (path, value): applies only while that setting has that value
+
+
+def setting(
+    default: Any = MISSING,
+    *,
+    default_factory: Callable[[], Any] | Any = MISSING,
+    flag: str | None = None,
+    help: str = "",
+    choices: tuple[str, ...] = (),
+    parse: Callable[[str], Any] | None = None,
+    default_help: str | None = None,
+    needs: tuple[str, Any] | None = None,
+) -> Any:
+    """A dataclass field with its flag, help, choices and applicability (see `Meta`)."""
+    meta = {_KEY: Meta(flag, help, choices, parse, default_help, needs)}
+    if default_factory is not MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One leaf field of a config class, at a dotted path from the root."""
+
+    path: str
+    type: Any
+    default: Any
+    meta: Meta
+
+    @property
+    def flag(self) -> str | None:
+        return self.meta.flag
+
+
+@functools.cache
+def walk(cls: type) -> tuple[Setting, ...]:
+    """Every leaf setting of `cls`, nested sections (dataclass-typed fields) flattened, in order."""
+    hints = typing.get_type_hints(cls)
+    out: list[Setting] = []
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            out += [dataclasses.replace(s, path=f"{f.name}.{s.path}") for s in walk(kind)]
+        else:
+            default = f.default if f.default is not MISSING else f.default_factory()
+            out.append(Setting(f.name, kind, default, f.metadata.get(_KEY, Meta())))
+    return tuple(out)
+
+
+@functools.cache
+def _by_path(cls: type) -> dict[str, Setting]:
+    return {s.path: s for s in walk(cls)}
+
+
+def find(cls: type, path: str) -> Setting:
+    """The setting at `path` (e.g. "sim.procs"); KeyError if there is none."""
+    return _by_path(cls)[path]
+
+
+def label(cls: type, path: str) -> str:
+    """How error messages name a setting: `inner.lr (--inner-lr)`, or the path if it has no flag."""
+    s = _by_path(cls).get(path)
+    return f"{path} ({s.flag})" if s is not None and s.flag else path
+
+
+def get(obj: Any, path: str) -> Any:
+    return functools.reduce(getattr, path.split("."), obj)
+
+
+def replace(obj: Any, path: str, value: Any) -> Any:
+    """A copy of the (frozen, nested) dataclass `obj` with the setting at `path` set to `value`."""
+    head, _, rest = path.partition(".")
+    if rest:
+        value = replace(getattr(obj, head), rest, value)
+    return dataclasses.replace(obj, **{head: value})
+
+
+def check(ok: bool, name: str, value: Any, want: str) -> None:
+    """Raise the one-sentence UserError for a setting `name` (see `label`) that is not `want`."""
+    if not ok:
+        shown = list(value) if isinstance(value, tuple) else value
+        raise UserError(f"{name} must be {want}, got {shown!r}; set it to {want}.")
+
+
+def _element(kind: Any) -> Any:
+    """X of tuple[X, ...], or None for a type that is not a homogeneous tuple."""
+    args = typing.get_args(kind)
+    return args[0] if typing.get_origin(kind) is tuple and len(args) == 2 and args[1] is Ellipsis else None
+
+
+def is_list(kind: Any) -> bool:
+    return _element(kind) is not None
+
+
+def describe(kind: Any) -> str:
+    """The expected type in words, for error messages."""
+    if (item := _element(kind)) is not None:
+        return {int: "a list of integers", float: "a list of numbers", str: "a list of strings"}[item]
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+
+
+def type_ok(kind: Any, value: Any) -> bool:
+    """Whether `value` has type `kind`. A bool is never a number; an int is a float."""
+    if (item := _element(kind)) is not None:
+        return isinstance(value, tuple) and all(type_ok(item, v) for v in value)
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+@functools.cache
+def sections(cls: type) -> dict[str, type]:
+    """The fields of `cls` that are sections (nested config dataclasses), by name."""
+    return {k: t for k, t in typing.get_type_hints(cls).items() if dataclasses.is_dataclass(t)}
+
+
+def check_types(cfg: Any) -> None:
+    """Reject a value of the wrong type in any setting of `cfg`, before any range check."""
+    cls = type(cfg)
+    for name, kind in sections(cls).items():
+        if not isinstance(getattr(cfg, name), kind):
+            got = getattr(cfg, name)
+            raise UserError(
+                f"{name} must be a {kind.__name__}, got {got!r}; build it with {kind.__name__}(...)."
+            )
+    for s in walk(cls):
+        check(type_ok(s.type, get(cfg, s.path)), label(cls, s.path), get(cfg, s.path), describe(s.type))
+
+
+def check_choices(cfg: Any) -> None:
+    """Reject a value outside a setting's declared choices."""
+    for s in walk(type(cfg)):
+        if s.meta.choices:
+            want = "one of " + ", ".join(s.meta.choices)
+            check(get(cfg, s.path) in s.meta.choices, label(type(cfg), s.path), get(cfg, s.path), want)
+
+
+def changed(cfg: Any, path: str) -> bool:
+    """Whether a setting differs from its field's default."""
+    return get(cfg, path) != find(type(cfg), path).default
+
+
+def check_needs(cfg: Any) -> None:
+    """A setting changed from its default whose `needs` does not hold is an error, never ignored."""
+    cls = type(cfg)
+    for s in walk(cls):
+        if s.meta.needs is None or not changed(cfg, s.path):
+            continue
+        path, wanted = s.meta.needs
+        if get(cfg, path) != wanted:
+            flag = find(cls, path).flag
+            need = f"{flag} {wanted}" if flag else f"{path} = {wanted!r}"
+            raise UserError(
+                f"{label(cls, s.path)} applies only with {need} (this run has {get(cfg, path)}); "
+                f"add {need} or drop it."
+            )
+
+
+def help_text(s: Setting) -> str:
+    """A flag's help: its meaning, then its choices and its default (from the field's default)."""
+    if s.meta.default_help is not None:
+        shown = s.meta.default_help
+    elif s.type is bool:
+        shown = "off"
+    else:
+        shown = str(s.default)
+    choices = " | ".join(s.meta.choices) + "; " if s.meta.choices else ""
+    return f"{s.meta.help} ({choices}default: {shown})".replace("%", "%%")
+
+
+def at_least(cfg: Any, path: str, *, minimum: int) -> None:
+    """Range check of an integer setting (its type is checked already)."""
+    value = get(cfg, path)
+    check(value >= minimum, label(type(cfg), path), value, f"an integer >= {minimum}")
+
+
+def in_range(
+    cfg: Any, path: str, *, lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False
+) -> None:
+    """Range check of a number setting: finite, from lo to hi (open or closed ends)."""
+    value = get(cfg, path)
+    ok = math.isfinite(value) and (value > lo if lo_open else value >= lo)
+    ok = ok and (value < hi if hi_open else value <= hi)
+    want = f"a finite number {'>' if lo_open else '>='} {lo}"
+    if hi != math.inf:
+        want += f" and {'<' if hi_open else '<='} {hi}"
+    check(ok, label(type(cfg), path), value, want)
+
+
+def lists_to_tuples(cls: type, values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A copy of nested `values` (for config class `cls`) with lists made tuples where the setting
+    is a tuple: JSON and TOML give lists."""
+    lists = {s.path for s in walk(cls) if is_list(s.type)}
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and not prefix:
+            out[key] = lists_to_tuples(cls, value, key + ".")
+        else:
+            out[key] = tuple(value) if isinstance(value, list) and prefix + key in lists else value
+    return out
+
+
+def build(cls: type, values: dict[str, Any], where: str, base: Any | None = None) -> Any:
+    """`cls(**values)` (or `base` with `values` replaced), refusing a key `cls` does not have."""
+    known = sorted(f.name for f in dataclasses.fields(cls))
+    if unknown := sorted(set(values) - set(known)):
+        raise UserError(f"unknown key {unknown[0]!r} in {where}; use one of: {', '.join(known)}.")
+    return dataclasses.replace(base, **values) if base is not None else cls(**values)
+
+
+def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge `overrides` into a copy of `base` (nested tables merge key by key)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def nest(path: str, value: Any) -> dict[str, Any]:
+    """{"a": {"b": value}} for path "a.b": a setting as the nested dict `merge` takes."""
+    head, _, rest = path.partition(".")
+    return {head: nest(rest, value) if rest else value}
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file {path} does not exist; check the path given to --config.")
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"config file {path} is not valid TOML ({e}); fix its syntax.") from None
+
+
+def load_json(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path} does not exist; is this a diloco run directory?") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({e}); the run directory is corrupt.") from None

@@ -1,0 +1,104 @@
+"""Checkpoints in every runtime and method: async runs stop and resume bit for bit, and a
+checkpoint written by one runtime resumes in the other (simulator <-> torchrun)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+from diloco.cli import main
+
+TOML = "[model]\nn_layer = 2\nn_head = 2\nd_model = 32\n[inner]\nwarmup_steps = 2\n"
+TINY = ["--seq-len", "32", "--batch-size", "4", "--inner-steps", "4", "--threads", "1"]
+
+
+def _config(tmp_path):
+    path = tmp_path / "tiny.toml"
+    path.write_text(TOML)
+    return ["--config", str(path), *TINY]
+
+
+def _params(run_dir):
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def _summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _metrics(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+ASYNC = ["--method", "async", "--dylu", "--heterogeneity", "very", "--rounds", "4", "--procs", "1"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--async-rule", "buffer", "--grace-s", "1.5", "--shard-sampling", "--async-rule", "delaycomp"]],
+    ids=["dn-dylu", "delaycomp-grace-sampling"],
+)
+def test_async_stop_after_and_resume_ends_bit_identical(tmp_path, capsys, extra):
+    flags = [*_config(tmp_path), *ASYNC, "--workers", "3", *extra]
+    assert main(["train", *flags, "--out", str(tmp_path / "straight")]) == 0
+    assert main(["train", *flags, "--checkpoint-every", "1", "--stop-after", "2", "--out", str(tmp_path / "r")]) == 0
+    assert "continue with: diloco train --resume" in capsys.readouterr().out
+    stopped = _metrics(tmp_path / "r")
+    assert not (tmp_path / "r" / "summary.json").exists()
+    assert main(["train", "--resume", str(tmp_path / "r")]) == 0
+    assert _equal(_params(tmp_path / "straight"), _params(tmp_path / "r"))
+    a, b = _summary(tmp_path / "straight"), _summary(tmp_path / "r")
+    for key in ("val_loss", "outer_updates", "sim_time_s", "bytes_sent", "tokens", "inner_steps"):
+        assert a[key] == b[key], key
+    # the resumed run's metrics are the straight run's, but for wall time (nothing lost or doubled)
+    strip = lambda lines: [{k: v for k, v in x.items() if k != "wall_time_s"} for x in lines]  # noqa: E731
+    assert strip(_metrics(tmp_path / "r")) == strip(_metrics(tmp_path / "straight"))
+    assert len(stopped) < len(_metrics(tmp_path / "r"))
+    assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == [
+        "round-000001",
+        "round-000002",
+        "round-000003",
+    ]  # --keep-checkpoints 3: round 0 is gone
+
+
+def _torchrun(tmp_path, *flags, env=None, timeout=100):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "diloco", "train", *flags]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env={**os.environ, **(env or {})}
+    )
+
+
+@pytest.mark.timeout(200)
+def test_a_checkpoint_moves_between_the_simulator_and_torchrun_both_ways(tmp_path):
+    flags_c = [*_config(tmp_path), "--workers", "2", "--rounds", "4"]
+    flags = [*flags_c, "--procs", "1"]
+    assert main(["train", *flags, "--out", str(tmp_path / "straight")]) == 0
+    # simulator -> torchrun
+    assert main(["train", *flags, "--checkpoint-every", "1", "--stop-after", "2", "--out", str(tmp_path / "a")]) == 0
+    proc = _torchrun(tmp_path, "--resume", str(tmp_path / "a"), "--runtime", "collective")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # torchrun -> simulator
+    proc = _torchrun(
+        tmp_path, "--runtime", "collective", *flags_c, "--checkpoint-every", "1", "--stop-after", "2",
+        "--out", str(tmp_path / "b"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert main(["train", "--resume", str(tmp_path / "b"), "--runtime", "sim"]) == 0
+    straight = _summary(tmp_path / "straight")
+    for name, runtime in (("a", "collective"), ("b", "sim")):
+        moved = _summary(tmp_path / name)
+        assert moved["runtime"] == runtime
+        assert moved["val_loss"] == straight["val_loss"], name  # 2 ranks: the same sums, bit for bit
+        assert _equal(_params(tmp_path / name), _params(tmp_path / "straight")), name
+        assert moved["outer_updates"] == 4 and moved["bytes_sent"] == straight["bytes_sent"]
+        cfg = json.loads((tmp_path / name / "config.json").read_text())
+        assert cfg["runtime"] == runtime  # config.json records where the run went on

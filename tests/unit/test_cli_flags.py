@@ -1,0 +1,247 @@
+"""`diloco train`'s flags come from the config fields' metadata: names, dests, help, parsing."""
+
+import dataclasses
+import importlib
+import json
+import math
+
+import pytest
+
+from diloco import settings
+from diloco.cli import build_parser, main
+from diloco.config import TrainConfig, flag, label
+from diloco.errors import Interrupted, NonFinite, ReplicaMismatch, RunFailed, UserError
+
+# Every flag `diloco train` had before the flags came from the fields, and the setting it sets.
+EXPECTED = {
+    "--method": "method",
+    "--workers": "num_workers",
+    "--inner-steps": "inner_steps",
+    "--rounds": "rounds",
+    "--model": "model.name",
+    "--seq-len": "model.seq_len",
+    "--batch-size": "data.batch_size",
+    "--shards": "data.shards",
+    "--inner-lr": "inner.lr",
+    "--outer-opt": "outer.opt",
+    "--outer-lr": "outer.lr",
+    "--outer-momentum": "outer.momentum",
+    "--seed": "seed",
+    "--out": "out",
+    "--eval-every": "eval_every",
+    "--checkpoint-every": "checkpoint_every",
+    "--threads": "threads",
+    "--target-loss": "target_loss",
+    "--runtime": "runtime",
+    "--procs-per-worker": "procs_per_worker",
+    "--bucket-mb": "bucket_mb",
+    "--drop-prob": "drop_prob",
+    "--workers-schedule": "workers_schedule",
+    "--codec": "codec",
+    "--speeds": "sim.speeds",
+    "--heterogeneity": "sim.heterogeneity",
+    "--speed-jitter": "sim.speed_jitter",
+    "--slowdown": "sim.slowdowns",
+    "--bandwidth-mbps": "sim.bandwidth_mbps",
+    "--latency-ms": "sim.latency_ms",
+    "--procs": "sim.procs",
+    "--async-rule": "server.rule",
+    "--dn-buffer": "server.buffer",
+    "--dn-c": "server.dn_c",
+    "--poly-threshold": "server.poly_threshold",
+    "--delaycomp-lambda": "server.delaycomp_lambda",
+    "--dylu": "server.dylu",
+    "--dylu-oracle": "server.dylu_oracle",
+    "--dylu-alpha": "server.dylu_alpha",
+    "--shard-sampling": "server.shard_sampling",
+    "--grace-s": "server.grace_s",
+    # new settings
+    "--on-nonfinite": "on_nonfinite",
+    "--keep-checkpoints": "keep_checkpoints",
+    "--timeout-s": "timeout_s",
+}
+NOT_SETTINGS = {"-h", "--help", "--config", "--resume", "--stop-after", "--progress", "--no-progress"}
+
+
+def _train_parser():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return sub.choices["train"]
+
+
+def _exit(capsys, argv):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    return code, capsys.readouterr()
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """Replace the training itself: record the config and arguments `diloco train` would run."""
+    calls = []
+
+    def fake_train(cfg, **kw):
+        calls.append((cfg, kw))
+        return {"stopped_after": 1, "run_dir": str(cfg.run_dir)}
+
+    def fake_exit(code):  # a collective run ends with os._exit, after its report
+        raise SystemExit(code)
+
+    monkeypatch.setattr(importlib.import_module("diloco.train"), "train", fake_train)
+    monkeypatch.setattr("diloco.cli.os._exit", fake_exit)
+    return calls
+
+
+def test_every_flag_is_a_field_and_every_flagged_field_a_flag():
+    actions = {opt: a for a in _train_parser()._actions for opt in a.option_strings}
+    setting_flags = {opt: a.dest for opt, a in actions.items() if opt not in NOT_SETTINGS}
+    assert setting_flags == EXPECTED
+    declared = {s.flag: s.path for s in settings.walk(TrainConfig) if s.flag}
+    assert declared == EXPECTED
+    for f, path in EXPECTED.items():
+        assert flag(path) == f and label(path) == f"{path} ({f})"
+    assert flag("model.n_layer") is None and label("inner.beta1") == "inner.beta1"  # TOML-only
+
+
+def test_every_field_has_a_type_the_checks_understand():
+    for s in settings.walk(TrainConfig):
+        assert settings.describe(s.type)
+        assert settings.type_ok(s.type, s.default), s.path
+
+
+def test_help_states_every_default(capsys):
+    code, out = _exit(capsys, ["train", "--help"])
+    assert code == 0
+    text = " ".join(out.out.split())  # argparse wraps lines
+    for s in settings.walk(TrainConfig):
+        if s.flag:
+            assert s.flag in text and "default:" in settings.help_text(s), s.path
+    assert "number of workers k (default: 4)" in text
+    assert "(stop | drop; default: stop)" in text
+    assert "(default: 300.0)" in text and "(default: the preset's)" in text
+    assert "[server] The asynchronous server" in text
+
+
+def test_no_flags_is_the_default_config(captured, capsys):
+    assert main(["train"]) == 0
+    ((cfg, kw),) = captured
+    assert cfg == TrainConfig()
+    assert kw == {"resume": None, "stop_after": None, "progress": None}
+
+
+def test_flags_reach_their_fields(captured, capsys):
+    argv = ["train", "--method", "async", "--workers", "2", "--model", "micro", "--seq-len", "64"]
+    argv += ["--speeds", "1,2.5", "--slowdown", "0:2@0-10", "--slowdown", "1:3@5-inf", "--dylu"]
+    argv += ["--shard-sampling", "--async-rule", "buffer", "--dn-buffer", "3", "--grace-s", "inf"]
+    argv += ["--inner-lr", "3e-4", "--outer-lr", "1", "--on-nonfinite", "drop", "--procs", "1"]
+    argv += ["--checkpoint-every", "2", "--keep-checkpoints", "5"]
+    assert main(argv) == 0
+    cfg = captured[0][0]
+    assert (cfg.method, cfg.num_workers, cfg.model.name, cfg.model.seq_len) == ("async", 2, "micro", 64)
+    assert cfg.model.d_model == 192  # the preset, then the flag
+    assert cfg.sim.speeds == (1.0, 2.5) and cfg.sim.slowdowns == ("0:2@0-10", "1:3@5-inf")
+    assert cfg.server.dylu and cfg.server.shard_sampling and not cfg.server.dylu_oracle
+    assert (cfg.server.rule, cfg.server.buffer, cfg.server.grace_s) == ("buffer", 3, math.inf)
+    assert (cfg.inner.lr, cfg.outer.lr, cfg.on_nonfinite, cfg.sim.procs) == (3e-4, 1.0, "drop", 1)
+    assert (cfg.checkpoint_every, cfg.keep_checkpoints) == (2, 5)
+
+
+def test_a_toml_file_then_flags(captured, tmp_path, capsys):
+    path = tmp_path / "c.toml"
+    path.write_text('runtime = "collective"\ntimeout_s = 30\nnum_workers = 2\n[sim]\nprocs = 0\n')
+    code, _ = _exit(capsys, ["train", "--config", str(path), "--timeout-s", "45.5", "--bucket-mb", "4"])
+    assert code == 0
+    cfg = captured[0][0]
+    assert (cfg.runtime, cfg.timeout_s, cfg.bucket_mb, cfg.num_workers) == ("collective", 45.5, 4.0, 2)
+    path.write_text('runtime = "collective"\n[sim]\nprocs = 2\n')  # the simulator's, given for collective
+    code, out = _exit(capsys, ["train", "--config", str(path)])
+    assert code == 2 and "sim.procs (--procs) applies only with --runtime sim" in out.err
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--speeds", "1,x"], "--speeds wants positive seconds per step separated by commas, got '1,x'"),
+        (["--speeds", "1,-2"], "--speeds wants positive seconds"),
+        (["--timeout-s", "soon"], "argument --timeout-s: invalid float value: 'soon'"),
+        (["--keep-checkpoints", "2.5"], "argument --keep-checkpoints: invalid int value: '2.5'"),
+    ],
+)
+def test_text_a_flag_cannot_parse_is_argparses_one_line_error(capsys, argv, needle):
+    code, out = _exit(capsys, ["train", *argv])
+    assert code == 2 and needle in out.err and out.err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "error,code",
+    [
+        (RunFailed("rank 1 hung in the all-reduce of round 3"), 3),
+        (NonFinite("worker 2's training loss is nan at inner step 7"), 3),
+        (ReplicaMismatch("global parameters of rank 1 differ from rank 0's after round 2"), 3),
+        (UserError("bad input; fix it."), 2),
+        (Interrupted("interrupted; continue with: diloco train --resume runs/x"), 130),
+        (KeyboardInterrupt(), 130),
+    ],
+)
+def test_exit_codes(monkeypatch, capsys, error, code):
+    def fail(cfg, **kw):
+        raise error
+
+    monkeypatch.setattr(importlib.import_module("diloco.train"), "train", fail)
+    assert main(["train"]) == code
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    if code != 130:
+        assert err == f"diloco: error: {error}\n"
+
+
+def _saved_run(tmp_path, tiny, **kw):
+    """A run directory holding only config.json, enough for `--resume` to read the config."""
+    run = tmp_path / "saved"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(tiny(out=str(run), **kw).to_dict()))
+    return run
+
+
+def test_resume_may_change_runtime_threads_procs_and_timeout(captured, tiny, tmp_path, capsys):
+    run = _saved_run(tmp_path, tiny, checkpoint_every=1)
+    saved = tiny(out=str(run), checkpoint_every=1)
+    assert main(["train", "--resume", str(run), "--threads", "2", "--procs", "2", "--stop-after", "1"]) == 0
+    cfg, kw = captured[-1]
+    assert cfg == dataclasses.replace(saved, threads=2, sim=dataclasses.replace(saved.sim, procs=2))
+    assert kw == {"resume": run, "stop_after": 1, "progress": None}
+    # sim -> collective: the saved sim.procs is harmless; the timeout is the collective's
+    code, _ = _exit(capsys, ["train", "--resume", str(run), "--runtime", "collective", "--timeout-s", "60"])
+    assert code == 0
+    cfg, _ = captured[-1]
+    assert (cfg.runtime, cfg.timeout_s, cfg.sim.procs) == ("collective", 60.0, saved.sim.procs)
+    assert dataclasses.replace(cfg, runtime="sim", timeout_s=300.0) == saved
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--workers", "3"], "drop the other settings (--workers)"),
+        (["--keep-checkpoints", "9"], "allows only --runtime, --threads, --procs, --timeout-s besides"),
+        (["--config", "x.toml"], "drop the other settings (--config)"),
+        (["--runtime", "collective", "--procs", "2"], "sim.procs (--procs) applies only with --runtime sim"),
+        (["--timeout-s", "60"], "timeout_s (--timeout-s) applies only with --runtime collective"),
+        (
+            ["--runtime", "collective", "--timeout-s", "-1"],
+            "timeout_s (--timeout-s) must be a finite number > 0",
+        ),
+    ],
+)
+def test_resume_refuses_other_changes(captured, tiny, tmp_path, capsys, argv, needle):
+    run = _saved_run(tmp_path, tiny)
+    code, out = _exit(capsys, ["train", "--resume", str(run), *argv])
+    assert code == 2 and needle in out.err and out.err.count("\n") == 1 and not captured
+
+
+def test_a_sim_run_with_a_clock_cannot_move_to_collective(captured, tiny, tmp_path, capsys):
+    from diloco.config import SimConfig
+
+    run = _saved_run(tmp_path, tiny, sim=SimConfig(speeds=(1.0, 2.0), procs=1))
+    code, out = _exit(capsys, ["train", "--resume", str(run), "--runtime", "collective"])
+    assert code == 2 and "sim.speeds (--speeds) applies only with --runtime sim" in out.err

@@ -1,0 +1,46 @@
+"""Strict JSON in metrics.jsonl and a perplexity that never raises."""
+
+import json
+import math
+
+import pytest
+
+from diloco.metrics import MetricsWriter, json_safe, perplexity, read_metrics
+
+
+@pytest.mark.timeout(10)
+def test_json_safe_replaces_every_non_finite_float_recursively():
+    obj = {"a": math.nan, "b": [1.0, math.inf, (-math.inf, 2)], "c": {"d": {"e": math.nan}}, "f": "nan"}
+    safe = json_safe(obj)
+    assert safe == {"a": None, "b": [1.0, None, [None, 2]], "c": {"d": {"e": None}}, "f": "nan"}
+    json.dumps(safe, allow_nan=False)  # strict JSON now
+    assert obj["a"] is not None and math.isinf(obj["b"][1])  # the input is left alone
+    assert json_safe(3) == 3 and json_safe(True) is True and json_safe(None) is None
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "loss,expected",
+    [(0.0, 1.0), (2.0, math.exp(2.0)), (709.0, math.exp(709.0)), (1e4, None), (710.0, None)]
+    + [(math.nan, None), (math.inf, None), (-math.inf, None), (None, None)],
+)
+def test_perplexity_is_exp_or_none_and_never_raises(loss, expected):
+    assert perplexity(loss) == expected
+
+
+@pytest.mark.timeout(60)
+def test_metrics_jsonl_is_strict_json_with_non_finite_values(tmp_path):
+    writer = MetricsWriter(tmp_path)
+    writer.log("eval", inner_step=4, val_loss=math.nan, val_ppl=perplexity(math.nan), tokens=10)
+    writer.log("inner", inner_step=5, train_loss=math.inf, grad_norm=[1.0, -math.inf], worker=1)
+    writer.log("inner", inner_step=6, train_loss=2.5, worker=0)
+    writer.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    for line in text.splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    lines = read_metrics(tmp_path)
+    assert lines[0] == {"kind": "eval", "inner_step": 4, "val_loss": None, "val_ppl": None, "tokens": 10}
+    assert lines[1]["train_loss"] is None and lines[1]["grad_norm"] == [1.0, None]
+    assert lines[2]["train_loss"] == 2.5
+    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())

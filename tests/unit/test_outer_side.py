@@ -1,0 +1,133 @@
+"""The outer side against trusted references: outer.py's weighted average and Nesterov step,
+byte counts by hand, drops and non-finite outer_grads, its state, and codec messages."""
+
+import pytest
+import torch
+
+from diloco.codec import Encoded, Fp32Codec
+from diloco.errors import NonFinite
+from diloco.outer import Nesterov, kept_weights, weighted_average
+from diloco.outer_side import OuterSide
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+
+
+def _grads(side, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=g) for p in side.params]
+
+
+class GatheredFp32(Fp32Codec):
+    """fp32 values, but declared not summable: the outer side must decode then weight."""
+
+    summable = False
+
+
+@pytest.mark.timeout(10)
+def test_equal_weights_give_outer_py_bit_for_bit():
+    side = OuterSide(_model(), 4)
+    ref_model, ref_opt = _model(), Nesterov()
+    ref = list(ref_model.parameters())
+    grads = [_grads(side, w) for w in range(4)]
+    _round(side, grads)
+    ref_opt.step(ref, weighted_average(grads, [0.25] * 4))
+    assert all(torch.equal(a, b) for a, b in zip(side.params, ref))
+
+
+def _round(side, grads, finite=None, active=None):
+    starts = side.begin_round(active)
+    messages = []
+    for w in range(len(starts)):
+        message = side.codec.encode(grads[w])
+        ok = side.report(w, message.nbytes, True if finite is None else finite[w])
+        messages.append(message if ok else None)
+    side.end_round(side.reduce(messages), inner_steps=5)
+    return starts
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("codec", [Fp32Codec(), GatheredFp32()])
+def test_a_round_is_the_nesterov_step_on_the_weighted_average(codec):
+    weights = [0.5, 0.3, 0.2]
+    side = OuterSide(_model(), 3, update=Nesterov(0.7, 0.9), codec=codec, weights=weights)
+    ref_model, ref_opt = _model(), Nesterov(0.7, 0.9)
+    ref = [p for p in ref_model.parameters()]
+    for r in range(3):
+        grads = [_grads(side, 10 * r + w) for w in range(3)]
+        _round(side, grads)
+        ref_opt.step(ref, weighted_average(grads, weights))
+        # outer.py may fuse w·g into the sum; the outer side rounds w·g first, as an all-reduce
+        # of weighted contributions does: equal up to one rounding per term
+        for a, b in zip(side.params, ref):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    size = sum(p.numel() for p in side.params) * 4
+    assert side.version == 3 and side.rounds_done == 3 and side.inner_step == 15 and side.total_steps == 45
+    assert side.bytes_sent == [3 * size] * 3 and side.bytes_received == [3 * size] * 3
+
+
+@pytest.mark.timeout(10)
+def test_dropped_and_inactive_workers_rescale_the_kept_weights():
+    side = OuterSide(_model(), 3, weights=[0.5, 0.3, 0.2], drop_prob=0.5, seed=1)
+    from diloco.schedule import outer_grad_dropped
+
+    ref_model, ref_opt = _model(), Nesterov()
+    ref = list(ref_model.parameters())
+    for r in range(6):
+        grads = [_grads(side, 10 * r + w) for w in range(2)]
+        dropped = [outer_grad_dropped(1, r, w, 0.5) for w in range(2)]
+        version = side.version
+        _round(side, grads, active=2)
+        kept = [not d for d in dropped]
+        if any(kept):
+            kept_grads = [g for g, k in zip(grads, kept) if k]
+            ref_opt.step(ref, weighted_average(kept_grads, kept_weights(side.weights, kept)))
+            assert side.version == version + 1
+        assert side.own_start == dropped + [False]
+        for a, b in zip(side.params, ref):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(10)
+def test_a_non_finite_outer_grad_stops_the_run_or_is_dropped():
+    side = OuterSide(_model(), 2)
+    before = [p.detach().clone() for p in side.params]
+    with pytest.raises(NonFinite, match="worker 1 produced a non-finite .* in round 1"):
+        _round(side, [_grads(side, 0), _grads(side, 1)], finite=[True, False])
+    assert all(torch.equal(a, b) for a, b in zip(side.params, before)) and side.version == 0
+    side = OuterSide(_model(), 2, on_nonfinite="drop")
+    grads = [_grads(side, 0), [torch.full_like(p, float("nan")) for p in side.params]]
+    _round(side, grads, finite=[True, False])
+    assert side.nonfinite_dropped == 1 and side.own_start == [False, False]  # it restarts from θ
+    assert all(torch.isfinite(p).all() for p in side.params) and side.version == 1
+
+
+@pytest.mark.timeout(10)
+def test_state_round_trips_and_counts_the_same():
+    a = OuterSide(_model(), 2, drop_prob=0.3, seed=4)
+    for r in range(3):
+        _round(a, [_grads(a, r), _grads(a, r + 100)])
+    b = OuterSide(_model(seed=9), 2, drop_prob=0.3, seed=4)
+    b.load_state_dict(a.state_dict())
+    for r in range(3, 5):
+        _round(a, [_grads(a, r), _grads(a, r + 100)])
+        _round(b, [_grads(b, r), _grads(b, r + 100)])
+    assert all(torch.equal(x, y) for x, y in zip(a.params, b.params))
+    assert a.state_dict()["bytes_sent"] == b.state_dict()["bytes_sent"] and a.own_start == b.own_start
+
+
+@pytest.mark.timeout(10)
+def test_a_message_becomes_bytes_and_back_exactly():
+    tensors = [torch.randn(3, 4), torch.randn(5)]
+    message = Fp32Codec().encode(tensors)
+    back = Encoded.from_bytes(message.to_bytes())
+    assert back.codec == "fp32" and back.nbytes == 17 * 4
+    assert all(torch.equal(x, y) for x, y in zip(back.payload, tensors))
+    from diloco.errors import UserError
+
+    with pytest.raises(UserError, match="not a valid encoded message"):
+        Encoded.from_bytes(b"\x05\x00garbage")
+    with pytest.raises(UserError, match="encoded with codec 'int8'"):
+        Fp32Codec().decode(Encoded("int8", tensors, 1))
