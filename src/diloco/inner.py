@@ -14,11 +14,10 @@ job), and the outer side decides whether to stop the run or drop that outer_grad
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
-
-import math
 
 import torch
 import torch.nn as nn

@@ -6,6 +6,8 @@
 `inner.lr`); the CLI builds `diloco train`'s flags from it, `label` names a setting and its flag in
 error messages, and `check_types`, `check_choices` and `check_needs` validate any config, whether
 it came from code, a TOML file, config.json or flags. Range checks stay with each config (config.py).
+`build`, `lists_to_tuples`, `merge`, `nest`, `load_toml` and `load_json` turn files and flags into
+the nested dicts a config is built from.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ class Meta:
     choices: tuple[str, ...] = ()  # the allowed values of a str setting
     parse: Callable[[str], Any] | None = None  # flag text -> value, where the type cannot parse it
     default_help: str | None = None  # the default as help shows it, where the value does not say
-    needs: tuple[str, Any] | None = None  # (path, value): applies only while that setting has that value
+    # (path from the root config, value): the setting applies only while that one has that value;
+    # changed from its default otherwise, it is an error (check_needs)
+    needs: tuple[str, Any] | None = None
 
 
 def setting(

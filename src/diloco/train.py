@@ -420,7 +420,9 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
     if resuming:
         _restore(trainer, state, run_dir)
         # under torchrun only rank 0 read the checkpoint
-        state = trainer.broadcast(None if state is None else {k: v for k, v in state.items() if k != "trainer"})
+        state = trainer.broadcast(
+            None if state is None else {k: v for k, v in state.items() if k != "trainer"}
+        )
         start_round = state["round"]
         step = start_round * cfg.inner_steps
         writer = (
@@ -453,9 +455,13 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
             save_checkpoint(run, 0, run_dir)
     loop = _run_async if cfg.method == "async" else _run_sync
     try:
-        finished = loop(run, start_round=start_round, stop_after=stop_after, run_dir=run_dir, progress=progress)
+        finished = loop(
+            run, start_round=start_round, stop_after=stop_after, run_dir=run_dir, progress=progress
+        )
     except KeyboardInterrupt:
         run.writer.close()
+        if not main:  # rank 0 says where the run can go on
+            raise Interrupted(f"rank {trainer.rank} interrupted") from None
         has_checkpoint = checkpoint.latest(run_dir / "checkpoints") is not None
         raise Interrupted(
             f"interrupted; continue with: diloco train --resume {run_dir}"

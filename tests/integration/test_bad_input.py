@@ -49,10 +49,11 @@ def test_resume_of_a_corrupt_or_checkpointless_run(tiny, tmp_path, capsys):
 
     run = tmp_path / "run"
     train(tiny(checkpoint_every=1, rounds=2, out=str(run)), stop_after=1, progress=False)
-    (run / "checkpoints" / "round-000001" / "state.json").write_text("{}")
+    for name in ("round-000000", "round-000001"):  # every checkpoint corrupt: nothing to fall back to
+        (run / "checkpoints" / name / "state.json").write_text("{}")
     before = (run / "metrics.jsonl").read_bytes()
     code, err = _run_in_process(capsys, ["train", "--resume", str(run)])
-    assert code == 2 and "is corrupt" in err and "delete that folder" in err
+    assert code == 2 and "is corrupt" in err and "no older one" in err and "delete that folder" in err
     assert (run / "metrics.jsonl").read_bytes() == before  # nothing touched
     (run / "config.json").write_text("{not json")
     code, err = _run_in_process(capsys, ["train", "--resume", str(run)])

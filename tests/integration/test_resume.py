@@ -49,7 +49,10 @@ ASYNC = ["--method", "async", "--dylu", "--heterogeneity", "very", "--rounds", "
 def test_async_stop_after_and_resume_ends_bit_identical(tmp_path, capsys, extra):
     flags = [*_config(tmp_path), *ASYNC, "--workers", "3", *extra]
     assert main(["train", *flags, "--out", str(tmp_path / "straight")]) == 0
-    assert main(["train", *flags, "--checkpoint-every", "1", "--stop-after", "2", "--out", str(tmp_path / "r")]) == 0
+    assert (
+        main(["train", *flags, "--checkpoint-every", "1", "--stop-after", "2", "--out", str(tmp_path / "r")])
+        == 0
+    )
     assert "continue with: diloco train --resume" in capsys.readouterr().out
     stopped = _metrics(tmp_path / "r")
     assert not (tmp_path / "r" / "summary.json").exists()
@@ -83,13 +86,24 @@ def test_a_checkpoint_moves_between_the_simulator_and_torchrun_both_ways(tmp_pat
     flags = [*flags_c, "--procs", "1"]
     assert main(["train", *flags, "--out", str(tmp_path / "straight")]) == 0
     # simulator -> torchrun
-    assert main(["train", *flags, "--checkpoint-every", "1", "--stop-after", "2", "--out", str(tmp_path / "a")]) == 0
+    assert (
+        main(["train", *flags, "--checkpoint-every", "1", "--stop-after", "2", "--out", str(tmp_path / "a")])
+        == 0
+    )
     proc = _torchrun(tmp_path, "--resume", str(tmp_path / "a"), "--runtime", "collective")
     assert proc.returncode == 0, proc.stderr[-3000:]
     # torchrun -> simulator
     proc = _torchrun(
-        tmp_path, "--runtime", "collective", *flags_c, "--checkpoint-every", "1", "--stop-after", "2",
-        "--out", str(tmp_path / "b"),
+        tmp_path,
+        "--runtime",
+        "collective",
+        *flags_c,
+        "--checkpoint-every",
+        "1",
+        "--stop-after",
+        "2",
+        "--out",
+        str(tmp_path / "b"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert main(["train", "--resume", str(tmp_path / "b"), "--runtime", "sim"]) == 0

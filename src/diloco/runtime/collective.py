@@ -293,10 +293,14 @@ class CollectiveDiLoCo:
         except (RuntimeError, dist.DistError) as e:
             if isinstance(e, RunFailed):
                 raise
+            cause = (
+                f"a rank hung longer than --timeout-s {self.cfg.timeout_s:g}"
+                if "timeout" in str(e).lower() or "timed out" in str(e).lower()
+                else "another rank stopped (interrupted or died)"
+            )
             raise WorkerDied(
-                f"rank {self.rank}: {what} failed after round {self.side.rounds_done} "
-                f"({str(e).splitlines()[0][:160]}): another rank died or hung longer than --timeout-s "
-                f"{self.cfg.timeout_s:g}; restart the run with --resume from its last checkpoint."
+                f"rank {self.rank}: {what} failed after round {self.side.rounds_done}: {cause}; "
+                "continue the run from its last checkpoint with --resume."
             ) from None
 
     def summary_extras(self) -> dict[str, Any]:
