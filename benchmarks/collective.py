@@ -81,7 +81,7 @@ def _rank_main(args) -> None:
             averaged = trainer._allreduce_buckets(grads)
             sync_s += time.perf_counter() - t
             t = time.perf_counter()
-            trainer.outer_opt.step([p.detach().clone() for p in trainer.params], averaged)
+            trainer.side.update.step([p.detach().clone() for p in trainer.params], averaged)
             step_s += time.perf_counter() - t
         else:
             dist.all_reduce(flat)

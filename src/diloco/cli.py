@@ -134,10 +134,18 @@ def _resumed_config(args: argparse.Namespace, overrides: dict[str, Any]) -> Trai
             f"--resume continues a run with its saved config.json and allows only {allowed} besides; "
             f"drop the other settings ({', '.join(refused)})."
         )
-    cfg = load_run_config(args.resume)
+    saved = load_run_config(args.resume)
+    values = saved.to_dict()
+    runtime = overrides.get("runtime", saved.runtime)
+    if runtime != saved.runtime:
+        # Moving runtimes: the settings of the runtime the run leaves (its clock, its buckets and
+        # timeout) never change a sync run's parameters, so they go back to their defaults.
+        for s in settings.walk(TrainConfig):
+            if s.meta.needs and s.meta.needs[0] == "runtime" and s.meta.needs[1] != runtime:
+                values = merge(values, settings.nest(s.path, s.default))
     for path, value in overrides.items():
-        cfg = settings.replace(cfg, path, value)  # validated again
-    return cfg
+        values = merge(values, settings.nest(path, value))
+    return from_dict(values, where=f"{args.resume / 'config.json'} with the flags")  # validated once
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -156,8 +164,11 @@ def _train(args: argparse.Namespace) -> int:
             and "num_workers" not in values
             and "WORLD_SIZE" in os.environ
         ):
-            # under torchrun the number of workers follows from the ranks started
-            values["num_workers"] = int(os.environ["WORLD_SIZE"]) // int(values.get("procs_per_worker", 1))
+            # under torchrun the number of workers follows from the ranks started (a bad
+            # procs_per_worker is left to the config's own check)
+            m = values.get("procs_per_worker", 1)
+            if isinstance(m, int) and not isinstance(m, bool) and m >= 1:
+                values["num_workers"] = int(os.environ["WORLD_SIZE"]) // m
         cfg = from_dict(values, where=str(args.config) if args.config else "the flags")
         procs_given = "procs" in (values.get("sim") or {})
     if procs_given and cfg.runtime == "collective" and settings.changed(cfg, "sim.procs"):
@@ -166,8 +177,11 @@ def _train(args: argparse.Namespace) -> int:
             "sim.procs (--procs) applies only with --runtime sim; drop it "
             "(torchrun's --nproc-per-node starts the ranks of --runtime collective)."
         )
-    if args.stop_after is not None and args.stop_after < 1:
-        raise UserError(f"--stop-after must be a round >= 1, got {args.stop_after}.")
+    if args.stop_after is not None and not 1 <= args.stop_after < cfg.rounds:
+        raise UserError(
+            f"--stop-after must be a round from 1 to {cfg.rounds - 1} (the run has {cfg.rounds} rounds), "
+            f"got {args.stop_after}; choose one of them or drop it."
+        )
     summary = train(cfg, resume=args.resume, stop_after=args.stop_after, progress=args.progress)
     if cfg.runtime == "collective":
         _report(summary)

@@ -330,6 +330,11 @@ def validate(cfg: TrainConfig) -> None:
                 f"'0:4,0.5:8', starting at 0, fractions rising below 1, 1 to num_workers "
                 f"({cfg.num_workers}) workers, got {cfg.workers_schedule!r}; fix it."
             ) from None
+    if cfg.on_nonfinite == "drop" and cfg.method in ("single", "dp"):
+        raise UserError(
+            f"on_nonfinite (--on-nonfinite) drop needs outer_grads to drop; --method {cfg.method} has one "
+            "model: use --on-nonfinite stop."
+        )
     if cfg.runtime == "collective" and cfg.method != "diloco":
         raise UserError("the collective runtime runs --method diloco only; use --runtime sim for others.")
     _validate_sim(cfg)

@@ -2,13 +2,15 @@
 perturb one rank's global parameters.
 
 Set `DILOCO_FAULT` to one of
-- `kill:ID:STEP`     SIGKILL the process computing worker ID (rank ID under torchrun) when that
-                     worker is about to take its inner step STEP (counted from 0 over the run);
+- `kill:ID:STEP`     SIGKILL the process computing worker ID (under torchrun: every rank of
+                     worker ID) when that worker is about to take its inner step STEP (counted
+                     from 0 over the run);
 - `hang:ID:STEP`     the same process sleeps for an hour instead (a hung rank or process);
 - `nan:ID:STEP`      worker ID's training loss at inner step STEP is NaN;
 - `perturb:ID:ROUND` after round ROUND (from 1), rank ID's global parameters change by 1e-3.
 Under torchrun, `kill` and `hang` fire on the first attempt only, so a restarted job runs
-through. Faults are installed when a worker or runtime is built: the round's code has no hooks.
+through. Faults are installed by wrapping a worker or an outer side when it is built, so the
+round's code has no hooks.
 """
 
 from __future__ import annotations
@@ -52,10 +54,22 @@ def wrap_worker(worker, ident: int):
     return worker
 
 
-def perturb_after(rank: int, round_: int, params) -> None:
-    """The `perturb` fault, called by the collective runtime before its replica check."""
-    if _spec("perturb", rank) == round_:
-        import torch
+def wrap_side(side, rank: int):
+    """Install the `perturb` fault for `rank` on its outer side (the collective runtime's replica
+    check must catch it)."""
+    at = _spec("perturb", rank)
+    if at is None:
+        return side
+    end_round = side.end_round
 
-        with torch.no_grad():
-            params[0].view(-1)[0] += 1e-3
+    def perturbed(*args, **kwargs):
+        changed = end_round(*args, **kwargs)
+        if side.rounds_done == at:
+            import torch
+
+            with torch.no_grad():
+                side.params[0].view(-1)[0] += 1e-3
+        return changed
+
+    side.end_round = perturbed
+    return side

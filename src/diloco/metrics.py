@@ -68,6 +68,7 @@ class MetricsWriter:
     def offset(self) -> int:
         """Bytes written so far; stored in checkpoints for `truncate_to`."""
         self._file.flush()
+        os.fsync(self._file.fileno())  # a durable checkpoint must not point past the file's end
         return os.path.getsize(self.path)
 
     def log(self, kind: str, **fields: Any) -> None:

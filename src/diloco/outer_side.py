@@ -14,7 +14,7 @@ A synchronous round, as every runtime drives it:
     ... each active worker w runs H inner steps from θ (or its own parameters) ...
     side.report(w, nbytes, finite)             # for every active worker, in worker order
     summed = Σ_w side.contribution(w, message) # in worker order, or by an all-reduce
-    side.end_round(summed)                     # the outer step on the weighted average
+    side.end_round(summed, inner_steps=H)      # the outer step on the weighted average
 
 Asynchronous: `side.pull(w)` when a job starts, `side.apply_async(w, message, ...)` when its
 outer_grad arrives.
@@ -32,11 +32,10 @@ import torch.nn as nn
 
 from diloco.async_rules import AsyncRule
 from diloco.codec import Codec, Encoded, Fp32Codec, tensor_bytes
+from diloco.config import ON_NONFINITE
 from diloco.errors import NonFinite
 from diloco.outer import Nesterov, OuterOpt, kept_weights
 from diloco.schedule import outer_grad_dropped
-
-ON_NONFINITE = ("stop", "drop")
 
 
 class OuterSide:
@@ -128,8 +127,9 @@ class OuterSide:
             if self.on_nonfinite == "stop":
                 raise NonFinite(
                     f"worker {w} produced a non-finite (NaN or Inf) training loss or outer_grad in round "
-                    f"{self.rounds_done + 1}; the run stopped before applying it, so its last checkpoint "
-                    "is intact: resume with a lower --inner-lr, or rerun with --on-nonfinite drop."
+                    f"{self.rounds_done + 1}; the run stopped before applying it and its last checkpoint "
+                    "is intact: --resume it if the cause was passing, or start again with a lower "
+                    "--inner-lr or with --on-nonfinite drop."
                 )
             self.nonfinite_dropped += 1
             self.own_start[w] = False  # its own parameters are not finite: restart from θ
@@ -199,8 +199,9 @@ class OuterSide:
             if self.on_nonfinite == "stop":
                 raise NonFinite(
                     f"worker {w} produced a non-finite (NaN or Inf) training loss or outer_grad in its job "
-                    f"arriving at version {self.version}; the run stopped before applying it, so its last "
-                    "checkpoint is intact: resume with a lower --inner-lr, or rerun with --on-nonfinite drop."
+                    f"arriving at version {self.version}; the run stopped before applying it and its last "
+                    "checkpoint is intact: --resume it if the cause was passing, or start again with a "
+                    "lower --inner-lr or with --on-nonfinite drop."
                 )
             self.nonfinite_dropped += 1
             return False

@@ -1,5 +1,6 @@
-"""`diloco train` in the simulator: build the run from a TrainConfig (build.py), run it, evaluate,
-log metrics, checkpoint, and write the summary.
+"""`diloco train`: build the run from a TrainConfig (build.py), drive its runtime (the simulator,
+or one rank under torchrun) through the runtime interface, evaluate, log metrics, checkpoint, and
+write the summary.
 
 Every check a user can fail runs before the run directory is created, so bad input leaves
 nothing behind.
@@ -23,8 +24,9 @@ import torch
 from diloco import checkpoint
 from diloco.build import Data, build_trainer, prepare_data
 from diloco.config import TrainConfig, from_dict, load_json
-from diloco.errors import Interrupted, UserError
-from diloco.metrics import MetricsWriter, NullWriter, json_safe, perplexity
+from diloco.errors import Interrupted, RunFailed, UserError
+from diloco.metrics import MetricsWriter, NullWriter, perplexity
+from diloco.runtime import is_main_process
 from diloco.schedule import active_workers, parse_workers_schedule
 from diloco.summary import summarize
 
@@ -54,12 +56,18 @@ def evaluate(model: torch.nn.Module, windows_NT: torch.Tensor) -> float:
     return total / count
 
 
-LAUNCH_FILE = "launch.json"  # torchrun's run id of the launch that owns the run directory
+LAUNCH_FILE = "launch.json"  # the id of the torchrun launch that owns the run directory
+CHECKPOINT_FORMAT = 2  # 2: one layout for every runtime (outer, workers, runtime)
 
 
 def _launch_id() -> str | None:
-    """torchrun's id of this launch (the same in every restart of it), or None outside torchrun."""
-    return os.environ.get("TORCHELASTIC_RUN_ID")
+    """This torchrun launch's id (the same in every restart of it, new for every launch), or None
+    outside torchrun; see collective.launch_id."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    from diloco.runtime import collective
+
+    return collective.launch_id()
 
 
 def _owned_by_this_launch(run_dir: Path) -> bool:
@@ -77,6 +85,8 @@ def _new_run_dir(cfg: TrainConfig, *, restarted: bool = False) -> tuple[Path, bo
     run_dir = cfg.run_dir
     if restarted and run_dir.is_dir() and _owned_by_this_launch(run_dir):
         return run_dir, True
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--out {run_dir} is a file, not a directory; choose another --out.")
     if cfg.runtime == "collective" and run_dir.exists() and any(run_dir.iterdir()):
         raise UserError(
             f"run directory {run_dir} already exists; the collective runtime never renames it (its "
@@ -193,14 +203,17 @@ def _progress(cfg: TrainConfig, total: int, initial: int, unit: str, progress: b
     )
 
 
-def save_checkpoint(run: Run, round_: int, run_dir: Path) -> None:
-    """Checkpoint `round_` (a collective call under torchrun: every rank joins)."""
+def save_checkpoint(run: Run, round_: int, step: int, run_dir: Path) -> None:
+    """Checkpoint `round_`, taken at per-worker inner step `step` (a collective call under
+    torchrun: every rank joins)."""
     state = run.trainer.state_dict()
     if run.is_main:
         checkpoint.save(
             run_dir / "checkpoints",
             round_,
             {
+                "format": CHECKPOINT_FORMAT,
+                "step": step,
                 "trainer": state,
                 "torch_rng": torch.get_rng_state(),
                 "round": round_,
@@ -261,7 +274,7 @@ def _run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Pa
             )
             stopping = stop_after is not None and r == stop_after and r < cfg.rounds
             if (cfg.checkpoint_every and r % cfg.checkpoint_every == 0) or stopping:
-                save_checkpoint(run, r, run_dir)
+                save_checkpoint(run, r, stats.inner_step, run_dir)
             if stopping:
                 return False
     finally:
@@ -279,7 +292,7 @@ def _run_async(run: Run, *, start_round: int, stop_after: int | None, run_dir: P
     per_round = k * H
     every = (cfg.eval_every or H) * k  # in inner steps summed over workers
     tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
-    bar = _progress(cfg, trainer.total_steps, trainer.applied, "step", progress)
+    bar = _progress(cfg, trainer.step_budget, trainer.applied, "step", progress)
     last_round = start_round  # the last round boundary handled
     try:
         while not trainer.done:
@@ -311,7 +324,7 @@ def _run_async(run: Run, *, start_round: int, stop_after: int | None, run_dir: P
                     bytes_sent=sum(trainer.side.bytes_sent),
                     bytes_received=sum(trainer.side.bytes_received),
                 )
-            if trainer.applied // every > before // every or trainer.applied == trainer.total_steps:
+            if trainer.applied // every > before // every or trainer.applied == trainer.step_budget:
                 run.evaluate(step)
             bar.update(a.steps)
             bar.set_postfix(version=trainer.version, val_loss=f"{run.val_loss:.3f}" if run.val_loss else "-")
@@ -322,7 +335,7 @@ def _run_async(run: Run, *, start_round: int, stop_after: int | None, run_dir: P
             last_round = r
             stopping = stop_after is not None and r >= stop_after
             if (cfg.checkpoint_every and any(x % cfg.checkpoint_every == 0 for x in crossed)) or stopping:
-                save_checkpoint(run, r, run_dir)
+                save_checkpoint(run, r, step, run_dir)
             if stopping:
                 return False
     finally:
@@ -351,8 +364,7 @@ def train(
         coll.init(cfg)
         threads = coll.threads_per_rank(cfg)
     set_threads(threads)
-    # the process that reads and writes the run directory: the only one, or rank 0 under torchrun
-    main = not collective or int(os.environ.get("RANK", "0")) == 0
+    main = is_main_process(cfg)
     restarted = collective and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     data = prepare_data(cfg)
     found: dict[str, Any] = {}
@@ -401,10 +413,18 @@ def train(
 
 
 def _restore(trainer, state: dict[str, Any] | None, run_dir: Path) -> None:
+    if state is not None and state.get("format") != CHECKPOINT_FORMAT:
+        raise UserError(
+            f"the checkpoint in {run_dir} was written by an older diloco (checkpoint format "
+            f"{state.get('format', 1)}, this one reads {CHECKPOINT_FORMAT}); finish that run with the "
+            "version that started it, or start it again."
+        )
     try:
         trainer.load_state_dict(state["trainer"] if state is not None else None)
         if state is not None:
             torch.set_rng_state(state["torch_rng"])
+    except RunFailed:  # a rank or worker process that died while loading: not the checkpoint's fault
+        raise
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
         raise UserError(
             f"the checkpoint in {run_dir} does not match its config.json ({str(e)[:160]}); "
@@ -412,11 +432,15 @@ def _restore(trainer, state: dict[str, Any] | None, run_dir: Path) -> None:
         ) from None
 
 
+def _write_config(cfg: TrainConfig, run_dir: Path) -> TrainConfig:
+    """config.json: the run directory and, after a move, the runtime the run goes on in."""
+    cfg = dataclasses.replace(cfg, out=str(run_dir))
+    checkpoint.atomic_write_json(run_dir / "config.json", cfg.to_dict())
+    return cfg
+
+
 def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir) -> dict[str, Any]:
     main = trainer.is_main
-    if main:  # config.json names the run directory and, after a move, the new runtime
-        cfg = dataclasses.replace(cfg, out=str(run_dir))
-        checkpoint.atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
     if resuming:
         _restore(trainer, state, run_dir)
         # under torchrun only rank 0 read the checkpoint
@@ -424,9 +448,15 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
             None if state is None else {k: v for k, v in state.items() if k != "trainer"}
         )
         start_round = state["round"]
-        step = start_round * cfg.inner_steps
+        if stop_after is not None and stop_after <= start_round:
+            raise UserError(
+                f"--stop-after {stop_after} is not after round {start_round}, where {run_dir} resumes; "
+                f"give a round from {start_round + 1} to {cfg.rounds - 1}, or drop it."
+            )
+        if main:
+            cfg = _write_config(cfg, run_dir)
         writer = (
-            MetricsWriter(run_dir, truncate_to=state["metrics_offset"], purge_step=step + 1)
+            MetricsWriter(run_dir, truncate_to=state["metrics_offset"], purge_step=state["step"] + 1)
             if main
             else NullWriter()
         )
@@ -441,6 +471,8 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
         )
     else:
         start_round = 0
+        if main:
+            cfg = _write_config(cfg, run_dir)
         run = Run(
             cfg,
             trainer,
@@ -452,7 +484,7 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
         )
         run.evaluate(0)
         if cfg.checkpoint_every:  # from here on the run can always be resumed
-            save_checkpoint(run, 0, run_dir)
+            save_checkpoint(run, 0, 0, run_dir)
     loop = _run_async if cfg.method == "async" else _run_sync
     try:
         finished = loop(
@@ -473,9 +505,10 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
         raise
     if not finished:
         run.writer.close()
-        return {"stopped_after": stop_after, "run_dir": str(run_dir)}
     if not main:
         return {"rank": trainer.rank}
+    if not finished:
+        return {"stopped_after": stop_after, "run_dir": str(run_dir)}
     side = trainer.side
     step = side.total_steps // trainer.num_workers if cfg.method == "async" else side.inner_step
     final_loss = run.evaluate(step, "full")
@@ -484,5 +517,5 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
         {k: v.contiguous() for k, v in side.model.state_dict().items()}, run_dir / "model.safetensors"
     )
     summary = summarize(cfg, run, final_loss, step)
-    checkpoint.atomic_write_text(run_dir / "summary.json", json.dumps(json_safe(summary), indent=2))
+    checkpoint.atomic_write_json(run_dir / "summary.json", summary)
     return summary

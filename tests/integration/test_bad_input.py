@@ -77,7 +77,7 @@ def test_existing_out_dir_is_refused_and_resume_rejects_other_flags(tmp_path, ca
     assert code == 2 and "drop the other settings (--workers)" in err
     (tmp_path / "a-file").write_text("")
     code, err = _run_in_process(capsys, ["train", "--out", str(tmp_path / "a-file")])
-    assert code == 2 and "already exists" in err
+    assert code == 2 and "is a file, not a directory" in err
     code, err = _run_in_process(capsys, ["train", "--out", "/proc/no/such/dir"])
     assert code == 2 and "cannot create run directory" in err
 
@@ -183,3 +183,37 @@ def test_resume_with_new_threads_and_procs_finishes_the_run(tiny, tmp_path, caps
     assert code == 0, err
     a, b = (json.loads((d / "summary.json").read_text()) for d in (run, straight))
     assert a["val_loss"] == b["val_loss"]  # neither threads nor processes change a result
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("value", ["0", "6", "9"])
+def test_a_stop_after_that_would_not_stop_is_refused(tmp_path, capsys, value):
+    code, err = _run_in_process(capsys, ["train", "--out", str(tmp_path / "r"), "--stop-after", value])
+    assert (
+        code == 2 and f"--stop-after must be a round from 1 to 5 (the run has 6 rounds), got {value}" in err
+    )
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_diverged_but_finite_loss_prints_and_saves_without_overflow():
+    from diloco.metrics import json_safe, perplexity
+    from diloco.summary import format_summary
+
+    summary = {
+        "wall_time_s": 1.0,
+        "sim_time_s": 2.0,
+        "run_dir": "r",
+        "val_loss": 1e4,
+        "val_ppl": perplexity(1e4),
+        "tokens": 1,
+        "inner_steps": 1,
+        "inner_steps_per_worker": 1,
+        "outer_updates": 1,
+        "method": "diloco",
+        "bytes_sent_per_worker": 8,
+        "dp_bytes_ratio": 2.0,
+        "dp_bytes_sent_per_worker": 16,
+        "target_loss": None,
+    }
+    assert "val_loss 10000.0000   val_ppl overflow" in format_summary(summary)
+    assert json.loads(json.dumps(json_safe(summary), allow_nan=False))["val_ppl"] is None

@@ -177,3 +177,43 @@ def test_a_restart_before_any_checkpoint_starts_over_in_the_same_directory(tmp_p
         3,
     ]  # the lost attempt's lines are gone
     assert json.loads((out / "summary.json").read_text())["outer_updates"] == 3
+
+
+GATHERED = """
+import sys
+
+from diloco.codec import Fp32Codec
+
+Fp32Codec.summable = False  # as a codec whose messages cannot be summed: all-gathered as bytes
+from diloco.cli import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_messages_that_cannot_be_summed_are_gathered_and_reduced_like_the_simulator(tiny, tmp_path):
+    script = tmp_path / "gathered.py"
+    script.write_text(GATHERED)
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text("[model]\nn_layer = 2\nn_head = 2\nd_model = 32\n[inner]\nwarmup_steps = 2\n")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        str(script),
+    ]
+    cmd += ["train", "--runtime", "collective", "--config", str(cfg), *TINY, "--out", str(tmp_path / "c")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    real = load_file(str(tmp_path / "c" / "model.safetensors"))
+    sim = _sim(tiny, tmp_path, "s", num_workers=4)
+    # gathered messages are reduced in worker order on every rank: bitwise, whatever the rank count
+    assert all(real[k].equal(sim[k]) for k in sim)
+    summary = json.loads((tmp_path / "c" / "summary.json").read_text())
+    blob = summary["params"] * 4  # each message's payload, plus its safetensors header
+    sent, received = summary["bytes_per_rank"][0]
+    assert 3 * blob < sent < 3 * blob * 1.1 and 4 * sent - 100 < received < 4 * sent + 100

@@ -26,8 +26,8 @@ def _flags(tmp_path, *more):
     return ["--config", str(path), *TINY, *more]
 
 
-def _torchrun(tmp_path, *flags, env=None, max_restarts=0, timeout=100, popen=False):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+def _torchrun(tmp_path, *flags, env=None, max_restarts=0, timeout=100, popen=False, launch=("--standalone",)):
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, "--nproc-per-node", "2"]
     cmd += ["--max-restarts", str(max_restarts), "-m", "diloco", "train", "--runtime", "collective"]
     cmd += _flags(tmp_path, *flags)
     env = {**os.environ, **(env or {})}
@@ -61,12 +61,16 @@ def _strict_json_lines(path: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(180)
-def test_a_torchrun_restart_never_takes_over_another_run(tmp_path):
+@pytest.mark.parametrize("launch", [("--standalone",), ("--nnodes", "1", "--master-port", "29617")])
+def test_a_torchrun_restart_never_takes_over_another_run(tmp_path, launch):
+    # torchrun's own run id is "none" for every launch without --standalone: it cannot tell them apart
     out = tmp_path / "earlier"
-    proc = _torchrun(tmp_path, "--rounds", "2", "--checkpoint-every", "1", "--out", str(out))
+    proc = _torchrun(tmp_path, "--rounds", "2", "--checkpoint-every", "1", "--out", str(out), launch=launch)
     assert proc.returncode == 0, proc.stderr[-3000:]
     before = _snapshot(out)
-    proc = _torchrun(tmp_path, "--rounds", "3", "--inner-lr", "0.01", "--out", str(out), max_restarts=2)
+    proc = _torchrun(
+        tmp_path, "--rounds", "3", "--inner-lr", "0.01", "--out", str(out), max_restarts=2, launch=launch
+    )
     assert proc.returncode != 0
     # refused on the first attempt and on both restarts, by every rank, with one sentence
     assert _ours(proc.stderr).count("already exists") == 6, proc.stderr[-3000:]
@@ -240,3 +244,25 @@ def test_ten_sigkills_at_random_moments_then_resume_end_exactly_where_the_straig
     assert resumed["outer_updates"] == 60 and len(list((run / "checkpoints").iterdir())) <= 3
     lines = _strict_json_lines(run / "metrics.jsonl")
     assert [x["version"] for x in lines if x["kind"] == "outer"] == list(range(1, 61))
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_after_behind_the_resumed_round_is_refused(tmp_path, capsys):
+    run = tmp_path / "r"
+    flags = _flags(tmp_path, "--rounds", "4", "--procs", "1", "--checkpoint-every", "1")
+    assert main(["train", *flags, "--stop-after", "2", "--out", str(run)]) == 0
+    before = _snapshot(run)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--stop-after", "2"]) == 2
+    assert "--stop-after 2 is not after round 2, where" in capsys.readouterr().err
+    assert _snapshot(run) == before
+    assert main(["train", "--resume", str(run), "--stop-after", "3"]) == 0
+    assert checkpoint.latest(run / "checkpoints").name == "round-000003"
+
+
+@pytest.mark.timeout(60)
+def test_a_single_model_that_diverges_stops_with_exit_code_3(tmp_path, capsys):
+    flags = _flags(tmp_path, "--method", "single", "--rounds", "2", "--inner-lr", "1e30")
+    assert main(["train", *flags, "--out", str(tmp_path / "r")]) == 3
+    assert "the training loss became non-finite (NaN or Inf) in round" in capsys.readouterr().err
+    assert main(["train", *flags, "--on-nonfinite", "drop", "--out", str(tmp_path / "s")]) == 2

@@ -97,6 +97,8 @@ def test_a_checkpoint_moves_between_the_simulator_and_torchrun_both_ways(tmp_pat
         tmp_path,
         "--runtime",
         "collective",
+        "--timeout-s",
+        "120",  # a collective-only setting: reset when the run moves to the simulator
         *flags_c,
         "--checkpoint-every",
         "1",

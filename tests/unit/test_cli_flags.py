@@ -239,9 +239,12 @@ def test_resume_refuses_other_changes(captured, tiny, tmp_path, capsys, argv, ne
     assert code == 2 and needle in out.err and out.err.count("\n") == 1 and not captured
 
 
-def test_a_sim_run_with_a_clock_cannot_move_to_collective(captured, tiny, tmp_path, capsys):
+def test_a_sim_run_with_a_clock_moves_to_collective_without_it(captured, tiny, tmp_path, capsys):
+    # the simulated clock never changes a sync run's parameters: moving runtimes resets it
     from diloco.config import SimConfig
 
-    run = _saved_run(tmp_path, tiny, sim=SimConfig(speeds=(1.0, 2.0), procs=1))
-    code, out = _exit(capsys, ["train", "--resume", str(run), "--runtime", "collective"])
-    assert code == 2 and "sim.speeds (--speeds) applies only with --runtime sim" in out.err
+    run = _saved_run(tmp_path, tiny, sim=SimConfig(speeds=(1.0, 2.0), latency_ms=5.0, procs=1))
+    code, _ = _exit(capsys, ["train", "--resume", str(run), "--runtime", "collective"])
+    cfg, _ = captured[0]
+    assert code == 0 and cfg.runtime == "collective"
+    assert cfg.sim.speeds == () and cfg.sim.latency_ms == 0.0 and cfg.rounds == 3

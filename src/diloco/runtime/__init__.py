@@ -5,7 +5,8 @@
 - `side`: the OuterSide (global parameters `side.model`, `version`, counters).
 - `num_workers`, `is_main` (this process evaluates and writes the run directory).
 - `sim_time_s`: the simulated clock, or None in real runtimes.
-- sync: `round(active) -> RoundStats`; async: `step() -> list[Arrival]` until `done`.
+- sync: `round(active) -> RoundStats`; async: `step() -> Arrival | None` until `done`, with
+  `at_boundary` (no grace group half-applied: the state can be saved) and `step_budget`.
 - `summary_extras() -> dict`: runtime-specific fields of summary.json.
 - `state_dict()` / `load_state_dict(state)`: {"outer": ..., "workers": [...], "runtime": {name: ...}}
   — the one checkpoint layout; a runtime reads only its own entry under "runtime".
@@ -15,9 +16,17 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol
 
+from diloco.config import TrainConfig
 from diloco.outer_side import OuterSide
+
+
+def is_main_process(cfg: TrainConfig) -> bool:
+    """The process that evaluates and reads and writes the run directory: the only one in the
+    simulator, rank 0 under torchrun. Every runtime's `is_main` is this."""
+    return cfg.runtime != "collective" or int(os.environ.get("RANK", "0")) == 0
 
 
 class Runtime(Protocol):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diloco.async_rules import AsyncRule, DelayComp
-from diloco.codec import Codec, Encoded, Fp32Codec
+from diloco.codec import Codec, Encoded
 from diloco.config import TrainConfig
 from diloco.inner import InnerResult
 from diloco.outer_side import OuterSide
@@ -49,8 +49,8 @@ class Arrival:
 class AsyncDiLoCo:
     """The asynchronous server and its workers, driven by the virtual clock.
 
-    `total_steps` is the compute budget: inner steps over all workers (k × rounds × H for equal
-    compute with sync). `step()` processes the next push (and, with a grace period, the pushes
+    `total_steps` is the compute budget (`step_budget`): inner steps over all workers (k × rounds
+    × H for equal compute with sync). `step()` processes the next push (and, with a grace period, the pushes
     synced with it) and hands out new jobs; `run(on_arrival)` steps until `done`. The global
     parameters, the rule and the counters are the `side` (outer_side.py).
 
@@ -105,7 +105,7 @@ class AsyncDiLoCo:
     ) -> None:
         k = len(pool)
         self.side, self.pool, self.rule, self.clock = side, pool, side.update, clock
-        self.inner_steps, self.total_steps = inner_steps, total_steps
+        self.inner_steps, self.step_budget = inner_steps, total_steps
         self.dylu, self.dylu_oracle, self.grace_s = dylu or dylu_oracle, dylu_oracle, grace_s
         self.estimators = [SpeedEstimator(dylu_alpha) for _ in range(k)]
         self.shard_sizes = shard_sizes  # None: every worker keeps its own shard
@@ -161,7 +161,7 @@ class AsyncDiLoCo:
         return self.rng.choices(range(len(probs)), weights=probs)[0]
 
     def _dispatch(self, w: int, t: float) -> None:
-        steps = min(self._steps_for(w, t), self.total_steps - self.dispatched)
+        steps = min(self._steps_for(w, t), self.step_budget - self.dispatched)
         if steps <= 0:
             return
         shard = self._pick_shard(w)
@@ -262,7 +262,7 @@ class AsyncDiLoCo:
                 **{k: v for k, v in job.items() if k != "pulled"},
                 "worker": w,
                 "pulled": job["pulled"] if job["pulled"] is not None else [],
-                "result": _result_state(self._ready[w]),
+                "result": _result_state(self._ready[w], self.codec),
             }
             for w, job in sorted(self._inflight.items())
         ]
@@ -319,9 +319,9 @@ class AsyncDiLoCo:
         self.pool.close()
 
 
-def _result_state(r: InnerResult) -> dict[str, Any]:
+def _result_state(r: InnerResult, codec: Codec) -> dict[str, Any]:
     """A job's result as checkpoint state (its message, not the raw outer_grad)."""
-    message = r.message if r.message is not None else Fp32Codec().encode(r.outer_grad)
+    message = r.message if r.message is not None else codec.encode(r.outer_grad)
     return {
         "steps": r.steps,
         "mean_loss": r.mean_loss,

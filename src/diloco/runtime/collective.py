@@ -4,8 +4,8 @@ Each DiLoCo worker is a group of `procs_per_worker` (M) ranks doing ordinary dat
 (DistributedDataParallel) on that worker's shard; only those M ranks talk every inner step.
 Every H steps the outer_grads are averaged across workers by the *group leaders* (local rank 0
 of each worker) in buckets of at most `bucket_mb`, then broadcast inside each worker group, and
-every rank applies the same outer step with outer.py, so every rank holds the same global
-parameters, which a cheap hash checks every round.
+every rank's outer side (outer_side.py) applies the same step, so every rank holds the same
+global parameters, which a cheap hash checks every round.
 
 Why leaders + broadcast rather than an all-reduce among ranks of equal local index: both give
 the same result, but the leaders' way sends one model-sized message per worker across the slow
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
@@ -33,6 +34,7 @@ from diloco.config import TrainConfig
 from diloco.errors import ReplicaMismatch, RunFailed, UserError, WorkerDied
 from diloco.outer import build_outer_opt
 from diloco.outer_side import OuterSide
+from diloco.runtime import is_main_process
 from diloco.runtime.sim import RoundStats
 
 
@@ -113,19 +115,27 @@ class CollectiveDiLoCo:
         M = cfg.procs_per_worker
         self.k, self.M = self.world // M, M
         self.worker_id, self.local = self.rank // M, self.rank % M
-        self.is_main = self.rank == 0
-        self.cfg, self.weights = cfg, weights
-        # Every rank creates every group, in the same order (a torch.distributed requirement).
+        self.is_main = is_main_process(cfg)
+        self.cfg = cfg
+        # Every rank creates every group, in the same order (a torch.distributed requirement), all
+        # bounded by --timeout-s but the one for leaving: ranks wait there while rank 0 evaluates
+        # the whole validation split and writes the run's last files.
+        timeout = timedelta(seconds=cfg.timeout_s)
         self.worker_groups = (
-            [dist.new_group(list(range(w * M, (w + 1) * M))) for w in range(self.k)] if M > 1 else []
+            [dist.new_group(list(range(w * M, (w + 1) * M)), timeout=timeout) for w in range(self.k)]
+            if M > 1
+            else []
         )
-        self.leaders = dist.new_group([w * M for w in range(self.k)]) if M > 1 else dist.group.WORLD
+        self.leaders = (
+            dist.new_group([w * M for w in range(self.k)], timeout=timeout) if M > 1 else dist.group.WORLD
+        )
+        self._exit_group = dist.new_group(timeout=max(timeout, timedelta(hours=6)))
         # Which ranks have a GPU: a worker whose ranks all do uses NCCL for its data parallel.
         flags = [torch.zeros(1) for _ in range(self.world)]
         dist.all_gather(flags, torch.ones(1) if _device().type == "cuda" else torch.zeros(1))
         self.cuda_workers = [all(flags[w * M + j].item() for j in range(M)) for w in range(self.k)]
         self.nccl_groups = [
-            dist.new_group(list(range(w * M, (w + 1) * M)), backend="nccl")
+            dist.new_group(list(range(w * M, (w + 1) * M)), backend="nccl", timeout=timeout)
             if M > 1 and self.cuda_workers[w]
             else None
             for w in range(self.k)
@@ -159,6 +169,7 @@ class CollectiveDiLoCo:
             seed=cfg.seed,
             on_nonfinite=cfg.on_nonfinite,
         )
+        faults.wrap_side(self.side, self.rank)
         self.params = self.side.params
         self.rank_bytes = [0, 0]  # this rank's own payload bytes (sent, received)
         self.bytes_per_rank = [[0, 0] for _ in range(self.world)]  # every rank's, cumulative
@@ -259,7 +270,6 @@ class CollectiveDiLoCo:
             else:
                 summed = side.reduce(self._gather_messages(message if w < n else None, n))
             side.end_round(summed, H)
-        faults.perturb_after(self.rank, side.rounds_done, self.params)
         comm_s = time.perf_counter() - t0 - compute_s
         with self._collective("the replica check"):
             self._check_replicas(side.rounds_done - 1)
@@ -328,19 +338,26 @@ class CollectiveDiLoCo:
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         parts = None
         if self.is_main:
-            if len(state["workers"]) != self.k:
-                raise ValueError(f"the checkpoint has {len(state['workers'])} workers, this job {self.k}")
-            mine = state.get("runtime", {}).get("collective", {})
-            per_rank = (
-                mine.get("bytes_per_rank") if len(mine.get("bytes_per_rank", [])) == self.world else None
-            )
-            parts = [
-                {"outer": state["outer"], "worker": state["workers"][r // self.M], "bytes_per_rank": per_rank}
-                for r in range(self.world)
-            ]
+            if len(state["workers"]) != self.k:  # every rank must learn it, not only rank 0
+                error = f"the checkpoint has {len(state['workers'])} workers, this job {self.k}"
+                parts = [{"error": error}] * self.world
+            else:
+                mine = state.get("runtime", {}).get("collective", {})
+                per_rank = mine.get("bytes_per_rank")
+                per_rank = per_rank if per_rank is not None and len(per_rank) == self.world else None
+                parts = [
+                    {
+                        "outer": state["outer"],
+                        "worker": state["workers"][r // self.M],
+                        "bytes_per_rank": per_rank,
+                    }
+                    for r in range(self.world)
+                ]
         received = [None]
         with self._collective("sending the checkpoint"):
             dist.scatter_object_list(received, parts, src=0)
+        if "error" in received[0]:
+            raise ValueError(received[0]["error"])
         mine = received[0]
         self.side.load_state_dict(mine["outer"])
         if mine["bytes_per_rank"] is not None:  # a run from another runtime or size starts at 0
@@ -364,7 +381,7 @@ class CollectiveDiLoCo:
         must not wait for the others, who may be blocked in a collective it will never join."""
         if dist.is_initialized():
             if clean:
-                dist.barrier()
+                dist.barrier(group=self._exit_group)
             dist.destroy_process_group()
 
 
@@ -373,15 +390,22 @@ def agree(decide: Callable[[], Any], *, main: bool) -> Any:
     see) and every rank gets its value, or raises the same UserError with rank 0's sentence,
     instead of dying later in a collective with a peer's "Connection closed"."""
     box: list[Any] = [None]
+    failure = None
     if main:
         try:
             box[0] = ("ok", decide())
         except UserError as e:
             box[0] = ("error", str(e))
+        except Exception as e:  # an internal error: rank 0 shows it, the others a sentence
+            box[0], failure = ("failed", f"rank 0 failed while preparing the run ({type(e).__name__})"), e
     dist.broadcast_object_list(box, src=0)
     kind, value = box[0]
+    if failure is not None:
+        raise failure
     if kind == "error":
         raise UserError(value)
+    if kind == "failed":
+        raise RunFailed(f"{value}; see rank 0's output.")
     return value
 
 
@@ -406,18 +430,45 @@ def init(cfg: TrainConfig) -> None:
             f"{cfg.procs_per_worker} ({world // cfg.procs_per_worker} workers); drop --workers or fix it."
         )
     if not dist.is_initialized():
+        global _LAUNCH_ID
         timeout = timedelta(seconds=cfg.timeout_s)
+        store = _store(timeout)
+        _LAUNCH_ID = _launch_nonce(store)
+        attempt = dist.PrefixStore(
+            f"diloco/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store
+        )
         dist.init_process_group(
-            "gloo", store=_store(timeout), rank=int(os.environ["RANK"]), world_size=world, timeout=timeout
+            "gloo", store=attempt, rank=int(os.environ["RANK"]), world_size=world, timeout=timeout
         )
 
 
+_LAUNCH_ID: str | None = None
+
+
+def launch_id() -> str | None:
+    """An id of this torchrun launch: the same in all its restarts, new for every launch."""
+    return _LAUNCH_ID
+
+
+def _launch_nonce(store: dist.Store) -> str:
+    """A random id that rank 0 of the first attempt puts in torchrun's agent store, which lives as
+    long as the launch and survives its restarts (torchrun's own run id is "none" unless
+    --standalone or --rdzv-id gives one, so it cannot tell launches apart). Where the store does
+    not survive restarts (no agent store), every attempt gets a new id and a restart never takes
+    back a directory: safe, if less convenient."""
+    key = "diloco/launch_id"
+    if int(os.environ["RANK"]) == 0:
+        return store.compare_set(key, "", uuid.uuid4().hex).decode()
+    return store.get(key).decode()
+
+
 def _store(timeout: timedelta) -> dist.Store:
-    """torchrun's store, with keys prefixed by the restart attempt: torchrun's agent keeps its
-    store across restarts, and without a prefix a restarted rank can read the dead attempt's
-    addresses and fail to connect ("Gloo connectFullMesh failed ... Connection refused")."""
+    """torchrun's store. Its keys are prefixed by the restart attempt for the process group:
+    torchrun's agent keeps its store across restarts, and without a prefix a restarted rank can
+    read the dead attempt's addresses and fail to connect ("Gloo connectFullMesh failed ...
+    Connection refused")."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
+    return dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         int(os.environ["WORLD_SIZE"]),
@@ -425,4 +476,3 @@ def _store(timeout: timedelta) -> dist.Store:
         timeout=timeout,
         multi_tenant=not agent,
     )
-    return dist.PrefixStore(f"diloco/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

@@ -18,6 +18,7 @@ the exception of a failing worker (its traceback goes to stderr) before it exits
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import signal
 import traceback
 from collections.abc import Callable
@@ -97,6 +98,18 @@ class InlinePool:
         pass
 
 
+def _write(conn, message: Any) -> None:
+    """Send by value with the standard pickle, not multiprocessing's, for which torch shares a
+    tensor's memory through a file descriptor handed over by a helper thread: a process killed
+    mid-handover leaves that thread printing an EOFError traceback, and a copy of a few MB per
+    job costs nothing next to its inner steps."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _read(conn) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
 def _serve(conn, factory: WorkerFactory, ids: list[int], threads: int) -> None:
     """A worker process: build workers `ids`, then answer commands with ("ok", value) until told
     to close. A failing worker is answered with ("error", what happened), and the process exits."""
@@ -113,19 +126,19 @@ def _serve(conn, factory: WorkerFactory, ids: list[int], threads: int) -> None:
         index = {w: i for i, w in enumerate(ids)}
         while True:
             doing = "waiting for a command"
-            cmd, args = conn.recv()
+            cmd, args = _read(conn)
             if cmd == "run":
                 w, start, steps, lr_step, shard = args
                 doing = f"computing worker {w}"
                 pool.submit(index[w], start, steps, lr_step=lr_step, shard=shard)
-                conn.send(("ok", pool.result(index[w])))
+                _write(conn, ("ok", pool.result(index[w])))
             elif cmd == "state":
                 doing = "getting its workers' state"
-                conn.send(("ok", pool.state_dict()))
+                _write(conn, ("ok", pool.state_dict()))
             elif cmd == "load":
                 doing = "loading its workers' state"
                 pool.load_state_dict(args)
-                conn.send(("ok", None))
+                _write(conn, ("ok", None))
             else:
                 conn.close()
                 return
@@ -134,7 +147,7 @@ def _serve(conn, factory: WorkerFactory, ids: list[int], threads: int) -> None:
     except Exception as e:
         traceback.print_exc()
         try:
-            conn.send(("error", f"{doing} raised {e!r}"))
+            _write(conn, ("error", f"{doing} raised {e!r}"))
         except Exception:
             pass
         conn.close()
@@ -205,9 +218,7 @@ class ProcessPool:
         shard: int | None = None,
     ) -> None:
         p = self.assign[w]
-        # Clone: torch pickles tensors for multiprocessing by sharing their memory, and the
-        # caller's parameters change (the server applies updates) while the job runs.
-        start = None if start is None else [t.detach().clone() for t in start]
+        start = None if start is None else [t.detach() for t in start]  # copied by _write, now
         self._send(p, ("run", (w, start, steps, lr_step, shard)), f"receiving a job for worker {w}")
         self._queued[p].append(w)
 
@@ -259,7 +270,7 @@ class ProcessPool:
         if self._failed[p] is not None:
             raise WorkerDied(self._failed[p])
         try:
-            self._conns[p].send(message)
+            _write(self._conns[p], message)
         except (OSError, EOFError):  # BrokenPipeError, ConnectionResetError: the process is gone
             raise self._died(p, doing) from None
 
@@ -275,7 +286,7 @@ class ProcessPool:
                 # stays open (its end inherited elsewhere). A reply sent just before death wins.
                 if not proc.is_alive() and not conn.poll(0):
                     raise self._died(p, doing)
-            status, value = conn.recv()
+            status, value = _read(conn)
         except (OSError, EOFError):
             raise self._died(p, doing) from None
         if status == "error":
@@ -289,7 +300,7 @@ class ProcessPool:
         for p, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True)):
             if self._failed[p] is None and not self._queued[p]:
                 try:
-                    conn.send(("close", None))
+                    _write(conn, ("close", None))
                 except (OSError, EOFError, ValueError):
                     pass
                 proc.join(timeout=10)

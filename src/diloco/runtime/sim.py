@@ -11,6 +11,7 @@ downloads the global parameters and uploads its encoded outer_grad.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from diloco.codec import Codec, Fp32Codec
+from diloco.errors import NonFinite
 from diloco.inner import LossFn, Worker, gpt_loss
 from diloco.outer import Nesterov, OuterOpt
 from diloco.outer_side import OuterSide
@@ -295,6 +297,11 @@ class DataParallel(DiLoCo):
         for _ in range(self.inner_steps):
             loss, lr = worker.train_step()
             total += loss
+        if not math.isfinite(total):  # one model: nothing to drop (--on-nonfinite drop is refused)
+            raise NonFinite(
+                f"the training loss became non-finite (NaN or Inf) in round {side.rounds_done + 1}; the "
+                "run stopped and its last checkpoint is intact: start again with a lower --inner-lr."
+            )
         step_bytes = side.param_bytes if self.k > 1 else 0
         for w in range(self.k):
             side.bytes_sent[w] += step_bytes * self.inner_steps
