@@ -385,6 +385,12 @@ def train(
             return str(run_dir), False  # a torchrun restart before any checkpoint starts over
         if not (run_dir / "metrics.jsonl").is_file():
             raise UserError(f"run directory {run_dir} has no metrics.jsonl; it is not a complete diloco run.")
+        if latest[1].get("format") != CHECKPOINT_FORMAT:
+            raise UserError(
+                f"checkpoint {latest[0]} was written by an older diloco (checkpoint format "
+                f"{latest[1].get('format', 1)}, this one reads {CHECKPOINT_FORMAT}); finish that run with "
+                "the version that started it, or start it again."
+            )
         found["state"] = latest[1]
         return str(run_dir), True
 
@@ -413,12 +419,6 @@ def train(
 
 
 def _restore(trainer, state: dict[str, Any] | None, run_dir: Path) -> None:
-    if state is not None and state.get("format") != CHECKPOINT_FORMAT:
-        raise UserError(
-            f"the checkpoint in {run_dir} was written by an older diloco (checkpoint format "
-            f"{state.get('format', 1)}, this one reads {CHECKPOINT_FORMAT}); finish that run with the "
-            "version that started it, or start it again."
-        )
     try:
         trainer.load_state_dict(state["trainer"] if state is not None else None)
         if state is not None:

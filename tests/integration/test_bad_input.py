@@ -217,3 +217,19 @@ def test_a_diverged_but_finite_loss_prints_and_saves_without_overflow():
     }
     assert "val_loss 10000.0000   val_ppl overflow" in format_summary(summary)
     assert json.loads(json.dumps(json_safe(summary), allow_nan=False))["val_ppl"] is None
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_of_the_earlier_layout_is_refused_in_one_sentence(tiny, tmp_path, capsys):
+    from diloco import checkpoint
+    from diloco.train import train
+
+    run = tmp_path / "run"
+    train(tiny(checkpoint_every=1, rounds=2, out=str(run)), stop_after=1, progress=False)
+    path, state = checkpoint.latest_valid(run / "checkpoints")
+    del state["format"]  # what a checkpoint of the layout before issue 7 lacks
+    checkpoint.save(run / "checkpoints", 1, state)
+    before = (run / "metrics.jsonl").read_bytes()
+    code, err = _run_in_process(capsys, ["train", "--resume", str(run)])
+    assert code == 2 and "was written by an older diloco (checkpoint format 1" in err and err.count("\n") == 1
+    assert (run / "metrics.jsonl").read_bytes() == before

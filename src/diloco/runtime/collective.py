@@ -337,11 +337,10 @@ class CollectiveDiLoCo:
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         parts = None
-        if self.is_main:
-            if len(state["workers"]) != self.k:  # every rank must learn it, not only rank 0
-                error = f"the checkpoint has {len(state['workers'])} workers, this job {self.k}"
-                parts = [{"error": error}] * self.world
-            else:
+        if self.is_main:  # a checkpoint that does not fit is every rank's error, not rank 0's alone
+            try:
+                if len(state["workers"]) != self.k:
+                    raise ValueError(f"the checkpoint has {len(state['workers'])} workers, this job {self.k}")
                 mine = state.get("runtime", {}).get("collective", {})
                 per_rank = mine.get("bytes_per_rank")
                 per_rank = per_rank if per_rank is not None and len(per_rank) == self.world else None
@@ -353,6 +352,8 @@ class CollectiveDiLoCo:
                     }
                     for r in range(self.world)
                 ]
+            except (KeyError, ValueError, TypeError, IndexError) as e:
+                parts = [{"error": f"{type(e).__name__}: {e}"}] * self.world
         received = [None]
         with self._collective("sending the checkpoint"):
             dist.scatter_object_list(received, parts, src=0)

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import queue
 import signal
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -98,12 +100,39 @@ class InlinePool:
         pass
 
 
-def _write(conn, message: Any) -> None:
-    """Send by value with the standard pickle, not multiprocessing's, for which torch shares a
-    tensor's memory through a file descriptor handed over by a helper thread: a process killed
-    mid-handover leaves that thread printing an EOFError traceback, and a copy of a few MB per
-    job costs nothing next to its inner steps."""
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+class _Sender:
+    """Sends messages on a pipe from its own thread, in order.
+
+    Messages go by value with the standard pickle, not multiprocessing's, for which torch shares
+    a tensor's memory through a file descriptor handed over by a helper thread (a process killed
+    mid-handover leaves that thread printing an EOFError traceback). By value, a job or a result
+    is a few MB, more than a pipe holds: sending from a thread lets each side go on computing or
+    reading while the other is busy, instead of both blocking on a full pipe. The first error
+    (the other side is gone) is kept in `error` and ends the thread.
+    """
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.error: BaseException | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def send(self, message: Any) -> None:
+        self._queue.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _run(self) -> None:
+        while (blob := self._queue.get()) is not None:
+            try:
+                self.conn.send_bytes(blob)
+            except (OSError, EOFError, ValueError) as e:
+                self.error = e
+                return
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Send what is queued (waiting at most `timeout`), then stop the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout)
 
 
 def _read(conn) -> Any:
@@ -117,6 +146,7 @@ def _serve(conn, factory: WorkerFactory, ids: list[int], threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     doing = "starting"
+    out = _Sender(conn)
     try:
         workers = []
         for w in ids:
@@ -131,15 +161,16 @@ def _serve(conn, factory: WorkerFactory, ids: list[int], threads: int) -> None:
                 w, start, steps, lr_step, shard = args
                 doing = f"computing worker {w}"
                 pool.submit(index[w], start, steps, lr_step=lr_step, shard=shard)
-                _write(conn, ("ok", pool.result(index[w])))
+                out.send(("ok", pool.result(index[w])))
             elif cmd == "state":
                 doing = "getting its workers' state"
-                _write(conn, ("ok", pool.state_dict()))
+                out.send(("ok", pool.state_dict()))
             elif cmd == "load":
                 doing = "loading its workers' state"
                 pool.load_state_dict(args)
-                _write(conn, ("ok", None))
+                out.send(("ok", None))
             else:
+                out.close()
                 conn.close()
                 return
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -147,7 +178,8 @@ def _serve(conn, factory: WorkerFactory, ids: list[int], threads: int) -> None:
     except Exception as e:
         traceback.print_exc()
         try:
-            _write(conn, ("error", f"{doing} raised {e!r}"))
+            out.send(("error", f"{doing} raised {e!r}"))
+            out.close()
         except Exception:
             pass
         conn.close()
@@ -192,7 +224,7 @@ class ProcessPool:
         )
         self.members = [[w for w in range(num_workers) if self.assign[w] == p] for p in range(self.procs)]
         ctx = mp.get_context("spawn")
-        self._conns, self._procs = [], []
+        self._conns, self._procs, self._senders = [], [], []
         for p in range(self.procs):
             parent, child = ctx.Pipe()
             ids = self.members[p]
@@ -201,6 +233,7 @@ class ProcessPool:
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
+            self._senders.append(_Sender(parent))
         self._queued: list[list[int]] = [[] for _ in range(self.procs)]  # submitted, not yet received
         self._done: dict[int, InnerResult] = {}
         self._failed: list[str | None] = [None] * self.procs  # why process p is gone
@@ -218,7 +251,7 @@ class ProcessPool:
         shard: int | None = None,
     ) -> None:
         p = self.assign[w]
-        start = None if start is None else [t.detach() for t in start]  # copied by _write, now
+        start = None if start is None else [t.detach() for t in start]  # pickled (copied) now
         self._send(p, ("run", (w, start, steps, lr_step, shard)), f"receiving a job for worker {w}")
         self._queued[p].append(w)
 
@@ -269,10 +302,9 @@ class ProcessPool:
     def _send(self, p: int, message: tuple, doing: str) -> None:
         if self._failed[p] is not None:
             raise WorkerDied(self._failed[p])
-        try:
-            _write(self._conns[p], message)
-        except (OSError, EOFError):  # BrokenPipeError, ConnectionResetError: the process is gone
-            raise self._died(p, doing) from None
+        if self._senders[p].error is not None:  # BrokenPipeError, ConnectionResetError: it is gone
+            raise self._died(p, doing)
+        self._senders[p].send(message)
 
     def _recv(self, p: int, doing: str) -> Any:
         """The next reply of process p. Waits as long as the process lives (jobs can be long);
@@ -298,15 +330,15 @@ class ProcessPool:
         """Stop every process; never hangs or raises, even on dead ones. A process still
         computing jobs nobody collected is killed rather than waited for."""
         for p, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True)):
+            sender = self._senders[p]
             if self._failed[p] is None and not self._queued[p]:
-                try:
-                    _write(conn, ("close", None))
-                except (OSError, EOFError, ValueError):
-                    pass
+                sender.send(("close", None))
+                sender.close()
                 proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=10)
+            sender.close(timeout=0)
             try:
                 conn.close()
             except OSError:
