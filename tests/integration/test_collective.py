@@ -16,7 +16,7 @@ from diloco.train import train
 TINY = ["--model", "nano", "--seq-len", "32", "--batch-size", "4", "--inner-steps", "4", "--rounds", "3"]
 
 
-def _torchrun(tmp_path, nproc, *flags, env=None, max_restarts=0, timeout=60):
+def _torchrun(tmp_path, nproc, *flags, env=None, max_restarts=0, timeout=60, entry=("-m", "diloco")):
     # A config file shrinks the model further than the flags can.
     cfg = tmp_path / "tiny.toml"
     cfg.write_text("[model]\nn_layer = 2\nn_head = 2\nd_model = 32\n[inner]\nwarmup_steps = 2\n")
@@ -29,8 +29,7 @@ def _torchrun(tmp_path, nproc, *flags, env=None, max_restarts=0, timeout=60):
         str(nproc),
         "--max-restarts",
         str(max_restarts),
-        "-m",
-        "diloco",
+        *entry,
         "train",
         "--runtime",
         "collective",
@@ -195,19 +194,7 @@ sys.exit(main(sys.argv[1:]))
 def test_messages_that_cannot_be_summed_are_gathered_and_reduced_like_the_simulator(tiny, tmp_path):
     script = tmp_path / "gathered.py"
     script.write_text(GATHERED)
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text("[model]\nn_layer = 2\nn_head = 2\nd_model = 32\n[inner]\nwarmup_steps = 2\n")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "4",
-        str(script),
-    ]
-    cmd += ["train", "--runtime", "collective", "--config", str(cfg), *TINY, "--out", str(tmp_path / "c")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    proc = _torchrun(tmp_path, 4, "--out", str(tmp_path / "c"), timeout=110, entry=(str(script),))
     assert proc.returncode == 0, proc.stderr[-3000:]
     real = load_file(str(tmp_path / "c" / "model.safetensors"))
     sim = _sim(tiny, tmp_path, "s", num_workers=4)

@@ -29,6 +29,18 @@ def is_main_process(cfg: TrainConfig) -> bool:
     return cfg.runtime != "collective" or int(os.environ.get("RANK", "0")) == 0
 
 
+class SideView:
+    """The outer side's state under the names a library user reads (`trainer.model`, ...)."""
+
+    side: OuterSide
+    model = property(lambda self: self.side.model)
+    params = property(lambda self: self.side.params)
+    version = property(lambda self: self.side.version)
+    bytes_sent = property(lambda self: self.side.bytes_sent)
+    bytes_received = property(lambda self: self.side.bytes_received)
+    codec = property(lambda self: self.side.codec)
+
+
 class Runtime(Protocol):
     side: OuterSide
     is_main: bool

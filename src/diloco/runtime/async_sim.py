@@ -25,6 +25,7 @@ from diloco.codec import Codec, Encoded
 from diloco.config import TrainConfig
 from diloco.inner import InnerResult
 from diloco.outer_side import OuterSide
+from diloco.runtime import SideView
 from diloco.runtime.clock import Clock
 from diloco.runtime.pool import InlinePool, ProcessPool
 from diloco.runtime.sim import ModelFn
@@ -46,7 +47,7 @@ class Arrival:
     sim_time_s: float
 
 
-class AsyncDiLoCo:
+class AsyncDiLoCo(SideView):
     """The asynchronous server and its workers, driven by the virtual clock.
 
     `total_steps` is the compute budget (`step_budget`): inner steps over all workers (k × rounds
@@ -122,13 +123,6 @@ class AsyncDiLoCo:
         self._group: list[tuple[float, int]] = []  # the grace group being applied
         self._pending: list[int] = []  # its workers not applied yet
         self._restart = 0.0  # when its workers restart
-
-    model = property(lambda self: self.side.model)
-    params = property(lambda self: self.side.params)
-    version = property(lambda self: self.side.version)
-    bytes_sent = property(lambda self: self.side.bytes_sent)
-    bytes_received = property(lambda self: self.side.bytes_received)
-    codec = property(lambda self: self.side.codec)
 
     @property
     def num_workers(self) -> int:

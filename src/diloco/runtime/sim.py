@@ -24,6 +24,7 @@ from diloco.errors import NonFinite
 from diloco.inner import LossFn, Worker, gpt_loss
 from diloco.outer import Nesterov, OuterOpt
 from diloco.outer_side import OuterSide
+from diloco.runtime import SideView
 from diloco.runtime.clock import Clock
 from diloco.runtime.pool import InlinePool, ProcessPool
 
@@ -54,7 +55,7 @@ def make_worker(model_fn: ModelFn, inner_opt_fn: OptFn, batches: Iterator, **kwa
     )
 
 
-class DiLoCo:
+class DiLoCo(SideView):
     """Synchronous DiLoCo (ALGORITHMS.md §1) over simulated workers.
 
     Each round every worker starts from the global parameters, runs `inner_steps` steps of its
@@ -137,18 +138,12 @@ class DiLoCo:
         self.side, self.pool, self.clock, self.inner_steps = side, pool, clock, inner_steps
         self._sim_time_s = 0.0
 
-    # The outer side's state, under the names a library user reads.
-    model = property(lambda self: self.side.model)
-    params = property(lambda self: self.side.params)
-    version = property(lambda self: self.side.version)
+    # more of the outer side's state, under the names a library user reads (and SideView's)
     own_start = property(lambda self: self.side.own_start)
-    bytes_sent = property(lambda self: self.side.bytes_sent)
-    bytes_received = property(lambda self: self.side.bytes_received)
     weights = property(lambda self: self.side.weights)
     total_steps = property(lambda self: self.side.total_steps)
     inner_step = property(lambda self: self.side.inner_step)
     outer_opt = property(lambda self: self.side.update)
-    codec = property(lambda self: self.side.codec)
 
     @property
     def drop_prob(self) -> float:
