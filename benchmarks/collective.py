@@ -35,11 +35,11 @@ def _rank_main(args) -> None:
     from diloco.build import adamw, lr_schedule, prepare_data, sampler
     from diloco.config import TrainConfig
     from diloco.model import GPT
-    from diloco.runtime import collective
+    from diloco.runtime import collective, torchrun
 
     torch.set_num_threads(1)
     cfg = TrainConfig(num_workers=2, runtime="collective", inner_steps=H, rounds=args.rounds, out=args.out)
-    collective.init(cfg)
+    torchrun.init(cfg)
     data = prepare_data(cfg)
     from diloco.build import build_worker
 

@@ -124,7 +124,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _resumed_config(args: argparse.Namespace, overrides: dict[str, Any]) -> TrainConfig:
-    from diloco.train import load_run_config
+    from diloco.rundir import load_run_config
 
     refused = [settings.find(TrainConfig, p).flag for p in overrides if p not in RESUME_OVERRIDES]
     refused += ["--config"] if args.config is not None else []

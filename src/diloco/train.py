@@ -11,8 +11,6 @@ nothing behind.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import os
 import time
@@ -21,9 +19,9 @@ from typing import Any
 
 import torch
 
-from diloco import checkpoint
+from diloco import checkpoint, rundir
 from diloco.build import Data, build_trainer, prepare_data
-from diloco.config import TrainConfig, from_dict, load_json
+from diloco.config import TrainConfig
 from diloco.errors import Interrupted, RunFailed, UserError
 from diloco.metrics import MetricsWriter, NullWriter, perplexity
 from diloco.runtime import is_main_process
@@ -54,72 +52,6 @@ def evaluate(model: torch.nn.Module, windows_NT: torch.Tensor) -> float:
         count += chunk[:, 1:].numel()
     model.train(was_training)
     return total / count
-
-
-LAUNCH_FILE = "launch.json"  # the id of the torchrun launch that owns the run directory
-CHECKPOINT_FORMAT = 2  # 2: one layout for every runtime (outer, workers, runtime)
-
-
-def _launch_id() -> str | None:
-    """This torchrun launch's id (the same in every restart of it, new for every launch), or None
-    outside torchrun; see collective.launch_id."""
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
-        return None
-    from diloco.runtime import collective
-
-    return collective.launch_id()
-
-
-def _owned_by_this_launch(run_dir: Path) -> bool:
-    """Whether run_dir was created by this very torchrun launch (a restart may take it again)."""
-    try:
-        return json.loads((run_dir / LAUNCH_FILE).read_text()).get("run_id") == _launch_id()
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _new_run_dir(cfg: TrainConfig, *, restarted: bool = False) -> tuple[Path, bool]:
-    """The run directory, created; returns (it, whether it is this launch's own from an earlier
-    attempt). A torchrun restart takes the directory again only if this launch created it: an
-    `--out` that holds another run stays refused on every attempt and is never touched."""
-    run_dir = cfg.run_dir
-    if restarted and run_dir.is_dir() and _owned_by_this_launch(run_dir):
-        return run_dir, True
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"--out {run_dir} is a file, not a directory; choose another --out.")
-    if cfg.runtime == "collective" and run_dir.exists() and any(run_dir.iterdir()):
-        raise UserError(
-            f"run directory {run_dir} already exists; the collective runtime never renames it (its "
-            f"restarts must find it): choose another --out, delete it, or add --resume {run_dir}."
-        )
-    if cfg.out:
-        if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
-            raise UserError(
-                f"run directory {run_dir} already exists; choose another --out, delete it, "
-                f"or continue it with --resume {run_dir}."
-            )
-    else:  # default names never clobber an earlier run: add -2, -3, ...
-        n = 2
-        while run_dir.exists():
-            run_dir = cfg.run_dir.with_name(f"{cfg.run_dir.name}-{n}")
-            n += 1
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(
-            f"cannot create run directory {run_dir} ({e.strerror}); choose another --out."
-        ) from None
-    if _launch_id() is not None:
-        checkpoint.atomic_write_text(run_dir / LAUNCH_FILE, json.dumps({"run_id": _launch_id()}))
-    return run_dir, False
-
-
-def load_run_config(run_dir: Path) -> TrainConfig:
-    if not run_dir.is_dir():
-        raise UserError(
-            f"run directory {run_dir} does not exist; pass the folder of an earlier run to --resume."
-        )
-    return from_dict(load_json(run_dir / "config.json"), where=str(run_dir / "config.json"))
 
 
 class Run:
@@ -212,7 +144,7 @@ def save_checkpoint(run: Run, round_: int, step: int, run_dir: Path) -> None:
             run_dir / "checkpoints",
             round_,
             {
-                "format": CHECKPOINT_FORMAT,
+                "format": rundir.CHECKPOINT_FORMAT,
                 "step": step,
                 "trainer": state,
                 "torch_rng": torch.get_rng_state(),
@@ -359,7 +291,7 @@ def train(
     threads = cfg.resolved_threads
     collective = cfg.runtime == "collective"
     if collective:
-        from diloco.runtime import collective as coll
+        from diloco.runtime import torchrun as coll
 
         coll.init(cfg)
         threads = coll.threads_per_rank(cfg)
@@ -369,30 +301,9 @@ def train(
     data = prepare_data(cfg)
     found: dict[str, Any] = {}
 
-    def decide() -> tuple[str, bool]:
-        """(run directory, whether to resume), checked before anything is written but the
-        directory itself; the checkpoint to resume from is read into `found`."""
-        run_dir, own = (resume, True) if resume is not None else _new_run_dir(cfg, restarted=restarted)
-        if resume is None and not own:
-            return str(run_dir), False
-        latest = checkpoint.latest_valid(run_dir / "checkpoints")
-        if latest is None:
-            if resume is not None:
-                raise UserError(
-                    f"run directory {resume} has no checkpoint to resume from; "
-                    "checkpoints are saved only with --checkpoint-every or --stop-after."
-                )
-            return str(run_dir), False  # a torchrun restart before any checkpoint starts over
-        if not (run_dir / "metrics.jsonl").is_file():
-            raise UserError(f"run directory {run_dir} has no metrics.jsonl; it is not a complete diloco run.")
-        if latest[1].get("format") != CHECKPOINT_FORMAT:
-            raise UserError(
-                f"checkpoint {latest[0]} was written by an older diloco (checkpoint format "
-                f"{latest[1].get('format', 1)}, this one reads {CHECKPOINT_FORMAT}); finish that run with "
-                "the version that started it, or start it again."
-            )
-        found["state"] = latest[1]
-        return str(run_dir), True
+    def decide() -> tuple[str, bool]:  # rank 0's: the checkpoint stays in `found`
+        run_dir, found["state"] = rundir.open_run(cfg, resume, restarted=restarted)
+        return str(run_dir), found["state"] is not None
 
     if collective:
         run_dir_text, resuming = coll.agree(decide, main=main)
@@ -432,13 +343,6 @@ def _restore(trainer, state: dict[str, Any] | None, run_dir: Path) -> None:
         ) from None
 
 
-def _write_config(cfg: TrainConfig, run_dir: Path) -> TrainConfig:
-    """config.json: the run directory and, after a move, the runtime the run goes on in."""
-    cfg = dataclasses.replace(cfg, out=str(run_dir))
-    checkpoint.atomic_write_json(run_dir / "config.json", cfg.to_dict())
-    return cfg
-
-
 def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir) -> dict[str, Any]:
     main = trainer.is_main
     if resuming:
@@ -454,7 +358,7 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
                 f"give a round from {start_round + 1} to {cfg.rounds - 1}, or drop it."
             )
         if main:
-            cfg = _write_config(cfg, run_dir)
+            cfg = rundir.write_config(cfg, run_dir)
         writer = (
             MetricsWriter(run_dir, truncate_to=state["metrics_offset"], purge_step=state["step"] + 1)
             if main
@@ -472,7 +376,7 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
     else:
         start_round = 0
         if main:
-            cfg = _write_config(cfg, run_dir)
+            cfg = rundir.write_config(cfg, run_dir)
         run = Run(
             cfg,
             trainer,
