@@ -154,7 +154,6 @@ def _train(args: argparse.Namespace) -> int:
     overrides = _overrides(args)
     if args.resume is not None:
         cfg = _resumed_config(args, overrides)
-        procs_given = "sim.procs" in overrides
     else:
         values = load_toml(args.config) if args.config is not None else {}
         for path, value in overrides.items():
@@ -170,13 +169,6 @@ def _train(args: argparse.Namespace) -> int:
             if isinstance(m, int) and not isinstance(m, bool) and m >= 1:
                 values["num_workers"] = int(os.environ["WORLD_SIZE"]) // m
         cfg = from_dict(values, where=str(args.config) if args.config else "the flags")
-        procs_given = "procs" in (values.get("sim") or {})
-    if procs_given and cfg.runtime == "collective" and settings.changed(cfg, "sim.procs"):
-        # config.py exempts sim.procs (a sim run's config.json carries it); given now, it is a mistake
-        raise UserError(
-            "sim.procs (--procs) applies only with --runtime sim; drop it "
-            "(torchrun's --nproc-per-node starts the ranks of --runtime collective)."
-        )
     if args.stop_after is not None and not 1 <= args.stop_after < cfg.rounds:
         raise UserError(
             f"--stop-after must be a round from 1 to {cfg.rounds - 1} (the run has {cfg.rounds} rounds), "

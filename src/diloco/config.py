@@ -146,11 +146,9 @@ class SimConfig:
     latency_ms: float = setting(
         0.0, flag="--latency-ms", needs=ON_SIM, help="ms added to every pull and push"
     )
-    # No `needs`: how many processes simulate never changes a result, and a sim run's config.json
-    # (which may carry procs) must resume under --runtime collective. The CLI refuses --procs or
-    # [sim] procs given with --runtime collective.
+    # never changes a result: a run moved to --runtime collective drops it (cli._resumed_config)
     procs: int = setting(
-        0, flag="--procs", help="processes computing workers, one thread each; 0: one per core"
+        0, flag="--procs", needs=ON_SIM, help="processes computing workers, one thread each; 0: one per core"
     )
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from diloco.codec import Codec, Encoded
+from diloco.codec import Codec, Encoded, Fp32Codec
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -42,7 +42,7 @@ class InnerResult:
     mean_loss: float  # mean training loss over the steps
     last_lr: float
     finite: bool = True  # every loss and the outer_grad were finite
-    message: Encoded | None = None  # the outer_grad encoded by the worker's codec, if it has one
+    message: Encoded | None = None  # the outer_grad encoded by the worker's codec
 
 
 class Worker:
@@ -69,7 +69,7 @@ class Worker:
         self.loss_fn = loss_fn
         self.lr_schedule = lr_schedule
         self.grad_clip = grad_clip
-        self.codec = codec
+        self.codec = codec if codec is not None else Fp32Codec()  # encodes this worker's outer_grads
         self.codec_state: dict[str, Any] = {}  # the codec's per-worker state (error feedback)
         self.step = 0  # inner steps taken so far, over all rounds
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -121,7 +121,7 @@ class Worker:
             finite = math.isfinite(total_loss) and all(bool(torch.isfinite(g).all()) for g in outer_grad)
         if not finite:
             self.optimizer.state.clear()  # fresh moments: the next job starts clean
-        message = self.codec.encode(outer_grad, self.codec_state) if self.codec is not None else None
+        message = self.codec.encode(outer_grad, self.codec_state)
         return InnerResult(outer_grad, steps, total_loss / steps, lr, finite, message)
 
     def state_dict(self) -> dict[str, Any]:

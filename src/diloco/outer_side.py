@@ -146,9 +146,11 @@ class OuterSide:
 
     def contribution(self, w: int, message: Encoded | None) -> list[torch.Tensor]:
         """Worker w's weighted share of the round's sum: w_i × payload for a summable codec
-        (decoded after summing), w_i × decode(message) otherwise; zeros if it does not count.
-        Summing contributions in worker order or by an all-reduce gives the same numbers."""
-        weight = self.round_weights()[w]
+        (decoded after summing), w_i × decode(message) otherwise; zeros if it does not count
+        (dropped, or not active this round). Summing contributions in worker order or by an
+        all-reduce gives the same numbers."""
+        weights = self.round_weights()
+        weight = weights[w] if w < len(weights) else 0.0
         if message is None or weight == 0.0:
             return [torch.zeros_like(p) for p in self.params]
         tensors = message.payload if self.codec.summable else self.codec.decode(message)

@@ -109,14 +109,6 @@ def get(obj: Any, path: str) -> Any:
     return functools.reduce(getattr, path.split("."), obj)
 
 
-def replace(obj: Any, path: str, value: Any) -> Any:
-    """A copy of the (frozen, nested) dataclass `obj` with the setting at `path` set to `value`."""
-    head, _, rest = path.partition(".")
-    if rest:
-        value = replace(getattr(obj, head), rest, value)
-    return dataclasses.replace(obj, **{head: value})
-
-
 def check(ok: bool, name: str, value: Any, want: str) -> None:
     """Raise the one-sentence UserError for a setting `name` (see `label`) that is not `want`."""
     if not ok:

@@ -417,9 +417,7 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
     step = side.total_steps // trainer.num_workers if cfg.method == "async" else side.inner_step
     final_loss = run.evaluate(step, "full")
     run.writer.close()
-    checkpoint.atomic_save_safetensors(
-        {k: v.contiguous() for k, v in side.model.state_dict().items()}, run_dir / "model.safetensors"
-    )
+    checkpoint.atomic_save_safetensors(side.model.state_dict(), run_dir / "model.safetensors")
     summary = summarize(cfg, run, final_loss, step)
     checkpoint.atomic_write_json(run_dir / "summary.json", summary)
     return summary

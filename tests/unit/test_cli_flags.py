@@ -211,12 +211,12 @@ def test_resume_may_change_runtime_threads_procs_and_timeout(captured, tiny, tmp
     cfg, kw = captured[-1]
     assert cfg == dataclasses.replace(saved, threads=2, sim=dataclasses.replace(saved.sim, procs=2))
     assert kw == {"resume": run, "stop_after": 1, "progress": None}
-    # sim -> collective: the saved sim.procs is harmless; the timeout is the collective's
+    # sim -> collective: the saved sim.procs goes back to its default; the timeout is the collective's
     code, _ = _exit(capsys, ["train", "--resume", str(run), "--runtime", "collective", "--timeout-s", "60"])
     assert code == 0
     cfg, _ = captured[-1]
-    assert (cfg.runtime, cfg.timeout_s, cfg.sim.procs) == ("collective", 60.0, saved.sim.procs)
-    assert dataclasses.replace(cfg, runtime="sim", timeout_s=300.0) == saved
+    assert (cfg.runtime, cfg.timeout_s, cfg.sim.procs) == ("collective", 60.0, 0)
+    assert dataclasses.replace(cfg, runtime="sim", timeout_s=300.0, sim=saved.sim) == saved
 
 
 @pytest.mark.parametrize(

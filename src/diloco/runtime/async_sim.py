@@ -182,7 +182,7 @@ class AsyncDiLoCo(SideView):
     def _arrive(self, w: int, t: float) -> Arrival:
         job = self._inflight.pop(w)
         result = self._ready.pop(w) if w in self._ready else self.pool.result(w)
-        message = result.message or self.codec.encode(result.outer_grad)
+        message = result.message
         staleness = self.version - job["version"]
         changed = self.side.apply_async(
             w, message, steps=job["steps"], staleness=staleness, finite=result.finite, pulled=job["pulled"]
@@ -256,7 +256,7 @@ class AsyncDiLoCo(SideView):
                 **{k: v for k, v in job.items() if k != "pulled"},
                 "worker": w,
                 "pulled": job["pulled"] if job["pulled"] is not None else [],
-                "result": _result_state(self._ready[w], self.codec),
+                "result": _result_state(self._ready[w]),
             }
             for w, job in sorted(self._inflight.items())
         ]
@@ -313,15 +313,14 @@ class AsyncDiLoCo(SideView):
         self.pool.close()
 
 
-def _result_state(r: InnerResult, codec: Codec) -> dict[str, Any]:
+def _result_state(r: InnerResult) -> dict[str, Any]:
     """A job's result as checkpoint state (its message, not the raw outer_grad)."""
-    message = r.message if r.message is not None else codec.encode(r.outer_grad)
     return {
         "steps": r.steps,
         "mean_loss": r.mean_loss,
         "last_lr": r.last_lr,
         "finite": r.finite,
-        "message": message.state_dict(),
+        "message": r.message.state_dict(),
     }
 
 

@@ -250,14 +250,12 @@ class CollectiveDiLoCo:
             mine = torch.tensor([message.nbytes if message else 0, int(finite)], dtype=torch.int64)
             every = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
             dist.all_gather(every, mine)
-            counts = [side.report(i, int(every[i * self.M][0]), bool(every[i * self.M][1])) for i in range(n)]
-            if side.codec.summable:
-                own = side.contribution(w, message if w < n and counts[w] else None) if w < n else None
-                summed = self._allreduce_buckets(
-                    own if own is not None else [torch.zeros_like(p) for p in self.params]
-                )
+            for i in range(n):
+                side.report(i, int(every[i * self.M][0]), bool(every[i * self.M][1]))
+            if side.codec.summable:  # zeros from an inactive worker or a dropped outer_grad
+                summed = self._allreduce_buckets(side.contribution(w, message))
             else:
-                summed = side.reduce(self._gather_messages(message if w < n else None, n))
+                summed = side.reduce(self._gather_messages(message, n))
             side.end_round(summed, H)
         comm_s = time.perf_counter() - t0 - compute_s
         with self._collective("the replica check"):

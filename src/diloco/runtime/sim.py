@@ -181,7 +181,7 @@ class DiLoCo(SideView):
         messages, losses, lr, end = [], [], 0.0, start
         for w in range(len(starts)):
             result = self.pool.result(w)
-            message = result.message or side.codec.encode(result.outer_grad)
+            message = result.message
             counts = side.report(w, message.nbytes, result.finite)
             messages.append(message if counts else None)
             losses.append(result.mean_loss)
