@@ -1,44 +1,78 @@
-"""Asynchronous Local-SGD against sync DiLoCo with heterogeneous workers (ALGORITHMS.md §2).
+"""Asynchronous Local-SGD as the paper runs it against sync DiLoCo (ALGORITHMS.md §2).
 
-Nano GPT, 4 workers with per-step costs 0.58 / 0.75 / 1.51 / 3.33 simulated seconds, equal total
-inner steps (4 × rounds × H), three seeds. Methods: sync DiLoCo, async `naive`, async `dn`,
-async `dn` + DyLU (measured speeds), async `buffer` (N = 4). Prints one JSON object and saves it,
-with every run directory, under benchmarks/results/.
+Nano GPT, 4 workers at 0.58 / 0.75 / 1.51 / 3.33 simulated seconds per inner step (the public
+toy example's profile), H = 50, equal total local steps (4 × rounds × H), three seeds, in three
+scenarios:
 
-    python benchmarks/async_vs_sync.py              # ~25 minutes on 2 cores
-    python benchmarks/async_vs_sync.py --seeds 1 --rounds 2   # a quick look
+- `scratch`: from random parameters. sync; async `naive`, `dn` (Algorithm 2 without DyLU);
+  `dn_dylu` (Algorithm 2: DN + DyLU from measured speeds, shard sampling, grace period);
+  `dn_dylu_oracle` (the same with the true speeds); ablations `dn_dylu_no_grace` and
+  `dn_dylu_no_sampling`.
+- `warm`: sync and `dn_dylu` fine-tuning one single-worker model pretrained for rounds × H steps
+  (`--init-from`), as the paper measures "matches sync".
+- `jitter`: sync and `dn_dylu` with `--speed-jitter 0.1`, where workers cannot lock into phase.
 
-`speedup` = sync's simulated time to reach sync's final validation loss ÷ DN+DyLU's simulated
-time to reach that same loss, both read off the periodic evaluations on the fixed validation
-subset, linearly interpolated between evaluations. Final losses are on the whole validation split.
+Each method uses its own best outer lr from the sweep (`--sweep-outer-lr`: {0.1, 0.3, 0.5, 0.7,
+1.0} for sync, naive, dn, buffer and dn_dylu, seed 0, scratch; saved as results/async_outer_lr.json
+and read by the comparison; the dn_dylu variants use dn_dylu's). Prints one JSON object and saves
+it, with every run directory, under benchmarks/results/; draws docs/figures/async_vs_sync*.png.
+
+    python benchmarks/async_vs_sync.py --sweep-outer-lr    # 25 runs, ~35 minutes on 2 cores
+    python benchmarks/async_vs_sync.py                     # 34 runs, ~50 minutes on 2 cores
+    python benchmarks/async_vs_sync.py --seeds 1 --rounds 2 --scenarios scratch   # a quick look
+
+`speedup` = sync's simulated time to reach sync's final subset validation loss ÷ dn_dylu's
+simulated time to reach that same loss, read off the periodic evaluations on the fixed subset,
+linearly interpolated, averaged over seeds (null unless every seed reaches it). Final losses are
+on the whole validation split.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import statistics
 import time
 from pathlib import Path
 
-from diloco.config import ServerConfig, SimConfig, TrainConfig
+from diloco.config import OuterConfig, ServerConfig, SimConfig, TrainConfig
 from diloco.metrics import read_metrics
+from diloco.plots import plot_runs
 from diloco.train import train
 
 SPEEDS = (0.58, 0.75, 1.51, 3.33)
+K = 4
+NO_DYLU = ServerConfig(dylu=False)  # Algorithm 2's shard sampling and grace period, fixed H
 METHODS = {
     "sync": ("diloco", ServerConfig()),
-    "naive": ("async", ServerConfig(rule="naive")),
-    "dn": ("async", ServerConfig(rule="dn")),
-    "dn_dylu": ("async", ServerConfig(rule="dn", dylu=True)),
-    "buffer": ("async", ServerConfig(rule="buffer")),
+    "naive": ("async", dataclasses.replace(NO_DYLU, rule="naive")),
+    "dn": ("async", NO_DYLU),
+    "buffer": ("async", dataclasses.replace(NO_DYLU, rule="buffer")),
+    "dn_dylu": ("async", ServerConfig()),
+    "dn_dylu_oracle": ("async", ServerConfig(dylu_oracle=True)),
+    "dn_dylu_no_grace": ("async", ServerConfig(grace_s=0.0)),
+    "dn_dylu_no_sampling": ("async", ServerConfig(shard_sampling=False)),
 }
-# Not in the default set (the issue's five): variants for follow-up experiments (--methods).
-EXTRA = {
-    "dn_dylu_sampling": ("async", ServerConfig(rule="dn", dylu=True, shard_sampling=True)),
-    "dn_dylu_oracle": ("async", ServerConfig(rule="dn", dylu_oracle=True)),
+SCENARIOS = {
+    "scratch": [
+        "sync",
+        "naive",
+        "dn",
+        "dn_dylu",
+        "dn_dylu_oracle",
+        "dn_dylu_no_grace",
+        "dn_dylu_no_sampling",
+    ],
+    "warm": ["sync", "dn_dylu"],
+    "jitter": ["sync", "dn_dylu"],
 }
+SWEEP_METHODS = ["sync", "naive", "dn", "buffer", "dn_dylu"]
+SWEEP_LRS = (0.1, 0.3, 0.5, 0.7, 1.0)
+JITTER = 0.1
+RESULTS = Path(__file__).parent / "results"
+FIGURES = Path(__file__).parent.parent / "docs" / "figures"
 
 
 def time_to_loss(run_dir: Path, target: float) -> float | None:
@@ -66,70 +100,130 @@ def _mean_spread(values: list[float]) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--inner-steps", type=int, default=50)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument(
-        "--methods",
-        default=",".join(METHODS),
-        help=f"comma-separated, from {', '.join([*METHODS, *EXTRA])}; sync is always run",
-    )
-    parser.add_argument("--tag", default="async_vs_sync", help="name of the result file and runs folder")
-    parser.add_argument("--analyse-only", action="store_true", help="recompute the result from existing runs")
-    args = parser.parse_args()
-    chosen = ["sync"] + [m for m in args.methods.split(",") if m != "sync"]
-    methods = {m: {**METHODS, **EXTRA}[m] for m in chosen}
-    runs_dir = args.out / f"{args.tag}_runs"
-    started = time.perf_counter()
-    if not args.analyse_only:
-        shutil.rmtree(runs_dir, ignore_errors=True)
-        for seed in range(args.seeds):
-            for name in methods:
-                _run(name, seed, runs_dir, args)
-    result = {
-        "benchmark": "async_vs_sync",
-        "speeds_s_per_step": SPEEDS,
-        "num_workers": 4,
-        "inner_steps": args.inner_steps,
-        "rounds": args.rounds,
-        "total_inner_steps": 4 * args.rounds * args.inner_steps,
-        "seeds": args.seeds,
-        **analyse(runs_dir, list(methods), args.seeds),
-        "targets": {"dn_dylu_within_pct_of_sync": 1.0, "speedup": 2.5, "naive_worse_than_dn": True},
-    }
-    if not args.analyse_only:
-        result["wall_time_s"] = round(time.perf_counter() - started, 1)
-    print(json.dumps(result, indent=2))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.tag}.json").write_text(json.dumps(result, indent=2) + "\n")
-
-
-def _run(name: str, seed: int, runs_dir: Path, args) -> None:
-    method, server = {**METHODS, **EXTRA}[name]
-    cfg = TrainConfig(
+def _config(
+    name: str, seed: int, out: Path, args, *, lr: float, jitter: float = 0.0, init: str = ""
+) -> TrainConfig:
+    method, server = METHODS[name]
+    return TrainConfig(
         method=method,
-        num_workers=4,
+        num_workers=K,
         inner_steps=args.inner_steps,
         rounds=args.rounds,
         seed=seed,
         eval_every=args.inner_steps // 2 if method == "async" else 0,
-        out=str(runs_dir / f"{name}-s{seed}"),
-        sim=SimConfig(speeds=SPEEDS),
+        out=str(out),
+        init_from=init,
+        outer=OuterConfig(lr=lr),
+        sim=SimConfig(speeds=SPEEDS, speed_jitter=jitter, procs=args.procs),
         server=server,
     )
+
+
+def _train(cfg: TrainConfig, label: str) -> dict:
     summary = train(cfg, progress=False)
     print(
-        f"seed {seed} {name:8s} val_loss {summary['val_loss']:.4f} "
-        f"sim {summary['sim_time_s']:.0f}s wall {summary['wall_time_s']:.0f}s",
+        f"{label:40s} val_loss {summary['val_loss']:.4f} sim {summary['sim_time_s']:6.0f}s "
+        f"wall {summary['wall_time_s']:4.0f}s",
         flush=True,
     )
+    return summary
 
 
-def analyse(runs_dir: Path, methods: list[str], seeds: int) -> dict:
-    """Every figure of the result, read from the runs' summary.json and metrics.jsonl."""
+# -- the outer-lr sweep -----------------------------------------------------------------------
+def sweep(args) -> dict:
+    runs = args.out / "async_outer_lr_runs"
+    started = time.perf_counter()
+    table: dict[str, dict[str, float]] = {}
+    for name in args.sweep_methods.split(","):
+        table[name] = {}
+        for lr in SWEEP_LRS:
+            run = runs / f"{name}-lr{lr}"
+            if not args.analyse_only:
+                shutil.rmtree(run, ignore_errors=True)
+                _train(_config(name, 0, run, args, lr=lr), f"sweep {name} lr {lr}")
+            table[name][str(lr)] = round(json.loads((run / "summary.json").read_text())["val_loss"], 5)
+    best = {m: float(min(losses, key=losses.get)) for m, losses in table.items()}
+    result = {
+        "benchmark": "async_outer_lr",
+        "speeds_s_per_step": SPEEDS,
+        "num_workers": K,
+        "inner_steps": args.inner_steps,
+        "rounds": args.rounds,
+        "seed": 0,
+        "outer_lrs": SWEEP_LRS,
+        "final_val_loss": table,
+        "best_outer_lr": best,
+    }
+    if not args.analyse_only:
+        result["wall_time_s"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def outer_lrs(path: Path) -> tuple[dict[str, float], str]:
+    """Each method's outer lr: the sweep's best (dn_dylu's for its variants), else 0.7."""
+    if not path.is_file():
+        return dict.fromkeys(METHODS, 0.7), "default 0.7 (no sweep result)"
+    best = json.loads(path.read_text())["best_outer_lr"]
+    base = {name: "dn_dylu" if name.startswith("dn_dylu") else name for name in METHODS}
+    return {name: best.get(base[name], 0.7) for name in METHODS}, path.name
+
+
+# -- the comparison ---------------------------------------------------------------------------
+def compare(args) -> dict:
+    runs = args.out / f"{args.tag}_runs"
+    lrs, lr_source = outer_lrs(args.out / "async_outer_lr.json")
+    scenarios = args.scenarios.split(",")
+    started = time.perf_counter()
+    pretrain = runs / "pretrain"
+    if not args.analyse_only:
+        shutil.rmtree(runs, ignore_errors=True)
+        if "warm" in scenarios:
+            cfg = TrainConfig(
+                method="single",
+                inner_steps=args.inner_steps,
+                rounds=args.rounds,
+                seed=1000,
+                out=str(pretrain),
+            )
+            _train(cfg, "pretrain (single worker, seed 1000)")
+        for seed in range(args.seeds):
+            for scenario in scenarios:
+                for name in SCENARIOS[scenario]:
+                    cfg = _config(
+                        name,
+                        seed,
+                        runs / scenario / f"{name}-s{seed}",
+                        args,
+                        lr=lrs[name],
+                        jitter=JITTER if scenario == "jitter" else 0.0,
+                        init=str(pretrain) if scenario == "warm" else "",
+                    )
+                    _train(cfg, f"{scenario} seed {seed} {name}")
+    result = {
+        "benchmark": "async_vs_sync",
+        "speeds_s_per_step": SPEEDS,
+        "num_workers": K,
+        "inner_steps": args.inner_steps,
+        "rounds": args.rounds,
+        "total_local_steps": K * args.rounds * args.inner_steps,
+        "seeds": args.seeds,
+        "outer_lr": {m: lrs[m] for m in SCENARIOS["scratch"]},
+        "outer_lr_source": lr_source,
+        "jitter": JITTER,
+        "pretrain_steps": args.rounds * args.inner_steps,
+    }
+    for scenario in scenarios:
+        prefix = "" if scenario == "scratch" else f"{scenario}_"
+        result.update(analyse(runs / scenario, SCENARIOS[scenario], args.seeds, prefix))
+    result["targets"] = targets(result)
+    if not args.analyse_only:
+        result["wall_time_s"] = round(time.perf_counter() - started, 1)
+        figures(runs, scenarios, args.figures)
+    return result
+
+
+def analyse(runs_dir: Path, methods: list[str], seeds: int, prefix: str) -> dict:
+    """Every figure of one scenario, read from the runs' summary.json and metrics.jsonl."""
     finals: dict[str, list[float]] = {m: [] for m in methods}
     per_seed = []
     for seed in range(seeds):
@@ -150,29 +244,91 @@ def analyse(runs_dir: Path, methods: list[str], seeds: int) -> dict:
             if name != "sync":
                 t = time_to_loss(run, target)
                 row[name]["speedup"] = round(sync_t / t, 3) if t else None
-                # The other way round: how much sooner it reaches its own final loss than sync does.
-                own = final_subset_loss(run)
-                t_own, t_sync = time_to_loss(run, own), time_to_loss(sync_dir, own)
-                row[name]["speedup_at_own_final"] = round(t_sync / t_own, 3) if t_own and t_sync else None
         per_seed.append(row)
     means = {m: statistics.fmean(v) for m, v in finals.items()}
-    speedups = [row.get("dn_dylu", {}).get("speedup") for row in per_seed]
-    reached = [x for x in speedups if x is not None]
-    own = [row.get("dn_dylu", {}).get("speedup_at_own_final") for row in per_seed]
-    return {
-        **{f"{m}_final_val_loss": round(v, 5) for m, v in means.items()},
-        **{f"{m}_final_val_loss_spread": _mean_spread(v) for m, v in finals.items()},
-        "speedup": round(statistics.fmean(reached), 3) if reached and len(reached) == len(speedups) else None,
-        "speedup_by_seed": speedups,
-        "dn_dylu_speedup_at_own_final_by_seed": own,
+    out: dict = {
+        **{f"{prefix}{m}_final_val_loss": round(v, 5) for m, v in means.items()},
+        **{f"{prefix}{m}_final_val_loss_spread": _mean_spread(v) for m, v in finals.items()},
         **{
-            f"{m}_vs_sync_loss_gap_pct": round(100 * (v / means["sync"] - 1), 3)
+            f"{prefix}{m}_vs_sync_pct": round(100 * (v / means["sync"] - 1), 3)
             for m, v in means.items()
             if m != "sync"
         },
-        "naive_worse_than_dn": means["naive"] > means["dn"] if {"naive", "dn"} <= means.keys() else None,
-        "per_seed": per_seed,
     }
+    for name in methods:
+        if name == "sync":
+            continue
+        speedups = [row[name]["speedup"] for row in per_seed]
+        key = f"{prefix}speedup" if name == "dn_dylu" else f"{prefix}{name}_speedup"
+        out[key] = round(statistics.fmean(speedups), 3) if None not in speedups else None
+        out[f"{key}_by_seed"] = speedups
+    out[f"{prefix}per_seed"] = per_seed
+    return out
+
+
+def targets(r: dict) -> dict:
+    """The issue's targets, each with whether it is met (None where not measured)."""
+
+    def within(prefix: str) -> bool | None:
+        a, b = r.get(f"{prefix}dn_dylu_final_val_loss"), r.get(f"{prefix}sync_final_val_loss")
+        return None if a is None or b is None else a <= 1.01 * b
+
+    def at_least(key: str, value: float) -> bool | None:
+        return None if key not in r else r[key] is not None and r[key] >= value
+
+    naive, dn = r.get("naive_final_val_loss"), r.get("dn_final_val_loss")
+    oracle, measured = r.get("dn_dylu_oracle_final_val_loss"), r.get("dn_dylu_final_val_loss")
+    return {
+        "dn_dylu_within_1pct_of_sync": within(""),
+        "warm_dn_dylu_within_1pct_of_sync": within("warm_"),
+        "jitter_dn_dylu_within_1pct_of_sync": within("jitter_"),
+        "speedup_at_least_3": at_least("speedup", 3.0),
+        "warm_speedup_at_least_3": at_least("warm_speedup", 3.0),
+        "jitter_speedup_at_least_2.5": at_least("jitter_speedup", 2.5),
+        "naive_worse_than_dn": None if naive is None or dn is None else naive > dn,
+        "measured_dylu_within_0.5pct_of_oracle": (
+            None if oracle is None or measured is None else measured <= 1.005 * oracle
+        ),
+    }
+
+
+def figures(runs: Path, scenarios: list[str], where: Path) -> None:
+    """Seed 0 of each scenario against simulated time and against total local steps."""
+    for scenario in scenarios:
+        names = [n for n in SCENARIOS[scenario] if n != "naive"]  # naive diverges off the axis
+        dirs = [runs / scenario / f"{n}-s0" for n in names]
+        suffix = "" if scenario == "scratch" else f"_{scenario}"
+        for x, tag, words in (("sim_time_s", "", "simulated time"), ("local_steps", "_steps", "local steps")):
+            plot_runs(
+                dirs,
+                x=x,
+                out=where / f"async_vs_sync{suffix}{tag}.png",
+                labels=names,
+                title=f"{scenario}, seed 0: validation loss against {words}",
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--inner-steps", type=int, default=50)
+    parser.add_argument("--procs", type=int, default=0, help="simulator processes per run (0: one per core)")
+    parser.add_argument(
+        "--scenarios", default=",".join(SCENARIOS), help="comma-separated: scratch,warm,jitter"
+    )
+    parser.add_argument("--sweep-outer-lr", action="store_true", help="run the outer-lr sweep instead")
+    parser.add_argument("--sweep-methods", default=",".join(SWEEP_METHODS))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--figures", type=Path, default=FIGURES, help="where the plots go")
+    parser.add_argument("--tag", default="async_vs_sync", help="name of the result file and runs folder")
+    parser.add_argument("--analyse-only", action="store_true", help="recompute the result from existing runs")
+    args = parser.parse_args()
+    result = sweep(args) if args.sweep_outer_lr else compare(args)
+    name = "async_outer_lr" if args.sweep_outer_lr else args.tag
+    print(json.dumps(result, indent=2))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

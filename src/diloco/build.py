@@ -10,14 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from diloco import faults
 from diloco.async_rules import build_async_rule
 from diloco.codec import build_codec
 from diloco.config import InnerConfig, TrainConfig
 from diloco.data import ShardSampler, ShardSet, eval_windows, load_corpus, make_shards, validation_tokens
+from diloco.errors import UserError
 from diloco.inner import Worker
 from diloco.model import GPT
 from diloco.outer import build_outer_opt
@@ -121,14 +125,54 @@ def build_clock(cfg: TrainConfig, k: int) -> Clock:
     )
 
 
-def build_trainer(cfg: TrainConfig, data: Data):
-    """The runtime for `cfg` (see runtime/__init__.py); the global model comes from `cfg.seed`."""
+def load_init(cfg: TrainConfig) -> dict[str, torch.Tensor] | None:
+    """The parameters `--init-from` names (a run directory's model.safetensors, or that file),
+    checked against the model `cfg` builds; None without --init-from."""
+    if not cfg.init_from:
+        return None
+    path = Path(cfg.init_from)
+    fix = "give a finished run directory or a model.safetensors file of the same model"
+    if path.is_dir():
+        if not (path / "model.safetensors").is_file():
+            raise UserError(f"--init-from {path} has no model.safetensors (has that run finished?); {fix}.")
+        path = path / "model.safetensors"
+    if not path.is_file():
+        raise UserError(f"--init-from {path} does not exist; {fix}.")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"--init-from {path} is not a readable safetensors file ({e}); {fix}.") from None
+    want = {k: v.shape for k, v in GPT(cfg.model).state_dict().items()}
+    got = {k: v.shape for k, v in tensors.items()}
+    for name in sorted(want.keys() | got.keys()):
+        if want.get(name) != got.get(name):
+            there = tuple(got[name]) if name in got else "missing"
+            here = tuple(want[name]) if name in want else "absent"
+            shapes = f"{there} there, {here} here"
+            raise UserError(
+                f"--init-from {path} does not fit this model: {name} is {shapes}; "
+                "use the model settings (--model, [model]) of the run it came from."
+            )
+    return tensors
+
+
+def initial_model(cfg: TrainConfig, init: dict[str, torch.Tensor] | None) -> GPT:
+    """The global model at the start: from `cfg.seed`, then `init`'s parameters if given."""
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model)
+    if init is not None:
+        model.load_state_dict(init)
+    return model
+
+
+def build_trainer(cfg: TrainConfig, data: Data, init: dict[str, torch.Tensor] | None = None):
+    """The runtime for `cfg` (see runtime/__init__.py); the global model comes from `cfg.seed`,
+    or from `init` (see `load_init`)."""
     if cfg.runtime == "collective":
         from diloco.runtime.collective import CollectiveDiLoCo
 
-        return CollectiveDiLoCo(cfg, data.shards, data.weights, build_worker=build_worker)
-    torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model)  # built before the pool, so the pool cannot change the initialisation
+        return CollectiveDiLoCo(cfg, data.shards, data.weights, build_worker=build_worker, init=init)
+    model = initial_model(cfg, init)  # built before the pool, so the pool cannot change the initialisation
     if cfg.method in ("single", "dp"):
         k = len(data.shards)
         clock = build_clock(cfg, cfg.num_workers)

@@ -47,8 +47,8 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
             groups[section] = parser.add_argument_group(f"[{section}] {doc}")
         kw: dict[str, Any] = {"dest": s.path, "default": None, "help": settings.help_text(s)}
         metavar = s.flag.lstrip("-").replace("-", "_").upper()
-        if s.type is bool:
-            kw["action"] = "store_true"
+        if s.type is bool:  # on by default: --X and --no-X
+            kw["action"] = argparse.BooleanOptionalAction if s.default else "store_true"
         elif s.meta.parse is not None:
             kw.update(type=_flag_type(s.meta.parse, s.flag), metavar=metavar)
         elif settings.is_list(s.type):  # repeatable: each use adds one item

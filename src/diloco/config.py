@@ -40,6 +40,11 @@ ON_SIM, ON_COLLECTIVE = ("runtime", "sim"), ("runtime", "collective")
 ON_ASYNC, ON_DILOCO = ("method", "async"), ("method", "diloco")
 
 
+def _grace(text: str) -> float | str:
+    """--grace-s: a number of seconds or `auto`."""
+    return text if text == "auto" else float(text)
+
+
 def _speeds(text: str) -> tuple[float, ...]:
     """--speeds: comma-separated seconds per step."""
     from diloco.runtime.clock import parse_speeds
@@ -167,8 +172,9 @@ class ServerConfig:
     delaycomp_lambda: float = setting(
         0.5, flag="--delaycomp-lambda", needs=ON_ASYNC, help="delay compensation λ"
     )
+    # Algorithm 2 of the paper by default: DyLU, shard sampling and a grace period are all on.
     # DyLU: H_w = max(1, floor(v_w / max v · H)), v_w from measured speeds or (oracle) the true profile
-    dylu: bool = setting(False, flag="--dylu", needs=ON_ASYNC, help="dynamic local updates")
+    dylu: bool = setting(True, flag="--dylu", needs=ON_ASYNC, help="dynamic local updates")
     dylu_oracle: bool = setting(
         False, flag="--dylu-oracle", needs=ON_ASYNC, help="DyLU from the true speed profile"
     )
@@ -176,13 +182,14 @@ class ServerConfig:
         0.5, flag="--dylu-alpha", needs=ON_ASYNC, help="EMA weight of a new speed measurement"
     )
     shard_sampling: bool = setting(
-        False, flag="--shard-sampling", needs=ON_ASYNC, help="shards by p_i ∝ max(|D_i|/Σ|D| − n_i/Σn, 0)"
+        True, flag="--shard-sampling", needs=ON_ASYNC, help="shards by p_i ∝ max(|D_i|/Σ|D| − n_i/Σn, 0)"
     )
-    grace_s: float = setting(
-        0.0,
+    grace_s: float | str = setting(
+        "auto",
         flag="--grace-s",
+        parse=_grace,
         needs=ON_ASYNC,
-        help="simulated s after an update in which others also sync; inf: sync",
+        help="s after an update in which other pushes sync too; auto: a tenth of a job; 0: off; inf: sync",
     )
 
 
@@ -196,6 +203,13 @@ class TrainConfig:
     inner_steps: int = setting(50, flag="--inner-steps", help="inner steps per round H")
     rounds: int = setting(6, flag="--rounds", help="outer steps; each worker runs rounds × H inner steps")
     seed: int = setting(0, flag="--seed", help="seed for initialisation, shards and batches")
+    # DiLoCo's θ(0) is a pretrained model; the async paper's "matches sync" is measured fine-tuning
+    init_from: str = setting(
+        "",
+        flag="--init-from",
+        default_help="random, from --seed",
+        help="start from these parameters: a run directory or a model.safetensors of the same model",
+    )
     # benchmarks/overhead.py: on 2 cores 2 threads give 1.7x the tokens/s of 1 (results/overhead.json)
     threads: int = setting(0, flag="--threads", help="intra-op threads; 0: every core this process may use")
     eval_every: int = setting(0, flag="--eval-every", help="inner steps between evals; 0: every round")
@@ -378,8 +392,9 @@ def _validate_server(cfg: TrainConfig) -> None:
     settings.at_least(cfg, "server.poly_threshold", minimum=0)
     settings.in_range(cfg, "server.delaycomp_lambda", lo=0.0)
     settings.in_range(cfg, "server.dylu_alpha", lo=0.0, hi=1.0, lo_open=True)
-    ok = not math.isnan(v.grace_s) and v.grace_s >= 0
-    settings.check(ok, label("server.grace_s"), v.grace_s, "a number of seconds >= 0 (inf: wait for all)")
+    g = v.grace_s
+    ok = g == "auto" if isinstance(g, str) else not math.isnan(g) and g >= 0
+    settings.check(ok, label("server.grace_s"), g, "auto or a number of seconds >= 0 (inf: wait for all)")
 
 
 # the tables of a TOML file: model, data, inner, outer, sim, server

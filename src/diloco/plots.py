@@ -1,5 +1,6 @@
-"""Plots: validation loss of several runs on one figure, against simulated time, inner steps,
-outer updates or bytes sent. Reads only run directories (config.json, metrics.jsonl).
+"""Plots: validation loss of several runs on one figure, against simulated time, inner steps
+(per worker, or all workers' local steps), outer updates or bytes sent. Reads only run
+directories (config.json, metrics.jsonl).
 
     diloco plot runs/sync runs/async --x sim_time_s --out loss.png
 """
@@ -15,6 +16,7 @@ from diloco.metrics import read_metrics
 X_AXES = {
     "sim_time_s": ("sim_time_s", "simulated time (s)"),
     "inner_steps": ("inner_step", "inner steps per worker"),
+    "local_steps": ("inner_step", "local steps, all workers"),  # × the run's workers
     "outer_updates": ("version", "outer updates"),
     "bytes_sent": ("bytes_sent", "bytes sent, all workers"),
 }
@@ -34,13 +36,19 @@ def run_label(config: dict) -> str:
     return label + f" H={config.get('inner_steps')}"
 
 
-def _curve(run_dir: Path, key: str) -> tuple[list[float], list[float]]:
+def curve(run_dir: Path, x: str) -> tuple[list[float], list[float]]:
+    """The run's subset evaluations as (x values, validation losses)."""
+    key = X_AXES[x][0]
     if not (run_dir / "metrics.jsonl").is_file():
         raise UserError(f"{run_dir} has no metrics.jsonl; pass run directories written by diloco train.")
     evals = [m for m in read_metrics(run_dir) if m["kind"] == "eval" and m.get("split") == "subset"]
     if not evals or key not in evals[0]:
         raise UserError(f"{run_dir} has no evaluations with {key}; it was written by an older diloco.")
-    return [m[key] for m in evals], [m["val_loss"] for m in evals]
+    xs = [m[key] for m in evals]
+    if x == "local_steps":
+        config = load_json(run_dir / "config.json")
+        xs = [v * (1 if config.get("method") == "single" else config.get("num_workers", 1)) for v in xs]
+    return xs, [m["val_loss"] for m in evals]
 
 
 def plot_runs(
@@ -62,11 +70,11 @@ def plot_runs(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    key, axis_label = X_AXES[x]
+    axis_label = X_AXES[x][1]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     lowest = float("inf")
     for i, run_dir in enumerate(run_dirs):
-        xs, ys = _curve(run_dir, key)
+        xs, ys = curve(run_dir, x)
         lowest = min(lowest, *ys)
         label = labels[i] if labels else run_label(load_json(run_dir / "config.json"))
         ax.plot(xs, ys, marker=".", label=label)

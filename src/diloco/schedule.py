@@ -31,6 +31,21 @@ def dylu_steps(step_s: list[float], inner_steps: int) -> list[int]:
     return [max(1, math.floor(fastest / s * inner_steps)) for s in step_s]
 
 
+def grace_close(first_s: float, grace_s: float, in_flight: list[tuple[float, float | None]]) -> float:
+    """When the server closes the grace window opened by a push landing at `first_s`.
+
+    `in_flight` holds the other jobs as (when its push lands, when the server expects it; None
+    if it cannot tell yet). The server waits for every push it expects inside the window (one it
+    cannot predict may land any time) and never past the window's end: it closes as soon as the
+    last expected push has landed, or at the window's end if one of them is late. Every push
+    landed by then belongs to the group, and the group restarts at that moment."""
+    end = first_s + grace_s
+    expected = [lands for lands, due in in_flight if due is None or due <= end]
+    if any(lands > end for lands in expected):
+        return end
+    return max([first_s, *expected])
+
+
 class SpeedEstimator:
     """A worker's seconds per inner step, estimated online: an exponential moving average of the
     measured time per step of each finished round (weight `alpha` on the newest), so a speed

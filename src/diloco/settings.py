@@ -17,6 +17,7 @@ import functools
 import json
 import math
 import tomllib
+import types
 import typing
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass
@@ -126,8 +127,15 @@ def is_list(kind: Any) -> bool:
     return _element(kind) is not None
 
 
+def _alternatives(kind: Any) -> tuple[Any, ...]:
+    """X and Y of `X | Y`; () for a type that is not a union."""
+    return typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, types.UnionType) else ()
+
+
 def describe(kind: Any) -> str:
     """The expected type in words, for error messages."""
+    if alternatives := _alternatives(kind):
+        return " or ".join(describe(a) for a in alternatives)
     if (item := _element(kind)) is not None:
         return {int: "a list of integers", float: "a list of numbers", str: "a list of strings"}[item]
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
@@ -135,6 +143,8 @@ def describe(kind: Any) -> str:
 
 def type_ok(kind: Any, value: Any) -> bool:
     """Whether `value` has type `kind`. A bool is never a number; an int is a float."""
+    if alternatives := _alternatives(kind):
+        return any(type_ok(a, value) for a in alternatives)
     if (item := _element(kind)) is not None:
         return isinstance(value, tuple) and all(type_ok(item, v) for v in value)
     if kind is bool:
@@ -199,7 +209,7 @@ def help_text(s: Setting) -> str:
     if s.meta.default_help is not None:
         shown = s.meta.default_help
     elif s.type is bool:
-        shown = "off"
+        shown = "on" if s.default else "off"
     else:
         shown = str(s.default)
     choices = " | ".join(s.meta.choices) + "; " if s.meta.choices else ""

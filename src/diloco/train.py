@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from diloco import checkpoint, rundir
-from diloco.build import Data, build_trainer, prepare_data
+from diloco.build import Data, build_trainer, load_init, prepare_data
 from diloco.config import TrainConfig
 from diloco.errors import Interrupted, RunFailed, UserError
 from diloco.metrics import MetricsWriter, NullWriter, perplexity
@@ -299,6 +299,7 @@ def train(
     main = is_main_process(cfg)
     restarted = collective and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     data = prepare_data(cfg)
+    init = load_init(cfg) if resume is None else None  # a resumed run's θ is in its checkpoint
     found: dict[str, Any] = {}
 
     def decide() -> tuple[str, bool]:  # rank 0's: the checkpoint stays in `found`
@@ -310,7 +311,7 @@ def train(
     else:
         run_dir_text, resuming = decide()
     run_dir = Path(run_dir_text)
-    trainer = build_trainer(cfg, data)
+    trainer = build_trainer(cfg, data, init)
     clean = False
     try:
         result = _train(

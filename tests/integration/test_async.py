@@ -12,6 +12,8 @@ from diloco.metrics import read_metrics
 from diloco.train import train
 
 SPEEDS = (0.58, 0.75, 1.51, 3.33)
+# The bare rule: Algorithm 2's DyLU, shard sampling and grace period off (they are on by default).
+BARE = {"dylu": False, "shard_sampling": False, "grace_s": 0.0}
 
 
 def _params(run_dir):
@@ -30,7 +32,7 @@ def test_unbounded_grace_and_buffer_of_k_reproduce_sync_diloco(tiny, tmp_path):
         tiny(
             method="async",
             sim=sim,
-            server=ServerConfig(rule="buffer", grace_s=math.inf),
+            server=ServerConfig(rule="buffer", **{**BARE, "grace_s": math.inf}),
             out=str(tmp_path / "async"),
         ),
         progress=False,
@@ -45,7 +47,7 @@ def test_unbounded_grace_and_buffer_of_k_reproduce_sync_diloco(tiny, tmp_path):
     "method,server",
     [
         ("diloco", ServerConfig()),
-        ("async", ServerConfig(rule="dn", dylu=True)),
+        ("async", ServerConfig()),
     ],
 )
 def test_two_processes_equal_one_bitwise(tiny, tmp_path, method, server):
@@ -66,7 +68,7 @@ def test_async_logs_staleness_speed_and_dylu_steps(tiny, tmp_path):
         method="async",
         rounds=4,
         sim=SimConfig(speeds=(1.0, 3.0), procs=1),
-        server=ServerConfig(rule="dn", dylu=True),
+        server=ServerConfig(shard_sampling=False, grace_s=0.0),
         target_loss=5.4,
     )
     summary = train(cfg, progress=False)
@@ -74,8 +76,8 @@ def test_async_logs_staleness_speed_and_dylu_steps(tiny, tmp_path):
     workers = [line for line in lines if line["kind"] == "worker"]
     assert all({"staleness", "steps", "speed_est_s", "sim_time_s"} <= w.keys() for w in workers)
     slow = [w for w in workers if w["worker"] == 1]
-    assert slow[0]["steps"] == 4 and slow[-1]["speed_est_s"] == 3.0
-    assert any(w["steps"] == 1 for w in slow)  # DyLU: floor(1/3 * 4) = 1 once measured
+    # DyLU: floor(1/3 * 4) = 1, from the first job on (its probe of 1 step measured the speed)
+    assert slow[0]["steps"] == 1 and slow[-1]["speed_est_s"] == 3.0
     assert any(w["staleness"] > 0 for w in workers)
     assert sum(w["steps"] for w in workers) == summary["inner_steps"] == 2 * 4 * 4  # equal compute
     assert summary["time_to_target_s"] is not None
@@ -96,7 +98,7 @@ def test_async_only_settings_are_refused_for_sync(tiny):
     from diloco.errors import UserError
 
     with pytest.raises(UserError, match="add --method async"):
-        tiny(server=ServerConfig(dylu=True))
+        tiny(server=ServerConfig(dylu=False))
     with pytest.raises(UserError, match="gives 3 speeds for 2 workers"):
         tiny(sim=SimConfig(speeds=(1.0, 2.0, 3.0)))
     with pytest.raises(UserError, match="W:FACTOR@START-END"):
@@ -113,7 +115,7 @@ def test_shard_sampling_hands_out_other_shards_deterministically(tiny, tmp_path)
             num_workers=3,
             rounds=4,
             sim=sim,
-            server=ServerConfig(shard_sampling=True),
+            server=ServerConfig(),
             out=str(tmp_path / name),
         )
         train(cfg, progress=False)
@@ -131,7 +133,7 @@ def test_grace_period_restarts_caught_workers_together(tiny, tmp_path, grace_s, 
     cfg = tiny(
         method="async",
         sim=SimConfig(speeds=(1.0, 1.2), procs=1),
-        server=ServerConfig(rule="dn", grace_s=grace_s),
+        server=ServerConfig(rule="dn", **{**BARE, "grace_s": grace_s}),
     )
     train(cfg, progress=False)
     lines = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "worker"]
@@ -144,9 +146,97 @@ def test_buffer_arrivals_left_at_the_end_are_applied(tiny, tmp_path):
         method="async",
         rounds=2,
         sim=SimConfig(speeds=(1.0, 3.0), procs=1),
-        server=ServerConfig(rule="buffer", buffer=3, dylu=True),
+        server=ServerConfig(rule="buffer", buffer=3, shard_sampling=False, grace_s=0.0),
     )
     summary = train(cfg, progress=False)
     arrivals = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "worker"]
     assert len(arrivals) % 3 != 0  # some are left in the buffer at the end
     assert summary["outer_updates"] == -(-len(arrivals) // 3)  # ceil: the rest is one last step
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "speeds,slowdowns,times",
+    [
+        # 4 steps at 1.0 / 1.2 / 3.0 s (probes of 1 step measure them by 3 s). At 4.0 the window
+        # runs to 5.0: worker 1 is due at 4.8 and lands then, worker 2 is due at 12.0. The group
+        # {0, 1} restarts at 4.8, when its last member landed, not at 5.0.
+        ((1.0, 1.2, 3.0), (), [4.0, 4.8, 8.8, 9.6, 12.0]),
+        # Worker 1 slowed 2x from 5 s: at 8.8 it is due at 9.6 (inside the window to 9.8) but
+        # lands at 4.8 + 1.2 + 3 × 2.4 = 13.2, so worker 0 waits to the window's end, 9.8.
+        ((1.0, 1.2), ("1:2@5-inf",), [4.0, 4.8, 8.8, 13.2, 13.8]),
+    ],
+)
+def test_grace_group_restarts_when_its_last_expected_push_lands(tiny, tmp_path, speeds, slowdowns, times):
+    cfg = tiny(
+        method="async",
+        num_workers=len(speeds),
+        sim=SimConfig(speeds=speeds, slowdowns=slowdowns, procs=1),
+        server=ServerConfig(**{**BARE, "grace_s": 1.0}),
+    )
+    train(cfg, progress=False)
+    lines = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "worker"]
+    assert [round(m["sim_time_s"], 6) for m in lines[: len(times)]] == times
+
+
+def _dylu_run(tiny, tmp_path, name, server, sim):
+    cfg = tiny(method="async", num_workers=4, inner_steps=50, rounds=2, sim=sim, server=server)
+    cfg = dataclasses.replace(cfg, out=str(tmp_path / name), eval_every=0)
+    summary = train(cfg, progress=False)
+    return summary, [m for m in read_metrics(tmp_path / name) if m["kind"] == "worker"]
+
+
+@pytest.mark.timeout(120)
+def test_measured_dylu_sizes_the_first_jobs_like_the_oracle(tiny, tmp_path):
+    # The benchmark's profile: each first job measures its speed on 5 steps (a tenth of H) and
+    # only then gets its length, so no worker runs a full H from unmeasured speeds. On a fixed
+    # profile the measured run is the oracle's, bit for bit.
+    sim = SimConfig(speeds=SPEEDS, procs=1)
+    measured, m_lines = _dylu_run(tiny, tmp_path, "measured", ServerConfig(), sim)
+    oracle, o_lines = _dylu_run(tiny, tmp_path, "oracle", ServerConfig(dylu_oracle=True), sim)
+    first = {m["worker"]: m["steps"] for m in reversed(m_lines)}
+    assert [first[w] for w in range(4)] == [50, 38, 19, 8]
+    assert all(m["staleness"] < 4 for m in m_lines)  # the slow worker's first push is not stale
+    assert _equal(_params(tmp_path / "measured"), _params(tmp_path / "oracle"))
+    assert [(m["worker"], m["steps"]) for m in m_lines] == [(m["worker"], m["steps"]) for m in o_lines]
+
+
+@pytest.mark.timeout(60)
+def test_measured_speeds_follow_a_slowdown(tiny, tmp_path):
+    # Worker 0 is 3x slower from 12 s on: its estimate (EMA, weight 0.5) climbs towards 3 s and
+    # DyLU cuts its jobs to floor(1/3 × 6) = 2 steps while worker 1 keeps 6.
+    cfg = tiny(
+        method="async",
+        inner_steps=6,
+        rounds=8,
+        sim=SimConfig(speeds=(1.0, 1.0), slowdowns=("0:3@12-inf",), procs=1),
+        server=ServerConfig(shard_sampling=False),
+    )
+    train(cfg, progress=False)
+    lines = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "worker"]
+    w0 = [m for m in lines if m["worker"] == 0]
+    assert w0[0]["steps"] == 6 and w0[-1]["speed_est_s"] > 2.5
+    assert [m["steps"] for m in w0][-3:] == [2, 2, 2]
+    assert all(m["steps"] == 6 for m in lines if m["worker"] == 1 and m["sim_time_s"] < 60)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "server",
+    [ServerConfig(shard_sampling=False), ServerConfig(shard_sampling=False, dylu_oracle=True)],
+    ids=["measured", "oracle"],
+)
+def test_async_with_equal_speeds_reduces_to_sync_diloco(tiny, tmp_path, server):
+    # The paper's footnote: equal speeds, no jitter, DN with N = k and c = 0, DyLU and a grace
+    # period give sync DiLoCo. Every worker's push lands at once, the grace group takes all k,
+    # and DN's k arrivals sum to one Nesterov step on their mean. Each arrival is applied on its
+    # own (DN is defined per arrival), so θ agrees up to float rounding, not bit for bit.
+    sim = SimConfig(speeds=(1.0, 1.0), procs=1)
+    sync = train(tiny(sim=sim, out=str(tmp_path / "sync")), progress=False)
+    asyn = train(tiny(method="async", sim=sim, server=server, out=str(tmp_path / "async")), progress=False)
+    a, b = _params(tmp_path / "async"), _params(tmp_path / "sync")
+    diff = sum(float((a[k] - b[k]).pow(2).sum()) for k in a) ** 0.5
+    norm = sum(float(b[k].pow(2).sum()) for k in b) ** 0.5
+    assert 0 < diff / norm <= 1e-6
+    assert asyn["sim_time_s"] == sync["sim_time_s"]
+    assert asyn["val_loss"] == pytest.approx(sync["val_loss"], rel=1e-5)

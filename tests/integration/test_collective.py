@@ -160,6 +160,18 @@ def test_drop_prob_and_workers_schedule_match_the_simulator(tiny, tmp_path):
     assert all(real[k].equal(sim[k]) for k in sim)
 
 
+@pytest.mark.timeout(90)
+def test_init_from_starts_every_rank_from_the_given_parameters(tiny, tmp_path):
+    train(tiny(method="single", rounds=2, out=str(tmp_path / "pre")), progress=False)
+    proc = _torchrun(tmp_path, 2, "--init-from", str(tmp_path / "pre"), "--out", str(tmp_path / "c"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    real = load_file(str(tmp_path / "c" / "model.safetensors"))
+    sim = _sim(tiny, tmp_path, "s", num_workers=2, init_from=str(tmp_path / "pre"))
+    assert all(real[k].equal(sim[k]) for k in sim)
+    scratch = _sim(tiny, tmp_path, "scratch", num_workers=2)
+    assert not all(scratch[k].equal(sim[k]) for k in sim)
+
+
 @pytest.mark.timeout(120)
 def test_a_restart_before_any_checkpoint_starts_over_in_the_same_directory(tmp_path):
     out = tmp_path / "c"

@@ -4,7 +4,7 @@ import pytest
 
 from diloco.cli import main
 from diloco.config import SimConfig
-from diloco.plots import run_label
+from diloco.plots import curve, run_label
 from diloco.train import train
 
 
@@ -14,10 +14,12 @@ def test_plot_draws_runs_on_each_axis_and_rejects_bad_input(tiny, tmp_path, caps
     a, b = tmp_path / "a", tmp_path / "b"
     train(tiny(sim=sim, out=str(a)), progress=False)
     train(tiny(method="async", sim=sim, out=str(b)), progress=False)
-    for x in ("sim_time_s", "inner_steps", "outer_updates", "bytes_sent"):
+    for x in ("sim_time_s", "inner_steps", "local_steps", "outer_updates", "bytes_sent"):
         out = tmp_path / f"{x}.png"
         assert main(["plot", str(a), str(b), "--x", x, "--out", str(out)]) == 0
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    per_worker, all_workers = curve(b, "inner_steps")[0], curve(b, "local_steps")[0]
+    assert all_workers == [2 * v for v in per_worker] and per_worker[-1] == 12  # 2 workers, 3 × 4 steps
     assert main(["plot", str(a), "--x", "nope", "--out", str(tmp_path / "x.png")]) == 2
     assert main(["plot", str(a), str(b), "--labels", "one", "--out", str(tmp_path / "x.png")]) == 2
     assert main(["plot", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2

@@ -56,6 +56,7 @@ EXPECTED = {
     "--shard-sampling": "server.shard_sampling",
     "--grace-s": "server.grace_s",
     # new settings
+    "--init-from": "init_from",
     "--on-nonfinite": "on_nonfinite",
     "--keep-checkpoints": "keep_checkpoints",
     "--timeout-s": "timeout_s",
@@ -96,7 +97,9 @@ def captured(monkeypatch):
 def test_every_flag_is_a_field_and_every_flagged_field_a_flag():
     actions = {opt: a for a in _train_parser()._actions for opt in a.option_strings}
     setting_flags = {opt: a.dest for opt, a in actions.items() if opt not in NOT_SETTINGS}
-    assert setting_flags == EXPECTED
+    # a setting that is on by default also has its --no- flag
+    negated = {"--no-dylu": "server.dylu", "--no-shard-sampling": "server.shard_sampling"}
+    assert setting_flags == {**EXPECTED, **negated}
     declared = {s.flag: s.path for s in settings.walk(TrainConfig) if s.flag}
     assert declared == EXPECTED
     for f, path in EXPECTED.items():
@@ -145,6 +148,28 @@ def test_flags_reach_their_fields(captured, capsys):
     assert (cfg.server.rule, cfg.server.buffer, cfg.server.grace_s) == ("buffer", 3, math.inf)
     assert (cfg.inner.lr, cfg.outer.lr, cfg.on_nonfinite, cfg.sim.procs) == (3e-4, 1.0, "drop", 1)
     assert (cfg.checkpoint_every, cfg.keep_checkpoints) == (2, 5)
+
+
+def test_async_runs_algorithm_2_unless_a_part_is_switched_off(captured, capsys):
+    assert main(["train", "--method", "async"]) == 0
+    v = captured[-1][0].server
+    assert (v.rule, v.buffer, v.dn_c, v.dylu, v.shard_sampling, v.grace_s) == (
+        "dn",
+        0,
+        0.0,
+        True,
+        True,
+        "auto",
+    )
+    assert main(["train", "--method", "async", "--no-dylu", "--no-shard-sampling", "--grace-s", "0"]) == 0
+    v = captured[-1][0].server
+    assert (v.dylu, v.shard_sampling, v.grace_s) == (False, False, 0.0)
+    assert main(["train", "--method", "async", "--grace-s", "auto", "--dylu"]) == 0
+    assert captured[-1][0].server.grace_s == "auto" and captured[-1][0].server.dylu
+    code, out = _exit(capsys, ["train", "--method", "async", "--grace-s", "soon"])
+    assert code == 2 and "--grace-s" in out.err
+    code, out = _exit(capsys, ["train", "--no-dylu"])  # sync: the async settings do not apply
+    assert code == 2 and "server.dylu (--dylu) applies only with --method async" in out.err
 
 
 def test_a_toml_file_then_flags(captured, tmp_path, capsys):

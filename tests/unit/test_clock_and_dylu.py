@@ -3,7 +3,7 @@ import math
 import pytest
 
 from diloco.runtime.clock import Clock, Slowdown, parse_slowdown, profile
-from diloco.schedule import SpeedEstimator, dylu_steps, shard_probabilities
+from diloco.schedule import SpeedEstimator, dylu_steps, grace_close, shard_probabilities
 
 
 def test_heterogeneity_levels_span_their_spread():
@@ -63,3 +63,29 @@ def test_shard_probabilities_favour_shards_behind_their_share():
     p = shard_probabilities([100, 300], [50, 50])  # shard 0 is ahead of its 25% share
     assert p == [0.0, 1.0]
     assert shard_probabilities([100, 300], [25, 75]) == [0.25, 0.75]
+
+
+@pytest.mark.parametrize(
+    "in_flight,close",
+    [
+        # nobody else in flight: the group is the first push alone, restarted at once
+        ([], 10.0),
+        # one push due and landing inside the window: close when it lands, not at the window's end
+        ([(11.0, 11.0)], 11.0),
+        # another expected outside the window does not hold the group back
+        ([(11.0, 11.0), (20.0, 20.0)], 11.0),
+        # one expected inside the window but late: the server waits to the window's end
+        ([(11.0, 11.0), (14.0, 12.0)], 13.0),
+        # one the server cannot predict yet may land any time: wait for it, to the window's end
+        ([(12.5, None)], 12.5),
+        ([(20.0, None)], 13.0),
+        # one not expected that lands early anyway is caught while waiting for another
+        ([(10.5, 30.0), (12.0, 12.0)], 12.0),
+    ],
+)
+def test_grace_window_closes_at_the_last_expected_push(in_flight, close):
+    assert grace_close(10.0, 3.0, in_flight) == close
+
+
+def test_unbounded_grace_waits_for_every_push_in_flight():
+    assert grace_close(10.0, math.inf, [(11.0, 50.0), (90.0, 12.0)]) == 90.0

@@ -97,7 +97,10 @@ def test_new_settings_and_their_defaults():
         ({"sim": {"slowdowns": ["1:2@nan-10"]}}, "got '1:2@nan-10'"),
         ({"sim": {"slowdowns": ["1:2@inf-inf"]}}, "got '1:2@inf-inf'"),
         ({"sim": {"slowdowns": ["1:2@5-5"]}}, "START < END"),
-        ({"server": {"grace_s": math.nan}, "method": "async"}, "server.grace_s (--grace-s) must be a number"),
+        (
+            {"server": {"grace_s": math.nan}, "method": "async"},
+            "server.grace_s (--grace-s) must be auto or a number",
+        ),
     ],
 )
 def test_every_type_is_checked_with_one_sentence_naming_key_flag_and_type(values, needle):

@@ -5,11 +5,14 @@ A worker pulls θ (at `version` v), runs its local steps, and pushes outer_grad 
 pulls again. Events are processed in simulated-time order (ties by worker index), so a run is
 deterministic for a seed whatever the number of processes computing the workers.
 
-The server also decides each job: how many steps (H, or DyLU's H_w from estimated or true
-speeds), which shard (the worker's own, or sampled), and, with a grace period, holds back
-workers that finish within `grace_s` of an update so they restart from the same θ.
+The server also decides each job, as the paper's Algorithm 2 does: how many steps (DyLU's H_w
+from measured or true speeds, or H), which shard (sampled, or the worker's own), and, with a
+grace period, holds back workers that finish within `grace_s` of an update so they restart from
+the same θ (see `grace_close`). A worker's first job measures its speed on its first steps (the
+probe, counted as training) before DyLU sets its length, so no job runs from unmeasured speeds.
 
-    diloco train --method async --async-rule dn --dylu --heterogeneity very
+    diloco train --method async --heterogeneity very            # DN + DyLU, paper form
+    diloco train --method async --no-dylu --no-shard-sampling --grace-s 0   # the bare rule
 """
 
 from __future__ import annotations
@@ -29,7 +32,13 @@ from diloco.runtime import SideView
 from diloco.runtime.clock import Clock
 from diloco.runtime.pool import InlinePool, ProcessPool
 from diloco.runtime.sim import ModelFn
-from diloco.schedule import SpeedEstimator, dylu_steps, shard_probabilities
+from diloco.schedule import SpeedEstimator, dylu_steps, grace_close, shard_probabilities
+
+# A worker's first job measures its speed on its first tenth (at least one step) before DyLU
+# sets how long the job is; those steps are training like any other.
+PROBE_FRACTION = 0.1
+# grace_s = "auto": a tenth of a job (H × the fastest measured seconds per step), see docs/async.md
+AUTO_GRACE_FRACTION = 0.1
 
 
 @dataclass
@@ -73,10 +82,10 @@ class AsyncDiLoCo(SideView):
         inner_steps: int,
         total_steps: int,
         codec: Codec | None = None,
-        dylu: bool = False,
+        dylu: bool = True,
         dylu_oracle: bool = False,
         dylu_alpha: float = 0.5,
-        grace_s: float = 0.0,
+        grace_s: float | str = "auto",
         shard_sizes: list[int] | None = None,
         seed: int = 0,
         on_nonfinite: str = "stop",
@@ -109,6 +118,7 @@ class AsyncDiLoCo(SideView):
         self.inner_steps, self.step_budget = inner_steps, total_steps
         self.dylu, self.dylu_oracle, self.grace_s = dylu or dylu_oracle, dylu_oracle, grace_s
         self.estimators = [SpeedEstimator(dylu_alpha) for _ in range(k)]
+        self._probes: dict[int, tuple[float, float]] = {}  # worker -> (probe ends at, s per step)
         self.shard_sizes = shard_sizes  # None: every worker keeps its own shard
         self.shard_steps = [0] * (len(shard_sizes) if shard_sizes else k)
         self.rng = random.Random(side.seed)
@@ -136,17 +146,49 @@ class AsyncDiLoCo(SideView):
     def done(self) -> bool:
         return self._started and not self._heap and not self._group
 
+    @property
+    def probe_steps(self) -> int:
+        return max(1, round(self.inner_steps * PROBE_FRACTION))
+
+    def known_step_s(self, t: float) -> list[float | None]:
+        """What the server knows at time t of each worker's seconds per step: its estimate after
+        a finished job, else its probe's measurement once the probe has ended, else None."""
+        known: list[float | None] = []
+        for w, e in enumerate(self.estimators):
+            probe = self._probes.get(w)
+            known.append(e.step_s if e.step_s is not None else probe[1] if probe and probe[0] <= t else None)
+        return known
+
+    def grace_at(self, t: float) -> float:
+        """The grace period at time t: `grace_s`, or for "auto" a tenth of a job, H × the fastest
+        known seconds per step (0 while no speed is known)."""
+        if self.grace_s != "auto":
+            return float(self.grace_s)
+        known = [s for s in self.known_step_s(t) if s is not None]
+        return AUTO_GRACE_FRACTION * self.inner_steps * min(known) if known else 0.0
+
     def _steps_for(self, w: int, t: float) -> int:
+        """H_w of a job handed out at t; a first job's is set when its probe ends (`_probe`)."""
         if not self.dylu:
             return self.inner_steps
         if self.dylu_oracle:
             speeds = [self.clock.true_step_s(i, t) for i in range(self.num_workers)]
-        else:
-            known = [e.step_s for e in self.estimators]
-            if known[w] is None:  # not measured yet: a full job, which measures it
-                return self.inner_steps
-            speeds = [s if s is not None else known[w] for s in known]
-        return dylu_steps(speeds, self.inner_steps)[w]
+            return dylu_steps(speeds, self.inner_steps)[w]
+        if self.estimators[w].step_s is None:
+            t = self._probes[w][0]
+        known = self.known_step_s(t)
+        # a worker not measured yet is no faster than w: every faster one has ended its probe
+        speeds = [s if s is not None else known[w] for s in known]
+        return max(
+            self.probe_steps if self.estimators[w].step_s is None else 1,
+            dylu_steps(speeds, self.inner_steps)[w],
+        )
+
+    def _probe(self, w: int, t: float) -> None:
+        """Worker w's first job starts at t: its first steps measure its speed."""
+        pulled_at = t + self.clock.transfer_s(self.side.param_bytes)
+        seconds = self.clock.compute_s(w, pulled_at, self.probe_steps, job=self._jobs[w])
+        self._probes[w] = (pulled_at + seconds, seconds / self.probe_steps)
 
     def _pick_shard(self, w: int) -> int | None:
         if self.shard_sizes is None:
@@ -155,6 +197,8 @@ class AsyncDiLoCo(SideView):
         return self.rng.choices(range(len(probs)), weights=probs)[0]
 
     def _dispatch(self, w: int, t: float) -> None:
+        if self.estimators[w].step_s is None and w not in self._probes:
+            self._probe(w, t)
         steps = min(self._steps_for(w, t), self.step_budget - self.dispatched)
         if steps <= 0:
             return
@@ -172,6 +216,7 @@ class AsyncDiLoCo(SideView):
         pulled = [p.detach().clone() for p in self.params] if isinstance(self.rule, DelayComp) else None
         self._inflight[w] = {
             "steps": steps,
+            "started_s": pulled_at,
             "compute_s": compute_s,
             "version": self.version,
             "pulled": pulled,
@@ -194,6 +239,17 @@ class AsyncDiLoCo(SideView):
             w, job["steps"], staleness, changed, result.mean_loss, result.last_lr, job["shard"], estimate, t
         )
 
+    def _due(self, w: int, t: float) -> float | None:
+        """When the server, at time t, expects worker w's push (None: it cannot tell yet)."""
+        job, step_s = self._inflight[w], self.known_step_s(t)[w]
+        if step_s is None:
+            return None
+        return (
+            job["started_s"]
+            + job["steps"] * step_s
+            + self.clock.transfer_s(self.codec.message_bytes(self.params))
+        )
+
     @property
     def at_boundary(self) -> bool:
         """No grace group is half-applied: the state can be saved (see `state_dict`)."""
@@ -202,26 +258,29 @@ class AsyncDiLoCo(SideView):
     def step(self) -> Arrival | None:
         """Apply the next push in time order and return it (None when the budget is spent).
 
-        With a grace period, the pushes landing within `grace_s` of it form a group: each is
-        applied in turn by the following calls, and once the last one is, the group's workers
-        restart together from the same θ. The first call hands out the first jobs. At the end,
+        With a grace period, the pushes landing before the server closes the window (see
+        `grace_close`) form a group: each is applied in turn by the following calls, and once the
+        last one is, the group's workers restart together from the same θ when the window
+        closed. The first call hands out the first jobs. At the end,
         what a rule still holds back (a buffer of fewer than N) is applied, not lost."""
         if not self._started:
             self._started = True
+            for w in range(self.num_workers):  # every first job's probe, before any job's length
+                self._probe(w, 0.0)
             for w in range(self.num_workers):
                 self._dispatch(w, 0.0)
         if not self._group:
             if not self._heap:
                 return None
             t, _, w = heapq.heappop(self._heap)
+            close = t
+            if (grace := self.grace_at(t)) > 0:
+                close = grace_close(t, grace, [(lands, self._due(j, t)) for lands, _, j in self._heap])
             self._group = [(t, w)]
-            while self.grace_s > 0 and self._heap and self._heap[0][0] <= t + self.grace_s:
+            while self._heap and self._heap[0][0] <= close:
                 ta, _, wa = heapq.heappop(self._heap)
                 self._group.append((ta, wa))
-            restart = t
-            if self.grace_s > 0:
-                restart = self._group[-1][0] if not self._heap else t + self.grace_s
-            self._restart = restart
+            self._restart = close
             self._pending = [w for _, w in self._group]
         ta, wa = self._group[len(self._group) - len(self._pending)]
         arrival = self._arrive(self._pending.pop(0), ta)
@@ -274,6 +333,10 @@ class AsyncDiLoCo(SideView):
                     "heap": [list(e) for e in self._heap],
                     "inflight": inflight,
                     "speed_estimates": [e.step_s for e in self.estimators],
+                    "probes": [
+                        list(self._probes[w]) if w in self._probes else None
+                        for w in range(len(self.estimators))
+                    ],
                     "shard_steps": list(self.shard_steps),
                     "rng": [version, list(internal), gauss],
                 }
@@ -298,11 +361,13 @@ class AsyncDiLoCo(SideView):
             self._ready[w] = _result_from_state(job["result"])
             self._inflight[w] = {
                 "steps": int(job["steps"]),
+                "started_s": float(job["started_s"]),
                 "compute_s": float(job["compute_s"]),
                 "version": int(job["version"]),
                 "pulled": [t.clone() for t in job["pulled"]] if job["pulled"] else None,
                 "shard": int(job["shard"]),
             }
+        self._probes = {w: (float(p[0]), float(p[1])) for w, p in enumerate(a["probes"]) if p is not None}
         for e, step_s in zip(self.estimators, a["speed_estimates"], strict=True):
             e.step_s = None if step_s is None else float(step_s)
         self.shard_steps = [int(n) for n in a["shard_steps"]]

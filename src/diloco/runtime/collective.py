@@ -99,7 +99,9 @@ class CollectiveDiLoCo:
     """One rank's share of sync DiLoCo, with the runtime interface of runtime/__init__.py.
     Rank 0 is `is_main`; every rank holds the whole outer side."""
 
-    def __init__(self, cfg: TrainConfig, shards: list[torch.Tensor], weights: list[float], *, build_worker):
+    def __init__(
+        self, cfg: TrainConfig, shards: list[torch.Tensor], weights: list[float], *, build_worker, init=None
+    ):
         self.rank, self.world, _ = world_from_env()
         M = cfg.procs_per_worker
         self.k, self.M = self.world // M, M
@@ -129,10 +131,10 @@ class CollectiveDiLoCo:
             else None
             for w in range(self.k)
         ]
-        torch.manual_seed(cfg.seed)
-        from diloco.model import GPT
+        from diloco.build import initial_model
 
-        model = GPT(cfg.model)  # the global parameters: the same on every rank by construction
+        # the global parameters: the same on every rank by construction (seed, or --init-from)
+        model = initial_model(cfg, init)
         worker = build_worker(self.worker_id, cfg, shards, batch_multiple=M)
         self.device = _device()
         if M > 1:
