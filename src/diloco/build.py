@@ -142,7 +142,8 @@ def load_init(cfg: TrainConfig) -> dict[str, torch.Tensor] | None:
         tensors = load_file(str(path))
     except (SafetensorError, OSError) as e:
         raise UserError(f"--init-from {path} is not a readable safetensors file ({e}); {fix}.") from None
-    want = {k: v.shape for k, v in GPT(cfg.model).state_dict().items()}
+    with torch.device("meta"):  # shapes only: nothing allocated
+        want = {k: v.shape for k, v in GPT(cfg.model).state_dict().items()}
     got = {k: v.shape for k, v in tensors.items()}
     for name in sorted(want.keys() | got.keys()):
         if want.get(name) != got.get(name):

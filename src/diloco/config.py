@@ -41,8 +41,8 @@ ON_ASYNC, ON_DILOCO = ("method", "async"), ("method", "diloco")
 
 
 def _grace(text: str) -> float | str:
-    """--grace-s: a number of seconds or `auto`."""
-    return text if text == "auto" else float(text)
+    """--grace-s: a number of seconds, `auto` or `inf`."""
+    return text if text in ("auto", "inf") else float(text)
 
 
 def _speeds(text: str) -> tuple[float, ...]:
@@ -191,6 +191,10 @@ class ServerConfig:
         needs=ON_ASYNC,
         help="s after an update in which other pushes sync too; auto: a tenth of a job; 0: off; inf: sync",
     )
+
+    def __post_init__(self) -> None:
+        if self.grace_s == math.inf:  # kept as text, so config.json (JSON has no infinity) holds it
+            object.__setattr__(self, "grace_s", "inf")
 
 
 @dataclass(frozen=True)
@@ -393,7 +397,7 @@ def _validate_server(cfg: TrainConfig) -> None:
     settings.in_range(cfg, "server.delaycomp_lambda", lo=0.0)
     settings.in_range(cfg, "server.dylu_alpha", lo=0.0, hi=1.0, lo_open=True)
     g = v.grace_s
-    ok = g == "auto" if isinstance(g, str) else not math.isnan(g) and g >= 0
+    ok = g in ("auto", "inf") if isinstance(g, str) else not math.isnan(g) and g >= 0
     settings.check(ok, label("server.grace_s"), g, "auto or a number of seconds >= 0 (inf: wait for all)")
 
 

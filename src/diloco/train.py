@@ -312,6 +312,7 @@ def train(
         run_dir_text, resuming = decide()
     run_dir = Path(run_dir_text)
     trainer = build_trainer(cfg, data, init)
+    del init  # the model holds its own copy
     clean = False
     try:
         result = _train(
@@ -335,7 +336,7 @@ def _restore(trainer, state: dict[str, Any] | None, run_dir: Path) -> None:
         trainer.load_state_dict(state["trainer"] if state is not None else None)
         if state is not None:
             torch.set_rng_state(state["torch_rng"])
-    except RunFailed:  # a rank or worker process that died while loading: not the checkpoint's fault
+    except (RunFailed, UserError):  # a process that died while loading; a sentence of its own
         raise
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
         raise UserError(

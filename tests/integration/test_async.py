@@ -240,3 +240,22 @@ def test_async_with_equal_speeds_reduces_to_sync_diloco(tiny, tmp_path, server):
     assert 0 < diff / norm <= 1e-6
     assert asyn["sim_time_s"] == sync["sim_time_s"]
     assert asyn["val_loss"] == pytest.approx(sync["val_loss"], rel=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_without_grace_pushes_landing_together_are_not_grouped(tiny, tmp_path):
+    # Equal speeds: both pushes land at 4.0. Without a grace period worker 0 (first on ties) is
+    # restarted before worker 1's push is applied, so its next push is one version stale; a
+    # grace period groups them and both restart from the same θ.
+    stale = {}
+    for grace in (0.0, 1.0):
+        cfg = tiny(
+            method="async",
+            sim=SimConfig(speeds=(1.0, 1.0), procs=1),
+            server=ServerConfig(**{**BARE, "grace_s": grace}),
+            out=str(tmp_path / f"g{grace}"),
+        )
+        train(cfg, progress=False)
+        lines = [m for m in read_metrics(tmp_path / f"g{grace}") if m["kind"] == "worker"]
+        stale[grace] = [m["staleness"] for m in lines if m["worker"] == 0][1]
+    assert stale == {0.0: 1, 1.0: 0}

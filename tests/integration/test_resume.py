@@ -37,14 +37,18 @@ def _metrics(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-ASYNC = ["--method", "async", "--dylu", "--heterogeneity", "very", "--rounds", "4", "--procs", "1"]
+ASYNC = ["--method", "async", "--heterogeneity", "very", "--rounds", "4", "--procs", "1"]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--async-rule", "buffer", "--grace-s", "1.5", "--shard-sampling", "--async-rule", "delaycomp"]],
-    ids=["dn-dylu", "delaycomp-grace-sampling"],
+    [
+        [],
+        ["--async-rule", "buffer", "--grace-s", "1.5", "--no-shard-sampling", "--async-rule", "delaycomp"],
+        ["--grace-s", "inf", "--async-rule", "buffer"],  # config.json holds "inf" (JSON has no infinity)
+    ],
+    ids=["paper-form", "delaycomp-grace", "unbounded-grace"],
 )
 def test_async_stop_after_and_resume_ends_bit_identical(tmp_path, capsys, extra):
     flags = [*_config(tmp_path), *ASYNC, "--workers", "3", *extra]
@@ -70,6 +74,22 @@ def test_async_stop_after_and_resume_ends_bit_identical(tmp_path, capsys, extra)
         "round-000002",
         "round-000003",
     ]  # --keep-checkpoints 3: round 0 is gone
+
+
+@pytest.mark.timeout(60)
+def test_an_async_checkpoint_of_an_older_diloco_is_refused_with_one_sentence(tmp_path, capsys):
+    flags = [*_config(tmp_path), *ASYNC, "--workers", "2", "--checkpoint-every", "1", "--stop-after", "1"]
+    assert main(["train", *flags, "--out", str(tmp_path / "r")]) == 0
+    from diloco import checkpoint
+
+    checkpoints = tmp_path / "r" / "checkpoints"
+    state = checkpoint.load(checkpoint.latest(checkpoints))  # round 1, the one --resume takes
+    del state["trainer"]["runtime"]["async"]["probes"]  # what a checkpoint before issue 8 lacks
+    checkpoint.save(checkpoints, 1, state, keep=None)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "written by an older diloco, before first jobs probed their speed" in err and err.count("\n") == 1
 
 
 def _torchrun(tmp_path, *flags, env=None, timeout=100):

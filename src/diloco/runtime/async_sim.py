@@ -26,6 +26,7 @@ from typing import Any
 from diloco.async_rules import AsyncRule, DelayComp
 from diloco.codec import Codec, Encoded
 from diloco.config import TrainConfig
+from diloco.errors import UserError
 from diloco.inner import InnerResult
 from diloco.outer_side import OuterSide
 from diloco.runtime import SideView
@@ -118,6 +119,7 @@ class AsyncDiLoCo(SideView):
         self.inner_steps, self.step_budget = inner_steps, total_steps
         self.dylu, self.dylu_oracle, self.grace_s = dylu or dylu_oracle, dylu_oracle, grace_s
         self.estimators = [SpeedEstimator(dylu_alpha) for _ in range(k)]
+        self._push_bytes = side.codec.message_bytes(side.params)  # one encoded outer_grad
         self._probes: dict[int, tuple[float, float]] = {}  # worker -> (probe ends at, s per step)
         self.shard_sizes = shard_sizes  # None: every worker keeps its own shard
         self.shard_steps = [0] * (len(shard_sizes) if shard_sizes else k)
@@ -210,7 +212,7 @@ class AsyncDiLoCo(SideView):
         self.pool.submit(w, self.side.pull(w), steps, lr_step=shard_step, shard=shard)
         pulled_at = t + self.clock.transfer_s(pull_bytes)
         compute_s = self.clock.compute_s(w, pulled_at, steps, job=self._jobs[w])
-        arrival = pulled_at + compute_s + self.clock.transfer_s(self.codec.message_bytes(self.params))
+        arrival = pulled_at + compute_s + self.clock.transfer_s(self._push_bytes)
         self._jobs[w] += 1
         self.dispatched += steps
         pulled = [p.detach().clone() for p in self.params] if isinstance(self.rule, DelayComp) else None
@@ -244,11 +246,7 @@ class AsyncDiLoCo(SideView):
         job, step_s = self._inflight[w], self.known_step_s(t)[w]
         if step_s is None:
             return None
-        return (
-            job["started_s"]
-            + job["steps"] * step_s
-            + self.clock.transfer_s(self.codec.message_bytes(self.params))
-        )
+        return job["started_s"] + job["steps"] * step_s + self.clock.transfer_s(self._push_bytes)
 
     @property
     def at_boundary(self) -> bool:
@@ -273,11 +271,11 @@ class AsyncDiLoCo(SideView):
             if not self._heap:
                 return None
             t, _, w = heapq.heappop(self._heap)
-            close = t
-            if (grace := self.grace_at(t)) > 0:
+            self._group, close = [(t, w)], t
+            grace = self.grace_at(t)  # without one, each push is on its own, ties too
+            if grace > 0:
                 close = grace_close(t, grace, [(lands, self._due(j, t)) for lands, _, j in self._heap])
-            self._group = [(t, w)]
-            while self._heap and self._heap[0][0] <= close:
+            while grace > 0 and self._heap and self._heap[0][0] <= close:
                 ta, _, wa = heapq.heappop(self._heap)
                 self._group.append((ta, wa))
             self._restart = close
@@ -347,6 +345,11 @@ class AsyncDiLoCo(SideView):
         if "async" not in state.get("runtime", {}):
             raise ValueError("this checkpoint is not from an asynchronous run (--method async)")
         a = state["runtime"]["async"]
+        if "probes" not in a:
+            raise UserError(
+                "this asynchronous checkpoint was written by an older diloco, before first jobs probed "
+                "their speed; resume it with the diloco that wrote it, or start the run again."
+            )
         self.side.load_state_dict(state["outer"])
         self.pool.load_state_dict(state["workers"])
         self._sim_time_s = float(a["sim_time_s"])
