@@ -176,15 +176,11 @@ class AsyncDiLoCo(SideView):
         if self.dylu_oracle:
             speeds = [self.clock.true_step_s(i, t) for i in range(self.num_workers)]
             return dylu_steps(speeds, self.inner_steps)[w]
-        if self.estimators[w].step_s is None:
-            t = self._probes[w][0]
-        known = self.known_step_s(t)
+        first = self.estimators[w].step_s is None
+        known = self.known_step_s(self._probes[w][0] if first else t)
         # a worker not measured yet is no faster than w: every faster one has ended its probe
         speeds = [s if s is not None else known[w] for s in known]
-        return max(
-            self.probe_steps if self.estimators[w].step_s is None else 1,
-            dylu_steps(speeds, self.inner_steps)[w],
-        )
+        return max(self.probe_steps if first else 1, dylu_steps(speeds, self.inner_steps)[w])
 
     def _probe(self, w: int, t: float) -> None:
         """Worker w's first job starts at t: its first steps measure its speed."""
@@ -199,8 +195,6 @@ class AsyncDiLoCo(SideView):
         return self.rng.choices(range(len(probs)), weights=probs)[0]
 
     def _dispatch(self, w: int, t: float) -> None:
-        if self.estimators[w].step_s is None and w not in self._probes:
-            self._probe(w, t)
         steps = min(self._steps_for(w, t), self.step_budget - self.dispatched)
         if steps <= 0:
             return
@@ -241,11 +235,11 @@ class AsyncDiLoCo(SideView):
             w, job["steps"], staleness, changed, result.mean_loss, result.last_lr, job["shard"], estimate, t
         )
 
-    def _due(self, w: int, t: float) -> float | None:
-        """When the server, at time t, expects worker w's push (None: it cannot tell yet)."""
-        job, step_s = self._inflight[w], self.known_step_s(t)[w]
+    def _due(self, w: int, step_s: float | None) -> float | None:
+        """When the server expects worker w's push, knowing its seconds per step (None: unknown)."""
         if step_s is None:
             return None
+        job = self._inflight[w]
         return job["started_s"] + job["steps"] * step_s + self.clock.transfer_s(self._push_bytes)
 
     @property
@@ -259,8 +253,8 @@ class AsyncDiLoCo(SideView):
         With a grace period, the pushes landing before the server closes the window (see
         `grace_close`) form a group: each is applied in turn by the following calls, and once the
         last one is, the group's workers restart together from the same θ when the window
-        closed. The first call hands out the first jobs. At the end,
-        what a rule still holds back (a buffer of fewer than N) is applied, not lost."""
+        closed. The first call probes every worker's speed and hands out the first jobs. At the
+        end, what a rule still holds back (a buffer of fewer than N) is applied, not lost."""
         if not self._started:
             self._started = True
             for w in range(self.num_workers):  # every first job's probe, before any job's length
@@ -274,7 +268,8 @@ class AsyncDiLoCo(SideView):
             self._group, close = [(t, w)], t
             grace = self.grace_at(t)  # without one, each push is on its own, ties too
             if grace > 0:
-                close = grace_close(t, grace, [(lands, self._due(j, t)) for lands, _, j in self._heap])
+                known = self.known_step_s(t)
+                close = grace_close(t, grace, [(lands, self._due(j, known[j])) for lands, _, j in self._heap])
             while grace > 0 and self._heap and self._heap[0][0] <= close:
                 ta, _, wa = heapq.heappop(self._heap)
                 self._group.append((ta, wa))
