@@ -166,15 +166,43 @@ def initial_model(cfg: TrainConfig, init: dict[str, torch.Tensor] | None) -> GPT
     return model
 
 
-def build_trainer(cfg: TrainConfig, data: Data, init: dict[str, torch.Tensor] | None = None):
+def build_side(cfg: TrainConfig, data: Data, init: dict[str, torch.Tensor] | None = None) -> OuterSide:
+    """The outer side of a DiLoCo or async run: the global model (from `cfg.seed`, or `init`),
+    the outer optimizer or async rule, the codec and the shard weights."""
+    return OuterSide(
+        initial_model(cfg, init),
+        cfg.num_workers,
+        update=_async_rule(cfg) if cfg.method == "async" else build_outer_opt(cfg.outer),
+        codec=build_codec(cfg.codec),
+        weights=None if cfg.method == "async" else data.weights,
+        drop_prob=cfg.drop_prob,
+        seed=cfg.seed,
+        on_nonfinite=cfg.on_nonfinite,
+    )
+
+
+def build_trainer(
+    cfg: TrainConfig,
+    data: Data,
+    init: dict[str, torch.Tensor] | None = None,
+    *,
+    run_dir: Path | None = None,
+    listen: str = "127.0.0.1:7000",
+):
     """The runtime for `cfg` (see runtime/__init__.py); the global model comes from `cfg.seed`,
-    or from `init` (see `load_init`)."""
+    or from `init` (see `load_init`). The server runtime keeps its log in `run_dir` and listens
+    on `listen` (HOST:PORT)."""
     if cfg.runtime == "collective":
         from diloco.runtime.collective import CollectiveDiLoCo
 
         return CollectiveDiLoCo(cfg, data.shards, data.weights, build_worker=build_worker, init=init)
-    model = initial_model(cfg, init)  # built before the pool, so the pool cannot change the initialisation
+    if cfg.runtime == "server":
+        from diloco.runtime.server.service import ServerRuntime
+
+        assert run_dir is not None, "the server runtime needs its run directory"
+        return ServerRuntime(cfg, build_side(cfg, data, init), [len(s) for s in data.shards], run_dir, listen)
     if cfg.method in ("single", "dp"):
+        model = initial_model(cfg, init)
         k = len(data.shards)
         clock = build_clock(cfg, cfg.num_workers)
         return DataParallel(
@@ -186,16 +214,7 @@ def build_trainer(cfg: TrainConfig, data: Data, init: dict[str, torch.Tensor] | 
             grad_clip=cfg.inner.grad_clip,
             clock=Clock(clock.step_s[:k], bandwidth_mbps=clock.bandwidth_mbps, latency_ms=clock.latency_ms),
         )
-    side = OuterSide(
-        model,
-        cfg.num_workers,
-        update=_async_rule(cfg) if cfg.method == "async" else build_outer_opt(cfg.outer),
-        codec=build_codec(cfg.codec),
-        weights=None if cfg.method == "async" else data.weights,
-        drop_prob=cfg.drop_prob,
-        seed=cfg.seed,
-        on_nonfinite=cfg.on_nonfinite,
-    )
+    side = build_side(cfg, data, init)  # built before the pool, so the pool cannot change the initialisation
     pool, clock = build_pool(cfg, data), build_clock(cfg, cfg.num_workers)
     if cfg.method == "diloco":
         return DiLoCo.from_side(side, pool, clock, inner_steps=cfg.inner_steps)

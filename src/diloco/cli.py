@@ -19,6 +19,8 @@ from diloco.errors import Interrupted, RunFailed, UserError
 
 # Settings `--resume DIR` may change: where and how fast the run continues, never its results.
 RESUME_OVERRIDES = ("runtime", "threads", "sim.procs", "timeout_s")
+# ... and those `diloco serve --resume DIR` may change (how long the server waits for workers)
+SERVE_RESUME_OVERRIDES = ("threads", "round_timeout_s", "worker_timeout_s")
 
 
 def _flag_type(parse, flag: str):
@@ -91,6 +93,57 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="show a progress bar (default: when stderr is a terminal)",
     )
+    serve = sub.add_parser(
+        "serve", help="run a parameter server (sync or async) that workers join with diloco worker"
+    )
+    serve.add_argument("--config", type=Path, help="TOML file of settings; flags override it")
+    _add_setting_flags(serve)
+    serve.add_argument(
+        "--resume",
+        type=Path,
+        metavar="RUN_DIR",
+        help="restart a server run from its checkpoint and write-ahead log; only "
+        + ", ".join(settings.find(TrainConfig, p).flag for p in SERVE_RESUME_OVERRIDES)
+        + " may change",
+    )
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for workers elsewhere)",
+    )
+    serve.add_argument(
+        "--port", type=int, default=7000, help="port to listen on (default 7000; 0: any free port)"
+    )
+    serve.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None, help="show a progress bar"
+    )
+    worker = sub.add_parser("worker", help="work for a parameter server until its run is done")
+    worker.add_argument("--server", required=True, metavar="HOST:PORT", help="the server's address")
+    worker.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N) (default cpu)")
+    worker.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads (default 1: one per worker sharing a machine)",
+    )
+    worker.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="emulate a machine F times slower: every inner step is padded to F x its time (default 1)",
+    )
+    worker.add_argument(
+        "--retry-s",
+        type=float,
+        default=60.0,
+        help="seconds to keep retrying while the server cannot be reached (default 60)",
+    )
+    replay = sub.add_parser(
+        "replay", help="re-run a server run's recorded schedule in one process; check θ bit for bit"
+    )
+    replay.add_argument("run", type=Path, metavar="RUN_DIR")
+    replay.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
     plot = sub.add_parser("plot", help="validation loss of several runs on one figure")
     plot.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
     plot.add_argument(
@@ -123,13 +176,15 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {path: getattr(args, path) for path in flagged if getattr(args, path) is not None}
 
 
-def _resumed_config(args: argparse.Namespace, overrides: dict[str, Any]) -> TrainConfig:
+def _resumed_config(
+    args: argparse.Namespace, overrides: dict[str, Any], allowed_paths: tuple[str, ...] = RESUME_OVERRIDES
+) -> TrainConfig:
     from diloco.rundir import load_run_config
 
-    refused = [settings.find(TrainConfig, p).flag for p in overrides if p not in RESUME_OVERRIDES]
+    refused = [settings.find(TrainConfig, p).flag for p in overrides if p not in allowed_paths]
     refused += ["--config"] if args.config is not None else []
     if refused:
-        allowed = ", ".join(settings.find(TrainConfig, p).flag for p in RESUME_OVERRIDES)
+        allowed = ", ".join(settings.find(TrainConfig, p).flag for p in allowed_paths)
         raise UserError(
             f"--resume continues a run with its saved config.json and allows only {allowed} besides; "
             f"drop the other settings ({', '.join(refused)})."
@@ -169,6 +224,10 @@ def _train(args: argparse.Namespace) -> int:
             if isinstance(m, int) and not isinstance(m, bool) and m >= 1:
                 values["num_workers"] = int(os.environ["WORLD_SIZE"]) // m
         cfg = from_dict(values, where=str(args.config) if args.config else "the flags")
+    if cfg.runtime == "server":
+        raise UserError(
+            "the server runtime is started by diloco serve (see docs/server.md), not diloco train."
+        )
     if args.stop_after is not None and not 1 <= args.stop_after < cfg.rounds:
         raise UserError(
             f"--stop-after must be a round from 1 to {cfg.rounds - 1} (the run has {cfg.rounds} rounds), "
@@ -184,6 +243,59 @@ def _train(args: argparse.Namespace) -> int:
         os._exit(0)
     _report(summary)
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from diloco.train import train
+
+    overrides = _overrides(args)
+    if overrides.pop("runtime", "server") != "server":
+        raise UserError("diloco serve is the server runtime; drop --runtime (or use diloco train).")
+    if args.resume is not None:
+        cfg = _resumed_config(args, overrides, SERVE_RESUME_OVERRIDES)
+        if cfg.runtime != "server":
+            raise UserError(f"{args.resume} is not a server run; continue it with diloco train --resume.")
+    else:
+        values = load_toml(args.config) if args.config is not None else {}
+        if values.pop("runtime", "server") != "server":
+            raise UserError(f"{args.config} sets runtime; diloco serve is the server runtime: drop it.")
+        values["runtime"] = "server"
+        values.setdefault("checkpoint_every", 1)  # the write-ahead log is cut at every checkpoint
+        for path, value in overrides.items():
+            values = merge(values, settings.nest(path, value))
+        cfg = from_dict(values, where=str(args.config) if args.config else "the flags")
+    if not 0 <= args.port < 65536:
+        raise UserError(f"--port must be from 0 to 65535, got {args.port}.")
+    summary = train(cfg, resume=args.resume, progress=args.progress, listen=f"{args.host}:{args.port}")
+    _report(summary)
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from diloco.runtime.server.client import run_worker
+
+    if args.threads < 1 or not args.slowdown >= 1.0 or not args.retry_s >= 0:
+        raise UserError(
+            f"diloco worker needs --threads >= 1, --slowdown >= 1 and --retry-s >= 0, got {args.threads}, "
+            f"{args.slowdown} and {args.retry_s}."
+        )
+    return run_worker(
+        args.server, device=args.device, threads=args.threads, slowdown=args.slowdown, retry_s=args.retry_s
+    )
+
+
+def _replay(args: argparse.Namespace) -> int:
+    import json
+
+    from diloco.runtime.server.replay import replay
+
+    result = replay(args.run, progress=args.progress)
+    print(json.dumps(result, indent=2))
+    if result["bitwise_equal"]:
+        print(f"replay of {args.run}: the final parameters are equal bit for bit ({result['events']} events)")
+        return 0
+    print(f"replay of {args.run}: the final parameters differ (max |diff| {result['max_abs_diff']:.3g})")
+    return 1
 
 
 def _report(summary: dict) -> None:
@@ -207,6 +319,12 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "plot":
             return _plot(args)
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "worker":
+            return _worker(args)
+        if args.command == "replay":
+            return _replay(args)
     except UserError as e:
         print(f"diloco: error: {e}", file=sys.stderr)
         return 2

@@ -27,7 +27,7 @@ from diloco.settings import merge as merge
 from diloco.settings import setting
 
 METHODS = ("diloco", "async", "single", "dp")
-RUNTIMES = ("sim", "collective")
+RUNTIMES = ("sim", "collective", "server")  # server: `diloco serve` (docs/server.md)
 ASYNC_RULES = ("dn", "naive", "buffer", "poly", "polythres", "delaycomp")
 HETEROGENEITY = ("none", "slight", "moderate", "very")
 SHARDINGS = ("iid", "genre", "kmeans")
@@ -36,7 +36,7 @@ CODECS = ("fp32",)
 ON_NONFINITE = ("stop", "drop")
 PRESETS = ("nano", "micro", "20m")  # the keys of MODEL_PRESETS (below), which needs ModelConfig
 # `needs` of settings that apply to one runtime or method only (the simulator's clock: not real time)
-ON_SIM, ON_COLLECTIVE = ("runtime", "sim"), ("runtime", "collective")
+ON_SIM, ON_COLLECTIVE, ON_SERVER = ("runtime", "sim"), ("runtime", "collective"), ("runtime", "server")
 ON_ASYNC, ON_DILOCO = ("method", "async"), ("method", "diloco")
 
 
@@ -245,6 +245,19 @@ class TrainConfig:
         needs=ON_COLLECTIVE,
         help="seconds a rank waits in a collective or the store",
     )
+    # the parameter server (`diloco serve`, docs/server.md)
+    round_timeout_s: float = setting(
+        0.0,
+        flag="--round-timeout-s",
+        needs=ON_SERVER,
+        help="sync: seconds after a round starts when it closes without the late workers; 0: wait",
+    )
+    worker_timeout_s: float = setting(
+        30.0,
+        flag="--worker-timeout-s",
+        needs=ON_SERVER,
+        help="seconds without a heartbeat after which a worker is gone and its job is re-offered",
+    )
     drop_prob: float = setting(
         0.0, flag="--drop-prob", needs=ON_DILOCO, help="probability that an outer_grad is lost, each round"
     )
@@ -353,6 +366,28 @@ def validate(cfg: TrainConfig) -> None:
         )
     if cfg.runtime == "collective" and cfg.method != "diloco":
         raise UserError("the collective runtime runs --method diloco only; use --runtime sim for others.")
+    if cfg.runtime == "server":
+        if cfg.method not in ("diloco", "async"):
+            raise UserError(
+                f"the parameter server runs --method diloco or async, not {cfg.method}; use diloco train "
+                "for the baselines."
+            )
+        for key, what in (
+            ("drop_prob", "lost outer_grads"),
+            ("workers_schedule", "workers coming and going"),
+        ):
+            if settings.changed(cfg, key):
+                raise UserError(
+                    f"{label(key)} simulates {what}, which the parameter server has for real (timeouts, "
+                    "workers joining and leaving); drop it."
+                )
+        if cfg.server.dylu_oracle:
+            raise UserError(
+                "server.dylu_oracle (--dylu-oracle) reads the simulator's true speeds, which a real server "
+                "does not have (it measures them); drop it."
+            )
+        settings.in_range(cfg, "round_timeout_s", lo=0.0)
+        settings.in_range(cfg, "worker_timeout_s", lo=0.0, lo_open=True)
     _validate_sim(cfg)
     _validate_server(cfg)
     settings.check_needs(cfg)

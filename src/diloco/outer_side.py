@@ -83,7 +83,9 @@ class OuterSide:
         self.bytes_sent = [0] * k  # per worker, cumulative: its encoded outer_grads
         self.bytes_received = [0] * k  # per worker, cumulative: global parameters it pulled
         self.nonfinite_dropped = 0  # outer_grads dropped for NaN/Inf (with on_nonfinite "drop")
-        self._kept: list[bool] = []  # this round's active workers: whose outer_grad counts
+        self._active: list[int] = []  # this round's active workers, in order
+        self._kept: dict[int, bool] = {}  # reported so far: whose outer_grad counts
+        self._arrived = 0  # outer_grads of this round that arrived (their steps count)
 
     @property
     def num_workers(self) -> int:
@@ -100,27 +102,41 @@ class OuterSide:
         return self.params
 
     # -- a synchronous round -------------------------------------------------------------------
-    def begin_round(self, active: int | None = None) -> list[bool]:
-        """Start a round with the first `active` workers (default all); returns, per active
-        worker, whether it starts from the global parameters (counting its pull) rather than its
-        own (its last outer_grad was dropped). Inactive workers rejoin from the global ones."""
-        n = active or self.num_workers
-        for w in range(n, self.num_workers):
+    def begin_round(self, active: int | Sequence[int] | None = None) -> list[bool]:
+        """Start a round with `active` workers: the first `active` (default all), or these worker
+        ids (the parameter server's registered workers). Returns, per active worker in order,
+        whether it starts from the global parameters (counting its pull) rather than its own (its
+        last outer_grad was dropped). Inactive workers rejoin from the global ones."""
+        k = self.num_workers
+        if active is None or isinstance(active, int):
+            members = list(range(active or k))
+        else:
+            members = sorted(set(active))
+        if not members or not 0 <= members[0] <= members[-1] < k:
+            raise ValueError(f"a round needs active workers among 0..{k - 1}, got {active}")
+        for w in set(range(k)) - set(members):
             self.own_start[w] = False
         starts = []
-        for w in range(n):
+        for w in members:
             starts.append(not self.own_start[w])
             if starts[-1]:
                 self.bytes_received[w] += self.param_bytes
-        self._kept = []
+        self._active, self._kept, self._arrived = members, {}, 0
         return starts
 
-    def report(self, w: int, nbytes: int, finite: bool = True) -> bool:
+    def report(self, w: int, nbytes: int, finite: bool = True, *, lost: bool = False) -> bool:
         """Worker w's outer_grad of this round was sent (`nbytes`); returns whether it counts.
-        Call for every active worker in worker order, before `contribution`."""
-        if w != len(self._kept):
-            raise ValueError(f"report workers in order: expected worker {len(self._kept)}, got {w}")
+        Call for every active worker in worker order, before `contribution`. `lost`: it never
+        arrived (the parameter server's round timed out, or its worker left): it does not count
+        and its worker rejoins from the global parameters."""
+        if len(self._kept) >= len(self._active) or w != self._active[len(self._kept)]:
+            want = self._active[len(self._kept)] if len(self._kept) < len(self._active) else "none"
+            raise ValueError(f"report active workers in order: expected worker {want}, got {w}")
+        if lost:
+            self._kept[w] = self.own_start[w] = False
+            return False
         self.bytes_sent[w] += nbytes
+        self._arrived += 1
         dropped = outer_grad_dropped(self.seed, self.rounds_done, w, self.drop_prob)
         self.own_start[w] = dropped
         if not finite:
@@ -134,23 +150,25 @@ class OuterSide:
             self.nonfinite_dropped += 1
             self.own_start[w] = False  # its own parameters are not finite: restart from θ
             dropped = True
-        self._kept.append(not dropped)
+        self._kept[w] = not dropped
         return not dropped
 
     def round_weights(self) -> list[float]:
-        """Each active worker's weight this round: kept weights rescaled to sum to 1, 0 for a
-        dropped outer_grad (so an all-reduce of weighted contributions gives the average)."""
-        kept = kept_weights(self.weights, self._kept) if any(self._kept) else []
-        it = iter(kept)
-        return [next(it) if k else 0.0 for k in self._kept]
+        """Each worker's weight this round: kept weights rescaled to sum to 1, 0 for a dropped
+        outer_grad or an inactive worker (so an all-reduce of weighted contributions gives the
+        average)."""
+        kept = [self._kept.get(w, False) for w in range(self.num_workers)]
+        if not any(kept):
+            return [0.0] * len(kept)
+        it = iter(kept_weights(self.weights, kept))
+        return [next(it) if c else 0.0 for c in kept]
 
     def contribution(self, w: int, message: Encoded | None) -> list[torch.Tensor]:
         """Worker w's weighted share of the round's sum: w_i × payload for a summable codec
         (decoded after summing), w_i × decode(message) otherwise; zeros if it does not count
         (dropped, or not active this round). Summing contributions in worker order or by an
         all-reduce gives the same numbers."""
-        weights = self.round_weights()
-        weight = weights[w] if w < len(weights) else 0.0
+        weight = self.round_weights()[w]
         if message is None or weight == 0.0:
             return [torch.zeros_like(p) for p in self.params]
         tensors = message.payload if self.codec.summable else self.codec.decode(message)
@@ -172,7 +190,7 @@ class OuterSide:
     def end_round(self, summed: list[torch.Tensor], inner_steps: int) -> bool:
         """Apply the outer step on the summed contributions (if any outer_grad counted); every
         active worker ran `inner_steps`. Returns whether θ changed."""
-        changed = any(self._kept)
+        changed = any(self._kept.values())
         if changed:
             if self.codec.summable:
                 summed = self.codec.decode(Encoded(self.codec.name, list(summed), 0))
@@ -180,7 +198,8 @@ class OuterSide:
             self.version += 1
         self.rounds_done += 1
         self.inner_step += inner_steps
-        self.total_steps += len(self._kept) * inner_steps
+        self.total_steps += self._arrived * inner_steps
+        self._arrived = 0
         return changed
 
     # -- asynchronous --------------------------------------------------------------------------

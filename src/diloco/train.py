@@ -156,6 +156,7 @@ def save_checkpoint(run: Run, round_: int, step: int, run_dir: Path) -> None:
             },
             keep=run.cfg.keep_checkpoints,
         )
+    run.trainer.after_checkpoint()
 
 
 def _run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Path, progress) -> bool:
@@ -174,7 +175,7 @@ def _run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Pa
             stats = trainer.round(active=active)
             run.tokens += active * H * tokens_per_step
             now = run.clock(stats.inner_step)
-            for w, loss in enumerate(stats.losses):
+            for w, loss in zip(stats.workers or range(len(stats.losses)), stats.losses, strict=True):
                 writer.log(
                     "inner",
                     **now,
@@ -201,7 +202,7 @@ def _run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Pa
                 run.evaluate(stats.inner_step)
             bar.update(1)
             bar.set_postfix(
-                train_loss=f"{sum(stats.losses) / len(stats.losses):.3f}",
+                train_loss=f"{sum(stats.losses) / len(stats.losses):.3f}" if stats.losses else "-",
                 val_loss=f"{run.val_loss:.3f}" if run.val_loss is not None else "-",
             )
             stopping = stop_after is not None and r == stop_after and r < cfg.rounds
@@ -281,12 +282,14 @@ def train(
     resume: Path | None = None,
     stop_after: int | None = None,
     progress: bool | None = None,
+    listen: str = "127.0.0.1:7000",
 ) -> dict[str, Any]:
     """Run (or continue) a training run; returns the summary (or where it stopped early).
 
     Under torchrun (`runtime = "collective"`) every rank calls this; rank 0 reads and writes the
     run directory and tells the others what it decided (or the user error it found), returns
-    the summary, the others return {"rank": r}. A job that torchrun restarts after a failure
+    the summary, the others return {"rank": r}. The parameter server (`runtime = "server"`,
+    `diloco serve`) listens on `listen` (HOST:PORT). A job that torchrun restarts after a failure
     resumes from its own run's latest checkpoint, and only its own."""
     threads = cfg.resolved_threads
     collective = cfg.runtime == "collective"
@@ -311,7 +314,7 @@ def train(
     else:
         run_dir_text, resuming = decide()
     run_dir = Path(run_dir_text)
-    trainer = build_trainer(cfg, data, init)
+    trainer = build_trainer(cfg, data, init, run_dir=run_dir, listen=listen)
     del init  # the model holds its own copy
     clean = False
     try:

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from diloco.cli import main
 
@@ -233,3 +234,35 @@ def test_a_checkpoint_of_the_earlier_layout_is_refused_in_one_sentence(tiny, tmp
     code, err = _run_in_process(capsys, ["train", "--resume", str(run)])
     assert code == 2 and "was written by an older diloco (checkpoint format 1" in err and err.count("\n") == 1
     assert (run / "metrics.jsonl").read_bytes() == before
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["train", "--runtime", "server"], "started by diloco serve"),
+        (["serve", "--runtime", "sim"], "diloco serve is the server runtime"),
+        (["serve", "--method", "dp"], "runs --method diloco or async, not dp"),
+        (["serve", "--drop-prob", "0.1"], "the parameter server has for real"),
+        (["serve", "--method", "async", "--dylu-oracle"], "a real server does not have"),
+        (["serve", "--speeds", "1,2,3,4"], "applies only with --runtime sim"),
+        (["serve", "--worker-timeout-s", "0"], "--worker-timeout-s) must be a finite number > 0.0"),
+        (["serve", "--port", "70000"], "--port must be from 0 to 65535"),
+        (["train", "--round-timeout-s", "5"], "applies only with --runtime server"),
+        (["worker", "--server", "localhost:1", "--threads", "0"], "needs --threads >= 1"),
+        pytest.param(
+            ["worker", "--server", "localhost:1", "--device", "cuda:0"],
+            "use --device cpu",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU"),
+        ),
+        (["replay", "nowhere"], "run directory nowhere does not exist"),
+    ],
+)
+def test_bad_server_input_exits_2_with_one_sentence(tmp_path, monkeypatch, capsys, args, needle):
+    monkeypatch.chdir(tmp_path)
+    extra = ["--out", str(tmp_path / "out")] if args[0] in ("train", "serve") else []
+    code, err = _run_in_process(capsys, [*args, *extra])
+    assert code == 2, err
+    assert needle in err
+    assert err.startswith("diloco: error:") and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

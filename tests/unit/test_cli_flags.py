@@ -34,6 +34,8 @@ EXPECTED = {
     "--runtime": "runtime",
     "--procs-per-worker": "procs_per_worker",
     "--bucket-mb": "bucket_mb",
+    "--round-timeout-s": "round_timeout_s",
+    "--worker-timeout-s": "worker_timeout_s",
     "--drop-prob": "drop_prob",
     "--workers-schedule": "workers_schedule",
     "--codec": "codec",

@@ -11,6 +11,8 @@
 - `state_dict()` / `load_state_dict(state)`: {"outer": ..., "workers": [...], "runtime": {name: ...}}
   — the one checkpoint layout; a runtime reads only its own entry under "runtime".
 - `broadcast(obj)`: the main process's object on every process (identity in one process).
+- `after_checkpoint()`: a checkpoint of `state_dict()` is durable (the server drops the log
+  records it covers; a no-op elsewhere).
 - `close(clean=True)`.
 """
 
@@ -58,5 +60,7 @@ class Runtime(Protocol):
     def load_state_dict(self, state: dict[str, Any] | None) -> None: ...
 
     def broadcast(self, obj: Any) -> Any: ...
+
+    def after_checkpoint(self) -> None: ...
 
     def close(self, *, clean: bool = True) -> None: ...

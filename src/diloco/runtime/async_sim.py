@@ -293,6 +293,9 @@ class AsyncDiLoCo(SideView):
     def summary_extras(self) -> dict[str, Any]:
         return {}
 
+    def after_checkpoint(self) -> None:
+        pass
+
     def broadcast(self, obj: Any) -> Any:
         return obj
 

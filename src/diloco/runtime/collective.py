@@ -80,6 +80,9 @@ class _ToDevice:
     def __next__(self):
         return tuple(t.to(self.device, non_blocking=True) for t in next(self.batches))
 
+    def seek(self, shard: int, step: int) -> None:  # a server's worker is told where to read
+        self.batches.seek(shard, step)
+
     def state_dict(self) -> dict:
         return self.batches.state_dict()
 
@@ -359,6 +362,9 @@ class CollectiveDiLoCo:
         self.worker.step = int(worker["step"])
         self.worker.codec_state = dict(worker.get("codec", {}))
         self.worker.batches.load_state_dict(worker["batches"])
+
+    def after_checkpoint(self) -> None:
+        pass
 
     def broadcast(self, obj: Any) -> Any:
         box = [obj]

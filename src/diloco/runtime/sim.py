@@ -43,6 +43,7 @@ class RoundStats:
     bytes_sent: list[int] = field(default_factory=list)  # cumulative, per worker
     bytes_received: list[int] = field(default_factory=list)  # cumulative, per worker
     timing: dict[str, float] | None = None  # real runtimes: measured compute_s and comm_s of the round
+    workers: list[int] | None = None  # whose `losses` these are (None: workers 0, 1, ...)
 
 
 def make_worker(model_fn: ModelFn, inner_opt_fn: OptFn, batches: Iterator, **kwargs: Any) -> Worker:
@@ -200,6 +201,9 @@ class DiLoCo(SideView):
 
     def summary_extras(self) -> dict[str, Any]:
         return {}
+
+    def after_checkpoint(self) -> None:
+        pass
 
     def broadcast(self, obj: Any) -> Any:
         return obj

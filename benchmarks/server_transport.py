@@ -1,0 +1,199 @@
+"""The parameter server's transport cost, on loopback.
+
+One client does what a worker does with no inner steps: get a job (the global parameters, in
+1 MB chunks) and push an outer_grad of the same size, again and again, against
+(a) a real `diloco serve` (async, one worker slot, DN with N = 1: every push is logged durably
+    in the write-ahead log, applied, and the next job, from the new θ, is logged and handed out);
+(b) a raw gRPC server in its own process that streams the same bytes down and takes the same
+    bytes up, in the same chunks, and does nothing else.
+Blocks of cycles alternate between the two. Reported: `throughput_ratio` (diloco's cycles/s ÷
+raw's; target ≥ 0.8), MB/s of both, and the push latency through diloco (`push_latency_ms_p50`,
+`push_latency_ms_p99`) next to raw's, with the difference as the server's added latency.
+
+    python benchmarks/server_transport.py            # ~1 minute; --model micro for 11 MB messages
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+CHUNK = 1 << 20
+_RAW = "/raw.Raw/"
+
+
+def _raw_server(port: int, nbytes: int) -> None:
+    """The baseline: stream `nbytes` down, take a stream up; nothing else."""
+    blob = os.urandom(nbytes)
+
+    def down(request, ctx):
+        for at in range(0, len(blob), CHUNK):
+            yield blob[at : at + CHUNK]
+
+    def up(chunks, ctx):
+        return len(b"".join(chunks)).to_bytes(8, "little")
+
+    handlers = {
+        "Down": grpc.unary_stream_rpc_method_handler(down),
+        "Up": grpc.stream_unary_rpc_method_handler(up),
+    }
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("raw.Raw", handlers),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    print("ready", flush=True)
+    server.wait_for_termination()
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="nano", help="model preset (nano: 2 MB messages)")
+    ap.add_argument("--cycles", type=int, default=200, help="get-and-push cycles against each server")
+    ap.add_argument("--block", type=int, default=20, help="cycles in a row before switching servers")
+    ap.add_argument("--raw-server", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--raw-bytes", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.raw_server is not None:
+        return _raw_server(args.raw_server, args.raw_bytes)
+
+    import torch
+
+    from diloco.codec import Fp32Codec
+    from diloco.config import MODEL_PRESETS
+    from diloco.model import GPT
+    from diloco.runtime.server import diloco_pb2 as pb
+    from diloco.runtime.server import diloco_pb2_grpc as rpc
+    from diloco.runtime.server.client import _push_chunks
+    from diloco.runtime.server.service import PROTOCOL
+
+    torch.set_num_threads(1)
+    with torch.device("meta"):
+        shapes = [p.shape for p in GPT(MODEL_PRESETS[args.model]).parameters()]
+    message = Fp32Codec().encode([torch.zeros(s) for s in shapes]).to_bytes()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    tmp = Path(tempfile.mkdtemp(prefix="diloco-transport-"))
+    jobs = args.cycles + 5
+    srv = subprocess.Popen(
+        [sys.executable, "-m", "diloco", "serve", "--out", str(tmp / "run"), "--port", "0", "--threads", "1",
+         "--method", "async", "--workers", "1", "--inner-steps", "1", "--rounds", str(jobs),
+         "--no-dylu", "--grace-s", "0", "--model", args.model, "--eval-every", str(jobs),
+         "--checkpoint-every", str(jobs), "--no-progress"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    with socket_port() as raw_port:
+        pass
+    raw = subprocess.Popen(
+        [sys.executable, __file__, "--raw-server", str(raw_port), "--raw-bytes", str(len(message))],
+        env=env, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert raw.stdout.readline().strip() == "ready"
+    while not (tmp / "run" / "server.json").exists():
+        time.sleep(0.1)
+    address = json.loads((tmp / "run" / "server.json").read_text())["address"]
+    opts = [("grpc.max_receive_message_length", 4 * CHUNK)]
+    stub = rpc.ParameterServerStub(grpc.insecure_channel(address, options=opts))
+    raw_channel = grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=opts)
+    raw_down = raw_channel.unary_stream(_RAW + "Down")
+    raw_up = raw_channel.stream_unary(_RAW + "Up")
+    reg = stub.Register(pb.RegisterRequest(name="bench", device="cpu", protocol=PROTOCOL), timeout=60)
+    ref = pb.WorkerRef(worker=reg.worker, run_id=reg.run_id)
+
+    def diloco_cycle() -> tuple[float, float, int]:
+        t0 = time.perf_counter()
+        chunks = stub.GetJob(ref, timeout=60)
+        head = next(chunks)
+        down = len(b"".join(c.data for c in chunks))
+        assert head.status == pb.JobChunk.RUN, head
+        t1 = time.perf_counter()
+        push = pb.PushChunk(worker=ref.worker, run_id=ref.run_id, job=head.job, steps=head.steps,
+                            mean_loss=1.0, last_lr=1e-3, finite=True, compute_s=1e-3,
+                            total_bytes=len(message))  # fmt: skip
+        reply = stub.Push(_push_chunks(push, message), timeout=60)
+        assert reply.status == pb.PushReply.ACCEPTED, reply
+        return t1 - t0, time.perf_counter() - t1, down + len(message)
+
+    def raw_cycle() -> tuple[float, float, int]:
+        t0 = time.perf_counter()
+        down = len(b"".join(raw_down(b"", timeout=60)))
+        t1 = time.perf_counter()
+        raw_up(iter([message[at : at + CHUNK] for at in range(0, len(message), CHUNK)]), timeout=60)
+        return t1 - t0, time.perf_counter() - t1, down + len(message)
+
+    for _ in range(3):  # warm both up
+        diloco_cycle()
+        raw_cycle()
+    timed = {"diloco": [], "raw": []}
+    wall = {"diloco": 0.0, "raw": 0.0}
+    done = 0
+    while done < args.cycles:
+        n = min(args.block, args.cycles - done)
+        for name, cycle in (("diloco", diloco_cycle), ("raw", raw_cycle)):
+            t0 = time.perf_counter()
+            timed[name] += [cycle() for _ in range(n)]
+            wall[name] += time.perf_counter() - t0
+        done += n
+    raw.kill()
+    srv.kill()
+    srv.communicate()
+
+    def stats(name):
+        rows = timed[name]
+        pushes = [r[1] * 1e3 for r in rows]
+        return {
+            "cycles_per_s": len(rows) / wall[name],
+            "mb_per_s": sum(r[2] for r in rows) / wall[name] / 1e6,
+            "push_latency_ms_p50": statistics.median(pushes),
+            "push_latency_ms_p99": _percentile(pushes, 0.99),
+            "get_job_ms_p50": statistics.median(r[0] * 1e3 for r in rows),
+        }
+
+    d, r = stats("diloco"), stats("raw")
+    result = {
+        "benchmark": "server_transport",
+        "model": args.model,
+        "message_bytes": len(message),
+        "cycles": args.cycles,
+        "throughput_ratio": d["cycles_per_s"] / r["cycles_per_s"],
+        "target_throughput_ratio": 0.8,
+        "push_latency_ms_p50": d["push_latency_ms_p50"],
+        "push_latency_ms_p99": d["push_latency_ms_p99"],
+        "added_push_latency_ms_p50": d["push_latency_ms_p50"] - r["push_latency_ms_p50"],
+        "diloco": d,
+        "raw": r,
+    }
+    print(json.dumps(result, indent=2))
+    out = Path(__file__).parent / "results" / f"server_transport_{args.model}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+class socket_port:
+    """A free loopback port (closed again before use)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self.s = socket.socket()
+        self.s.bind(("127.0.0.1", 0))
+        return self.s.getsockname()[1]
+
+    def __exit__(self, *exc) -> None:
+        self.s.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""`diloco worker`: one worker of a parameter server run, on any machine that reaches the server.
+
+It registers (getting its id, the run's settings and the data plan: nothing to repeat on the
+command line), builds its model replica, inner optimizer and data from those settings, then
+loops: get a job (the global parameters, how many steps, which shard and from which position),
+run the inner steps, push the outer_grad, until the server says the run is done. A heartbeat
+thread keeps its lease. When the server cannot be reached the worker retries with backoff for
+`--retry-s` seconds (a restarted server finds it waiting), then gives up with one sentence (exit
+2). A worker whose lease ran out (the server thought it gone) throws its state away and joins
+again as a fresh worker, exactly as the server's event log records it.
+
+    diloco worker --server localhost:7000 --threads 1
+    diloco worker --server 10.0.0.5:7000 --device cuda --slowdown 2   # an emulated slower worker
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import grpc
+import torch
+
+from diloco.build import build_worker, prepare_data
+from diloco.codec import Encoded
+from diloco.config import from_dict
+from diloco.errors import UserError
+from diloco.inner import Worker
+from diloco.runtime.server import diloco_pb2 as pb
+from diloco.runtime.server import diloco_pb2_grpc as rpc
+from diloco.runtime.server.service import CHUNK_BYTES, PROTOCOL
+
+T = TypeVar("T")
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _log(text: str) -> None:
+    print(f"diloco worker: {text}", file=sys.stderr, flush=True)
+
+
+class Link:
+    """The channel to the server, and the retry policy of every call."""
+
+    def __init__(self, server: str, retry_s: float):
+        self.server, self.retry_s = server, retry_s
+        self.channel = grpc.insecure_channel(
+            server, options=[("grpc.max_receive_message_length", 4 * CHUNK_BYTES)]
+        )
+        self.stub = rpc.ParameterServerStub(self.channel)
+
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        """fn() until it succeeds; while the server is unreachable, retry with backoff (0.1 s up
+        to 2 s) for --retry-s seconds, then a UserError. A refusal is a UserError at once."""
+        start, delay, warned = time.monotonic(), 0.1, False
+        while True:
+            try:
+                return fn()
+            except grpc.RpcError as e:
+                code, details = e.code(), e.details()
+                if code not in RETRYABLE:
+                    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                        raise UserError(f"the server at {self.server} refused {what}: {details}.") from None
+                    raise
+                waited = time.monotonic() - start
+                if waited >= self.retry_s:
+                    raise UserError(
+                        f"cannot reach the server at {self.server} ({what}) for {waited:.0f} s ({details}); "
+                        "check that diloco serve runs there and the address is right, or raise --retry-s."
+                    ) from None
+                if not warned and waited >= 1.0:
+                    _log(
+                        f"the server at {self.server} does not answer ({what}); "
+                        f"retrying for up to {self.retry_s:g} s"
+                    )
+                    warned = True
+                time.sleep(min(delay, max(0.0, self.retry_s - waited)))
+                delay = min(2 * delay, 2.0)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class _Heartbeat:
+    """Tells the server every `every` seconds that this worker is alive (its lease)."""
+
+    def __init__(self, link: Link, ref: pb.WorkerRef, every: float):
+        self.link, self.ref, self.every = link, ref, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                self.link.stub.Heartbeat(self.ref, timeout=max(1.0, self.every))
+            except grpc.RpcError:
+                pass  # the job loop finds out, and retries
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _get_job(link: Link, ref: pb.WorkerRef) -> tuple[pb.JobChunk, bytes]:
+    """The next job's header and the global parameters (all chunks)."""
+    chunks = link.stub.GetJob(ref, timeout=120.0)
+    head = next(chunks)
+    blob = b"".join(chunk.data for chunk in chunks)
+    if head.status == pb.JobChunk.RUN and len(blob) != head.total_bytes:
+        raise UserError(f"job {head.job} came with {len(blob)} bytes of parameters, not {head.total_bytes}")
+    return head, blob
+
+
+def _push_chunks(head: pb.PushChunk, blob: bytes) -> Iterator[pb.PushChunk]:
+    head.data = blob[:CHUNK_BYTES]
+    yield head
+    for at in range(CHUNK_BYTES, len(blob), CHUNK_BYTES):
+        yield pb.PushChunk(data=blob[at : at + CHUNK_BYTES])
+
+
+def _slowed(worker: Worker, factor: float) -> None:
+    """Emulate a slower machine: pad every inner step to `factor` × its measured time."""
+    step = worker.train_step
+
+    def train_step(lr_step: int | None = None):
+        t0 = time.perf_counter()
+        out = step(lr_step)
+        time.sleep((factor - 1.0) * (time.perf_counter() - t0))
+        return out
+
+    worker.train_step = train_step
+
+
+def _device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r} is not a device; use cpu or cuda (cuda:N).") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(
+            f"--device {name} but this machine has no CUDA GPU that torch can use; use --device cpu."
+        )
+    return device
+
+
+def run_worker(
+    server: str, *, device: str = "cpu", threads: int = 1, slowdown: float = 1.0, retry_s: float = 60.0
+) -> int:
+    """Work for the server at `server` (HOST:PORT) until its run is done; returns the exit code."""
+    from diloco.train import set_threads
+
+    set_threads(threads)
+    dev = _device(device)
+    link = Link(server, retry_s)
+    name = f"{socket.gethostname()}:{os.getpid()}"
+    built: dict[str, tuple] = {}  # the run's settings -> (config, data), kept across rejoins
+    acked: set[int] = set()  # jobs whose push the server acknowledged
+    try:
+        while True:
+            reg = link.call(
+                "registering",
+                lambda: link.stub.Register(
+                    pb.RegisterRequest(name=name, device=str(dev), protocol=PROTOCOL), timeout=30.0
+                ),
+            )
+            if reg.status == pb.RegisterReply.DONE:
+                _log(f"the run at {server} is over")
+                return 0
+            if reg.status == pb.RegisterReply.FULL:
+                _log(f"every worker slot at {server} is taken; waiting for one to free up")
+                time.sleep(reg.retry_s)
+                continue
+            if reg.config_json not in built:
+                cfg = from_dict(json.loads(reg.config_json), where=f"the settings sent by {server}")
+                built = {reg.config_json: (cfg, prepare_data(cfg))}
+            cfg, data = built[reg.config_json]
+            if [len(s) for s in data.shards] != list(reg.shard_tokens):
+                raise UserError(
+                    f"this worker's data shards differ from the server's ({server}); run the same diloco "
+                    "(and bundled corpus) on both."
+                )
+            worker = build_worker(reg.worker, cfg, data.shards)
+            if dev.type != "cpu":
+                from diloco.runtime.collective import _ToDevice
+
+                worker.model.to(dev)  # before the optimizer's first step, so its state follows
+                worker.batches = _ToDevice(worker.batches, dev)
+            if slowdown != 1.0:
+                _slowed(worker, slowdown)
+            _log(f"joined {server} as worker {reg.worker}")
+            ref = pb.WorkerRef(worker=reg.worker, run_id=reg.run_id)
+            beat = _Heartbeat(link, ref, reg.heartbeat_s)
+            try:
+                if _jobs(link, ref, worker, acked):
+                    _log(f"the run at {server} is done; {len(acked)} pushes of this worker were acknowledged")
+                    return 0
+            except KeyboardInterrupt:
+                try:
+                    link.stub.Leave(ref, timeout=2.0)
+                except grpc.RpcError:
+                    pass
+                raise
+            finally:
+                beat.stop()
+            _log(f"worker {reg.worker}'s lease ran out; joining again as a fresh worker")
+    finally:
+        link.close()
+
+
+def _jobs(link: Link, ref: pb.WorkerRef, worker: Worker, acked: set[int]) -> bool:
+    """Jobs until the run is done (True) or the server no longer knows this worker (False)."""
+    while True:
+        head, blob = link.call("asking for a job", lambda: _get_job(link, ref))
+        if head.status == pb.JobChunk.DONE:
+            return True
+        if head.status == pb.JobChunk.UNKNOWN_WORKER:
+            return False
+        if head.status == pb.JobChunk.WAIT:
+            time.sleep(head.retry_s)
+            continue
+        start = Encoded.from_bytes(blob).payload
+        t0 = time.perf_counter()
+        result = worker.run(start, head.steps, lr_step=head.lr_step, shard=head.shard)
+        compute_s = time.perf_counter() - t0
+        message = result.message.to_bytes()
+        push = pb.PushChunk(
+            worker=ref.worker,
+            run_id=ref.run_id,
+            job=head.job,
+            steps=head.steps,
+            mean_loss=result.mean_loss,
+            last_lr=result.last_lr,
+            finite=result.finite,
+            compute_s=compute_s,
+            total_bytes=len(message),
+        )
+        reply = link.call(
+            "pushing",
+            lambda push=push, message=message: link.stub.Push(_push_chunks(push, message), timeout=120.0),
+        )
+        if reply.status == pb.PushReply.LATE:
+            _log(f"job {head.job} came too late and was dropped ({reply.reason})")
+        else:  # accepted now, or before (a retry after a lost reply)
+            acked.add(head.job)

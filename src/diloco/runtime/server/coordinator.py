@@ -1,0 +1,311 @@
+"""The parameter server's state as a function of its event log: pure PyTorch and bookkeeping, no
+sockets and no clock.
+
+Every change of the server's state is an event (a small dict, `kind` plus fields) passed to
+`Coordinator.apply`, in the order the server logged it:
+
+    join     {worker, name, device}             a worker takes a free slot, as a fresh worker
+    leave    {worker, reason}                   it left or its lease ran out; its job is abandoned
+    begin    {round, members}                   sync: a round starts with these workers
+    dispatch {job, worker, steps, shard, lr_step, version}   a job is handed out (θ copied now)
+    push     {job, worker, steps, loss, lr, compute_s, finite, nbytes}   + the encoded outer_grad
+    close    {round}                            sync: the outer step on what arrived
+    apply    {job}                              async: one arrived outer_grad applied by the rule
+    late     {job, worker}                      a worker pushed a job already abandoned (no change)
+    flush    {}                                 async: the end; a rule's held-back updates applied
+
+Decisions that need the clock or the network (which slot a worker gets, how many steps a job
+has, which shard, when a round or a grace window closes) are made by the server (service.py)
+with the `plan_*` helpers here and written into the events, so applying the same events gives
+the same state bit for bit: that is how the server recovers after a crash (checkpoint + the
+write-ahead log) and how `diloco replay` re-runs a server run in one process (replay.py).
+
+    python -m pytest tests/integration/test_server.py
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diloco.async_rules import DelayComp
+from diloco.codec import Encoded
+from diloco.config import TrainConfig
+from diloco.outer_side import OuterSide
+from diloco.runtime.async_sim import AUTO_GRACE_FRACTION, PROBE_FRACTION, Arrival
+from diloco.runtime.sim import RoundStats
+from diloco.schedule import shard_probabilities
+
+
+@dataclass
+class Job:
+    """A job handed out and not pushed or abandoned yet."""
+
+    job: int
+    worker: int
+    steps: int
+    shard: int
+    lr_step: int  # the shard's step count at dispatch: data position and lr schedule step
+    version: int  # the global parameters' version it starts from
+    t: float  # when it was handed out (server time, seconds since the epoch)
+    pulled: list[torch.Tensor]  # those parameters (what the worker downloads)
+
+
+class Coordinator:
+    """The server's state (see the module docstring); `side` holds θ and the outer update."""
+
+    def __init__(self, cfg: TrainConfig, side: OuterSide, shard_sizes: list[int]):
+        self.cfg, self.side = cfg, side
+        self.k, self.H = cfg.num_workers, cfg.inner_steps
+        self.sync = cfg.method == "diloco"
+        self.shard_sizes = list(shard_sizes)
+        self.step_budget = self.k * cfg.total_inner_steps  # async: inner steps over all workers
+        self.seq = 0  # events applied
+        self.workers: dict[int, dict[str, Any]] = {}  # registered, by slot
+        self.jobs: dict[int, Job] = {}  # handed out, not pushed or abandoned
+        self.pushed: set[int] = set()  # jobs whose push was accepted (a retry is a duplicate)
+        self.next_job = 0
+        self.shard_steps = [0] * len(shard_sizes)
+        self.dispatched = 0  # async: inner steps handed out (an abandoned job's are given back)
+        self.applied = 0  # async: inner steps whose outer_grad was applied
+        self.members: list[int] = []  # sync: this round's workers ([] between rounds)
+        self.inbox: dict[int, tuple[dict, Encoded]] = {}  # sync: this round's pushes, by worker
+        self.arrived: list[tuple[dict, Encoded, Job]] = []  # async: accepted, not applied, in order
+        self.flushed = False
+        # per slot, over the whole run: jobs, inner steps, compute seconds, staleness
+        self.totals = [
+            {"jobs": 0, "steps": 0, "compute_s": 0.0, "staleness": 0, "present_s": 0.0, "step_s": None}
+            for _ in range(self.k)
+        ]
+
+    # -- what the server reads -----------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.side.rounds_done >= self.cfg.rounds if self.sync else self.flushed
+
+    @property
+    def probe_steps(self) -> int:
+        return max(1, round(self.H * PROBE_FRACTION))
+
+    def free_slot(self) -> int | None:
+        return next((w for w in range(self.k) if w not in self.workers), None)
+
+    def idle(self) -> list[int]:
+        """Registered workers with no job and no outer_grad waiting to be applied."""
+        waiting = {job.worker for _, _, job in self.arrived}
+        return [w for w, rec in sorted(self.workers.items()) if rec["job"] is None and w not in waiting]
+
+    def plan_dispatch(self, w: int) -> dict[str, Any] | None:
+        """The next job of worker w (None: the async budget is handed out). Sync: H steps on its
+        own shard. Async (Algorithm 2): a first job measures the worker's speed on H/10 steps;
+        later ones have H_w = max(1, ⌊fastest s/step ÷ its s/step × H⌋) steps (DyLU), on a shard
+        sampled by p_i ∝ max(|D_i|/Σ|D| − n_i/Σn, 0) (shard sampling), else its own."""
+        v, job = self.cfg.server, self.next_job
+        steps, shard = self.H, w
+        if not self.sync:
+            speed = self.workers[w]["step_s"]
+            if v.dylu and speed is None:
+                steps = self.probe_steps
+            elif v.dylu:
+                fastest = min(r["step_s"] for r in self.workers.values() if r["step_s"] is not None)
+                steps = max(1, math.floor(fastest / speed * self.H))
+            steps = min(steps, self.step_budget - self.dispatched)
+            if steps <= 0:
+                return None
+            if v.shard_sampling:
+                probs = shard_probabilities(self.shard_sizes, self.shard_steps)
+                rng = random.Random(f"shard/{self.cfg.seed}/{job}")  # no state to save or replay
+                shard = rng.choices(range(len(probs)), weights=probs)[0]
+        return {
+            "kind": "dispatch",
+            "job": job,
+            "worker": w,
+            "steps": steps,
+            "shard": shard,
+            "lr_step": self.shard_steps[shard],
+            "version": self.side.version,
+        }
+
+    def grace_s(self) -> float:
+        """The grace period: `grace_s`, or for "auto" a tenth of a job, H × the fastest measured
+        seconds per step (0 while none is measured)."""
+        g = self.cfg.server.grace_s
+        if g != "auto":
+            return float(g)
+        known = [r["step_s"] for r in self.workers.values() if r["step_s"] is not None]
+        return AUTO_GRACE_FRACTION * self.H * min(known) if known else 0.0
+
+    def due(self, job: Job) -> float | None:
+        """When the server expects job's push, from its worker's measured speed (None: unknown)."""
+        speed = self.workers.get(job.worker, {}).get("step_s")
+        return None if speed is None else job.t + job.steps * speed
+
+    # -- events --------------------------------------------------------------------------------
+    def apply(self, event: dict[str, Any], message: Encoded | None = None) -> Any:
+        """Apply one event (its `seq` must follow the last one); returns a close's RoundStats or
+        an apply's Arrival, else None."""
+        if event["seq"] != self.seq + 1:
+            raise ValueError(f"event {event['seq']} does not follow event {self.seq}")
+        out = getattr(self, "_on_" + event["kind"])(event, message)
+        self.seq = event["seq"]
+        return out
+
+    def _on_join(self, e, _):
+        w = e["worker"]
+        if w in self.workers or not 0 <= w < self.k:
+            raise ValueError(f"worker {w} cannot join")
+        self.workers[w] = {
+            "name": e["name"],
+            "device": e["device"],
+            "job": None,
+            "step_s": None,  # measured seconds per inner step (EMA), None before its first push
+            "joined_t": e["t"],
+        }
+
+    def _on_leave(self, e, _):
+        rec = self.workers.pop(e["worker"])
+        tot = self.totals[e["worker"]]
+        tot["present_s"] += e["t"] - rec["joined_t"]
+        tot["step_s"] = rec["step_s"]
+        job = self.jobs.pop(rec["job"], None) if rec["job"] is not None else None
+        if job is not None and not self.sync:
+            self.dispatched -= job.steps  # re-offered to the others
+
+    def _on_begin(self, e, _):
+        self.side.begin_round(e["members"])  # counts every member's download of θ
+        self.members, self.inbox = list(e["members"]), {}
+
+    def _on_dispatch(self, e, _):
+        w, job = e["worker"], e["job"]
+        if (
+            job != self.next_job
+            or e["version"] != self.side.version
+            or e["lr_step"] != self.shard_steps[e["shard"]]
+        ):
+            raise ValueError(f"dispatch of job {job} does not fit the state it follows")
+        if not self.sync:
+            self.side.pull(w)  # counts the download (sync: counted by begin)
+        pulled = [p.detach().clone() for p in self.side.params]
+        self.jobs[job] = Job(job, w, e["steps"], e["shard"], e["lr_step"], e["version"], e["t"], pulled)
+        self.workers[w]["job"] = job
+        self.next_job = job + 1
+        self.shard_steps[e["shard"]] += e["steps"]
+        self.dispatched += e["steps"]
+
+    def _on_push(self, e, message):
+        job = self.jobs.pop(e["job"])
+        self.pushed.add(job.job)
+        rec = self.workers[job.worker]
+        rec["job"] = None
+        measured = e["compute_s"] / job.steps
+        a = self.cfg.server.dylu_alpha
+        rec["step_s"] = measured if rec["step_s"] is None else a * measured + (1 - a) * rec["step_s"]
+        tot = self.totals[job.worker]
+        tot["jobs"] += 1
+        tot["steps"] += job.steps
+        tot["compute_s"] += e["compute_s"]
+        if self.sync:
+            self.inbox[job.worker] = (e, message)
+        else:
+            self.arrived.append((e, message, job))
+
+    def _on_close(self, e, _):
+        side, messages, losses, ids, lr = self.side, {}, [], [], 0.0
+        for w in self.members:  # in worker order, as every runtime reports
+            if w in self.inbox:
+                push, message = self.inbox[w]
+                counts = side.report(w, message.nbytes, push["finite"])
+                messages[w] = message if counts else None
+                ids.append(w)
+                losses.append(push["loss"])
+                lr = push["lr"]
+            else:
+                side.report(w, 0, lost=True)  # late or gone: dropped, it rejoins from θ
+        side.end_round(side.reduce([messages.get(w) for w in range(self.k)]), self.H)
+        for job in list(self.jobs.values()):  # the late ones' jobs are abandoned
+            del self.jobs[job.job]
+            self.workers[job.worker]["job"] = None
+        self.members, self.inbox = [], {}
+        return RoundStats(
+            side.version,
+            side.inner_step,
+            losses,
+            lr,
+            list(side.bytes_sent),
+            list(side.bytes_received),
+            workers=ids,
+        )
+
+    def _on_apply(self, e, _):
+        i = next(i for i, (push, _, _) in enumerate(self.arrived) if push["job"] == e["job"])
+        push, message, job = self.arrived.pop(i)
+        staleness = self.side.version - job.version
+        pulled = job.pulled if isinstance(self.side.update, DelayComp) else None
+        changed = self.side.apply_async(
+            job.worker, message, steps=job.steps, staleness=staleness, finite=push["finite"], pulled=pulled
+        )
+        self.applied += job.steps
+        self.totals[job.worker]["staleness"] += staleness
+        speed = self.workers.get(job.worker, {}).get("step_s")
+        return Arrival(
+            job.worker, job.steps, staleness, changed, push["loss"], push["lr"], job.shard, speed, e["t"]
+        )
+
+    def _on_late(self, e, _):
+        pass
+
+    def _on_flush(self, e, _):
+        self.side.flush()
+        self.flushed = True
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but θ and the outer update (the side's own state_dict holds those). Sync
+        runs are saved between rounds (the log holds a round in progress)."""
+        if self.members:
+            raise RuntimeError("a sync server is checkpointed between rounds, not during one")
+        versions = {job.version: job.pulled for job in self.jobs.values()}
+        versions.update({job.version: job.pulled for _, _, job in self.arrived})
+        return {
+            "seq": self.seq,
+            "workers": {str(w): dict(rec) for w, rec in self.workers.items()},
+            "jobs": [_job_state(j) for j in self.jobs.values()],
+            "pulled": {str(v): list(p) for v, p in versions.items()},
+            "pushed": sorted(self.pushed),
+            "next_job": self.next_job,
+            "shard_steps": list(self.shard_steps),
+            "dispatched": self.dispatched,
+            "applied": self.applied,
+            "members": list(self.members),
+            "inbox": {str(w): [push, m.state_dict()] for w, (push, m) in self.inbox.items()},
+            "arrived": [[push, m.state_dict(), _job_state(job)] for push, m, job in self.arrived],
+            "flushed": self.flushed,
+            "totals": [dict(t) for t in self.totals],
+        }
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        pulled = {int(v): list(p) for v, p in s["pulled"].items()}
+
+        def job(state):
+            return Job(**state, pulled=pulled[state["version"]])
+
+        self.seq = int(s["seq"])
+        self.workers = {int(w): dict(rec) for w, rec in s["workers"].items()}
+        self.jobs = {j["job"]: job(j) for j in s["jobs"]}
+        self.pushed = set(s["pushed"])
+        self.next_job = int(s["next_job"])
+        self.shard_steps = [int(n) for n in s["shard_steps"]]
+        self.dispatched, self.applied = int(s["dispatched"]), int(s["applied"])
+        self.members = [int(w) for w in s["members"]]
+        self.inbox = {int(w): (push, Encoded.from_state(m)) for w, (push, m) in s["inbox"].items()}
+        self.arrived = [(push, Encoded.from_state(m), job(j)) for push, m, j in s["arrived"]]
+        self.flushed = bool(s["flushed"])
+        self.totals = [dict(t) for t in s["totals"]]
+
+
+def _job_state(job: Job) -> dict[str, Any]:
+    return {k: getattr(job, k) for k in ("job", "worker", "steps", "shard", "lr_step", "version", "t")}

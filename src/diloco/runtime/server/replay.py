@@ -1,0 +1,91 @@
+"""`diloco replay RUN_DIR`: re-run a parameter server run in one process, on the schedule its
+event log recorded, and check the final global parameters bit for bit.
+
+The server wrote every event to RUN_DIR/events.jsonl (coordinator.py lists them): who joined,
+which job went to whom with how many steps, which shard and from which version, in which order
+outer_grads arrived and were applied. Replay builds the same outer side and, for each worker
+that joined, a fresh worker in this process; it computes each job when its push (or a late
+push) comes up, from the parameters the job was handed, and applies the same events with those
+outer_grads instead of the received ones. A worker's result depends only on its own state and
+the parameters it starts from, so if the workers and this process compute alike (CPU, one
+intra-op thread: `diloco worker`'s default) the final parameters are equal bit for bit, which
+shows that the server applied exactly the algorithm and nothing else. Each replayed job's
+training loss is compared with the one the worker reported, to name the first job that differs.
+
+    diloco replay runs/srv
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from diloco.build import build_side, build_worker, load_init, prepare_data
+from diloco.errors import UserError
+from diloco.rundir import load_run_config
+from diloco.runtime.server.coordinator import Coordinator
+
+
+def replay(run_dir: Path, *, progress: bool | None = None) -> dict[str, Any]:
+    """Replay `run_dir`; returns what was compared (see the module docstring)."""
+    from tqdm import tqdm
+
+    from diloco.train import set_threads
+
+    cfg = load_run_config(run_dir)
+    if cfg.runtime != "server":
+        raise UserError(
+            f"{run_dir} is a {cfg.runtime} run; diloco replay re-runs parameter server runs only."
+        )
+    final_path = run_dir / "model.safetensors"
+    if not final_path.is_file() or not (run_dir / "events.jsonl").is_file():
+        raise UserError(f"{run_dir} has no model.safetensors or events.jsonl; replay a finished server run.")
+    with open(run_dir / "events.jsonl") as f:
+        events = [json.loads(line) for line in f if line.strip()]
+    set_threads(1)
+    data = prepare_data(cfg)
+    coord = Coordinator(cfg, build_side(cfg, data, load_init(cfg)), [len(s) for s in data.shards])
+    workers: dict[int, Any] = {}  # slot -> its current worker
+    handed: dict[int, tuple] = {}  # job -> (worker object, start, steps, lr_step, shard)
+    first_loss_mismatch = None
+    for event in tqdm(
+        events, desc="replay", unit="event", disable=None if progress is None else not progress
+    ):
+        kind, message = event["kind"], None
+        if kind == "join":
+            workers[event["worker"]] = build_worker(event["worker"], cfg, data.shards)
+        elif kind in ("push", "late"):
+            worker, start, steps, lr_step, shard = handed.pop(event["job"])
+            result = worker.run(start, steps, lr_step=lr_step, shard=shard)
+            message = result.message
+            if kind == "push" and first_loss_mismatch is None and result.mean_loss != event["loss"]:
+                first_loss_mismatch = {
+                    "job": event["job"],
+                    "worker": event["worker"],
+                    "reported": event["loss"],
+                    "replayed": result.mean_loss,
+                }
+        coord.apply(event, message)
+        if kind == "dispatch":
+            job = coord.jobs[event["job"]]
+            handed[job.job] = (workers[job.worker], job.pulled, job.steps, job.lr_step, job.shard)
+    if not coord.finished:
+        raise UserError(
+            f"the event log of {run_dir} stops before the run's end; replay a finished server run."
+        )
+    final = load_file(str(final_path))
+    mine = coord.side.model.state_dict()
+    diff = max((mine[k] - final[k]).abs().max().item() for k in final)
+    return {
+        "run_dir": str(run_dir),
+        "events": len(events),
+        "jobs": coord.next_job,
+        "outer_updates": coord.side.version,
+        "bitwise_equal": all(torch.equal(mine[k], final[k]) for k in final) and mine.keys() == final.keys(),
+        "max_abs_diff": diff,
+        "first_loss_mismatch": first_loss_mismatch,
+    }

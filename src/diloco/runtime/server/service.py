@@ -1,0 +1,475 @@
+"""The parameter server runtime: the coordinator (coordinator.py) behind a gRPC service, on the
+real clock, with a write-ahead log.
+
+`ServerRuntime` has the runtime interface of runtime/__init__.py, so `diloco serve` is `diloco
+train`'s loop (evaluation, metrics, checkpoints, summary) with this runtime: its main thread
+decides (rounds, jobs, grace windows, leases) and applies outer steps; gRPC threads answer the
+workers. Every event goes through `_record`: appended to the write-ahead log and made durable,
+written to events.jsonl, then applied, all under one lock, so the log's order is the order of
+the state's changes. A push is acknowledged only once its record is durable.
+
+    diloco serve --out runs/srv --port 7000      # then: diloco worker --server localhost:7000
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from diloco.codec import Encoded, Fp32Codec
+from diloco.config import TrainConfig
+from diloco.errors import UserError
+from diloco.outer_side import OuterSide
+from diloco.runtime import SideView
+from diloco.runtime.server import diloco_pb2 as pb
+from diloco.runtime.server import diloco_pb2_grpc as rpc
+from diloco.runtime.server import wal
+from diloco.runtime.server.coordinator import Coordinator, Job
+
+PROTOCOL = 1  # bumped when the messages change meaning
+CHUNK_BYTES = 1 << 20  # a stream's chunks stay well under gRPC's 4 MB message limit
+LONG_POLL_S = 5.0  # a worker asking for a job waits this long for one before being told to ask again
+TICK_S = 0.2  # how often the main thread looks at leases and deadlines while it waits
+
+
+def _log(text: str) -> None:
+    print(f"diloco serve: {text}", file=sys.stderr, flush=True)
+
+
+class ServerRuntime(SideView):
+    """The server's side of a run (see the module docstring). `listen` is HOST:PORT (port 0:
+    any free port; the address is written to RUN_DIR/server.json)."""
+
+    is_main = True
+    sim_time_s = None
+
+    def __init__(self, cfg: TrainConfig, side: OuterSide, shard_sizes: list[int], run_dir: Path, listen: str):
+        self.cfg, self.side, self.run_dir, self.listen = cfg, side, run_dir, listen
+        self.coord = Coordinator(cfg, side, shard_sizes)
+        self.cond = threading.Condition()
+        self.run_id = uuid.uuid4().hex
+        self.wal = wal.WriteAheadLog(run_dir / "wal.log")  # cuts off a torn tail left by a crash
+        self._events = open(run_dir / "events.jsonl", "a")
+        self.last_seen: dict[int, float] = {}
+        self.told_done: set[int] = set()
+        self.wire = [{"sent": 0, "received": 0} for _ in range(cfg.num_workers)]  # real message bytes
+        self._blobs: dict[int, bytes] = {}  # version -> θ as a message, while a job needs it
+        self._replayed: deque = deque()  # rounds or arrivals applied while replaying the log
+        self._group: list[int] = []  # async: jobs of the grace group still to apply
+        self._saved_seq = 0
+        self._server: grpc.Server | None = None
+        self.address: str | None = None
+        self.t0 = time.time()
+
+    # -- the runtime interface -----------------------------------------------------------------
+    num_workers = property(lambda self: self.cfg.num_workers)
+    step_budget = property(lambda self: self.coord.step_budget)
+    applied = property(lambda self: self.coord.applied)
+    done = property(lambda self: self.coord.finished and not self._replayed)
+    at_boundary = property(lambda self: not self._group)
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+    def round(self, *, active: int | None = None):
+        """One sync round: every registered worker (all k for the first round) gets a job; the
+        round closes when each has pushed or left, or when --round-timeout-s passes."""
+        if self._replayed:
+            return self._replayed.popleft()
+        self._start()
+        c = self.coord
+        with self.cond:
+            need = self.num_workers if self.side.rounds_done == 0 else 1
+            self._wait(
+                lambda: len(c.workers) >= need, lambda: f"{len(c.workers)} of {need} workers registered"
+            )
+            t0 = time.time()
+            self._record({"kind": "begin", "round": self.side.rounds_done + 1, "members": sorted(c.workers)})
+            for w in sorted(c.workers):
+                self._record(c.plan_dispatch(w))
+            timeout = self.cfg.round_timeout_s or float("inf")
+            self._wait(lambda: not c.jobs or time.time() >= t0 + timeout, lambda: f"{len(c.jobs)} pushes")
+            computes = [push["compute_s"] for push, _ in c.inbox.values()]
+            stats = self._record({"kind": "close", "round": self.side.rounds_done + 1})
+        wall_s = time.time() - t0
+        compute_s = sum(computes) / len(computes) if computes else 0.0
+        stats.timing = {"compute_s": compute_s, "comm_s": max(0.0, wall_s - compute_s)}
+        return stats
+
+    def step(self):
+        """Async: apply the next arrived outer_grad (with a grace period, the pushes that land
+        before the window closes form a group, applied one per call, whose workers then restart
+        together); hands out jobs to idle workers. None when the budget is spent."""
+        if self._replayed:
+            return self._replayed.popleft()
+        self._start()
+        c = self.coord
+        with self.cond:
+            while True:
+                if self._group:
+                    return self._record({"kind": "apply", "job": self._group.pop(0)})
+                if c.finished:
+                    return None
+                self._reap()
+                for w in c.idle():
+                    event = c.plan_dispatch(w)
+                    if event is None:
+                        break
+                    self._record(event)
+                if c.arrived:
+                    self._group = self._grace_group()
+                elif c.dispatched == c.step_budget and not c.jobs:
+                    self._record({"kind": "flush"})
+                    return None
+                else:
+                    self._wait_once()
+                    if not c.workers and not c.jobs:
+                        self._note(lambda: "no worker registered")
+
+    def _grace_group(self) -> list[int]:
+        """Wait for the pushes expected within the grace period (all in flight whose speed is not
+        known yet, or due before it ends), at most until it ends; the arrived pushes are the group."""
+        c = self.coord
+        grace = c.grace_s()
+        if grace > 0:
+            end = c.arrived[0][0]["t"] + grace
+
+            def expected() -> list[Job]:
+                return [j for j in c.jobs.values() if (due := c.due(j)) is None or due <= end]
+
+            self._wait(lambda: not expected() or time.time() >= end, lambda: "the grace period")
+        return [push["job"] for push, _, _ in c.arrived]
+
+    def summary_extras(self) -> dict[str, Any]:
+        now, c = time.time(), self.coord
+        rows = []
+        for w, tot in enumerate(c.totals):
+            present = tot["present_s"] + (now - c.workers[w]["joined_t"] if w in c.workers else 0.0)
+            rows.append(
+                {
+                    "worker": w,
+                    "jobs": tot["jobs"],
+                    "inner_steps": tot["steps"],
+                    "compute_s": round(tot["compute_s"], 3),
+                    "compute_utilisation": round(tot["compute_s"] / present, 4) if present > 0 else None,
+                    "mean_staleness": tot["staleness"] / tot["jobs"] if tot["jobs"] and not c.sync else None,
+                    "step_s": c.workers[w]["step_s"] if w in c.workers else tot["step_s"],
+                    "wire_bytes_sent": self.wire[w]["sent"],
+                    "wire_bytes_received": self.wire[w]["received"],
+                }
+            )
+        return {"workers": rows, "events": c.seq, "server_address": self.address}
+
+    def state_dict(self) -> dict[str, Any]:
+        with self.cond:
+            self._saved_seq = self.coord.seq
+            self._events.flush()
+            os.fsync(self._events.fileno())
+            server = {
+                "coordinator": self.coord.state_dict(),
+                "run_id": self.run_id,
+                "events_offset": self._events.tell(),
+                "wire": [dict(x) for x in self.wire],
+            }
+            return {"outer": self.side.state_dict(), "workers": [], "runtime": {"server": server}}
+
+    def after_checkpoint(self) -> None:
+        """The checkpoint holds every event up to the one it saved: drop them from the log."""
+        with self.cond:
+            self.wal.truncate(self._saved_seq)
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore the checkpoint, then replay the write-ahead log's later events: the state is
+        what it was when the server stopped, with every acknowledged push in it."""
+        if state is None:
+            return
+        s = state.get("runtime", {}).get("server")
+        if s is None:
+            raise UserError("this checkpoint is not a server run's; continue it with diloco train --resume.")
+        self.side.load_state_dict(state["outer"])
+        self.coord.load_state_dict(s["coordinator"])
+        self.run_id, self.wire = s["run_id"], [dict(x) for x in s["wire"]]
+        self._events.close()
+        with open(self.run_dir / "events.jsonl", "r+b") as f:
+            f.truncate(s["events_offset"])
+        self._events = open(self.run_dir / "events.jsonl", "a")
+        replayed = 0
+        for header, payload in wal.read(self.wal.path):
+            if header["seq"] <= self.coord.seq:
+                continue
+            message = Encoded.from_bytes(payload) if payload else None
+            self._events.write(json.dumps(header) + "\n")
+            out = self.coord.apply(header, message)
+            replayed += 1
+            if out is not None:
+                self._replayed.append(out)
+        if replayed:
+            _log(f"replayed {replayed} events from the write-ahead log after the checkpoint")
+
+    def close(self, *, clean: bool = True) -> None:
+        if self._server is not None:
+            if clean:  # let every worker hear that the run is over (they ask for a job every few s)
+                limit = time.time() + min(10.0, self.cfg.worker_timeout_s)
+                while time.time() < limit and set(self.coord.workers) - self.told_done:
+                    time.sleep(0.1)
+            self._server.stop(grace=1.0).wait()
+        self.wal.close()
+        self._events.close()
+
+    # -- the main thread's helpers (called with the lock held) ---------------------------------
+    def _record(self, event: dict[str, Any], payload: bytes = b"", message: Encoded | None = None):
+        event = {**event, "seq": self.coord.seq + 1, "t": time.time()}
+        self.wal.append(event, payload)  # durable before anyone acts on it
+        self._events.write(json.dumps(event) + "\n")
+        self._events.flush()
+        out = self.coord.apply(event, message)
+        self.cond.notify_all()
+        return out
+
+    def _reap(self) -> None:
+        """Workers not heard from for --worker-timeout-s are gone: their jobs are abandoned."""
+        now = time.time()
+        for w in list(self.coord.workers):
+            seen = self.last_seen.setdefault(w, now)
+            if now - seen > self.cfg.worker_timeout_s:
+                name = self.coord.workers[w]["name"]
+                _log(
+                    f"worker {w} ({name}) was silent for {now - seen:.0f} s: "
+                    "it is gone, its job is re-offered"
+                )
+                self._leave(w, "expired")
+
+    def _leave(self, w: int, reason: str) -> None:
+        self._record({"kind": "leave", "worker": w, "reason": reason})
+        self.last_seen.pop(w, None)
+
+    def _wait_once(self) -> None:
+        self.cond.wait(TICK_S)
+
+    def _wait(self, ready: Callable[[], bool], what: Callable[[], str]) -> None:
+        while True:
+            self._reap()
+            if ready():
+                return
+            self._wait_once()
+            self._note(lambda: f"waiting for {what()}")
+
+    def _note(self, text: Callable[[], str]) -> None:
+        """A line on stderr every 30 s while the server waits, so a stuck run says why."""
+        now = time.time()
+        if now - getattr(self, "_noted", self.t0) >= 30.0:
+            self._noted = now
+            _log(text())
+
+    def _start(self) -> None:
+        if self._server is not None:
+            return
+        now = time.time()
+        self.last_seen = {w: now for w in self.coord.workers}  # a resumed server gives them a lease
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=4 * self.num_workers + 8),
+            options=[("grpc.max_receive_message_length", 4 * CHUNK_BYTES), ("grpc.so_reuseport", 0)],
+        )
+        rpc.add_ParameterServerServicer_to_server(_Service(self), server)
+        host, _, port = self.listen.rpartition(":")
+        try:
+            bound = server.add_insecure_port(self.listen)
+        except RuntimeError:
+            bound = 0
+        if not bound:
+            raise UserError(
+                f"cannot listen on {self.listen} (in use, or not this machine's address); "
+                "choose another --port."
+            )
+        server.start()
+        self._server, self.address = server, f"{host}:{bound}"
+        info = {"address": self.address, "run_id": self.run_id, "pid": os.getpid()}
+        (self.run_dir / "server.json").write_text(json.dumps(info) + "\n")
+        _log(
+            f"serving {self.run_dir} on {self.address}; "
+            f"start workers with: diloco worker --server {self.address}"
+        )
+
+    def params_blob(self, job: Job) -> bytes:
+        """θ of job's version as a message (made once per version)."""
+        with self.cond:
+            blob = self._blobs.get(job.version)
+        if blob is None:
+            blob = Fp32Codec().encode(job.pulled).to_bytes()
+            with self.cond:
+                live = {j.version for j in self.coord.jobs.values()}
+                self._blobs = {v: b for v, b in self._blobs.items() if v in live}
+                self._blobs[job.version] = blob
+        return blob
+
+
+class _Service(rpc.ParameterServerServicer):
+    """The gRPC handlers: each runs on a thread of the server's pool."""
+
+    def __init__(self, rt: ServerRuntime):
+        self.rt = rt
+
+    def _check(self, run_id: str, ctx) -> None:
+        if run_id != self.rt.run_id:
+            ctx.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this server now runs another run ({self.rt.run_dir}); restart the worker to join it",
+            )
+
+    def _touch(self, w: int) -> None:
+        if w in self.rt.coord.workers:
+            self.rt.last_seen[w] = time.time()
+
+    def Register(self, request, ctx):
+        rt = self.rt
+        if request.protocol != PROTOCOL:
+            ctx.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this server speaks protocol {PROTOCOL}, the worker {request.protocol}; "
+                "run the same diloco on both",
+            )
+        with rt.cond:
+            if rt.coord.finished:
+                return pb.RegisterReply(status=pb.RegisterReply.DONE)
+            w = rt.coord.free_slot()
+            if w is None:
+                return pb.RegisterReply(status=pb.RegisterReply.FULL, retry_s=2.0)
+            rt._record({"kind": "join", "worker": w, "name": request.name, "device": request.device})
+            rt.last_seen[w] = time.time()
+        _log(f"worker {w} joined ({request.name}, {request.device})")
+        return pb.RegisterReply(
+            status=pb.RegisterReply.OK,
+            worker=w,
+            run_id=rt.run_id,
+            config_json=json.dumps(rt.cfg.to_dict()),
+            shard_tokens=rt.coord.shard_sizes,
+            heartbeat_s=max(0.1, rt.cfg.worker_timeout_s / 4),
+        )
+
+    def GetJob(self, request, ctx):
+        rt, w = self.rt, request.worker
+        self._check(request.run_id, ctx)
+        limit = time.time() + LONG_POLL_S
+        with rt.cond:
+            while True:
+                self._touch(w)
+                if rt.coord.finished:
+                    rt.told_done.add(w)
+                    yield_header, job = pb.JobChunk(status=pb.JobChunk.DONE), None
+                    break
+                if w not in rt.coord.workers:
+                    yield_header, job = pb.JobChunk(status=pb.JobChunk.UNKNOWN_WORKER), None
+                    break
+                jid = rt.coord.workers[w]["job"]
+                if jid is not None and jid in rt.coord.jobs:
+                    job = rt.coord.jobs[jid]
+                    yield_header = None
+                    break
+                if time.time() >= limit:
+                    yield_header, job = pb.JobChunk(status=pb.JobChunk.WAIT, retry_s=0.0), None
+                    break
+                rt.cond.wait(1.0)
+        if job is None:
+            yield yield_header
+            return
+        blob = rt.params_blob(job)
+        rt.wire[w]["received"] += len(blob)
+        yield pb.JobChunk(
+            status=pb.JobChunk.RUN,
+            job=job.job,
+            steps=job.steps,
+            shard=job.shard,
+            lr_step=job.lr_step,
+            version=job.version,
+            total_bytes=len(blob),
+        )
+        for at in range(0, len(blob), CHUNK_BYTES):
+            yield pb.JobChunk(data=blob[at : at + CHUNK_BYTES])
+
+    def Push(self, request_iterator, ctx):
+        rt = self.rt
+        head = next(request_iterator, None)
+        if head is None:
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "an empty push; send a header chunk first")
+        self._check(head.run_id, ctx)
+        blob = b"".join([head.data, *(chunk.data for chunk in request_iterator)])
+        w, jid = head.worker, head.job
+        if len(blob) != head.total_bytes:
+            ctx.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"push of job {jid} has {len(blob)} bytes, its header says {head.total_bytes}; resend it",
+            )
+        with rt.cond:
+            self._touch(w)
+            verdict = self._verdict(w, jid)
+        if verdict is not None:
+            return verdict
+        try:
+            message = Encoded.from_bytes(blob)
+            rt.side.codec.check(message)
+        except UserError as e:
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        want = [tuple(p.shape) for p in rt.side.params]
+        got = [tuple(t.shape) for t in message.payload]
+        if rt.side.codec.summable and got != want:
+            ctx.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"job {jid}'s outer_grad does not fit this model's parameters",
+            )
+        with rt.cond:
+            verdict = self._verdict(w, jid)
+            if verdict is not None:
+                return verdict
+            job = rt.coord.jobs[jid]
+            event = {
+                "kind": "push",
+                "job": jid,
+                "worker": w,
+                "steps": job.steps,
+                "loss": head.mean_loss,
+                "lr": head.last_lr,
+                "compute_s": head.compute_s,
+                "finite": head.finite,
+                "nbytes": message.nbytes,
+            }
+            rt._record(event, blob, message)
+            rt.wire[w]["sent"] += len(blob)
+        return pb.PushReply(status=pb.PushReply.ACCEPTED)
+
+    def _verdict(self, w: int, jid: int):
+        """The reply to a push that is not accepted now (None: accept it). Lock held."""
+        rt = self.rt
+        if jid in rt.coord.pushed:
+            return pb.PushReply(status=pb.PushReply.DUPLICATE, reason=f"job {jid} was accepted before")
+        job = rt.coord.jobs.get(jid)
+        if job is None or job.worker != w:
+            if jid < rt.coord.next_job:
+                rt._record({"kind": "late", "job": jid, "worker": w})
+            return pb.PushReply(
+                status=pb.PushReply.LATE, reason=f"job {jid} was abandoned (round closed or lease ran out)"
+            )
+        return None
+
+    def Heartbeat(self, request, ctx):
+        self._check(request.run_id, ctx)
+        with self.rt.cond:
+            self._touch(request.worker)
+            return pb.HeartbeatReply(known=request.worker in self.rt.coord.workers)
+
+    def Leave(self, request, ctx):
+        self._check(request.run_id, ctx)
+        with self.rt.cond:
+            if request.worker in self.rt.coord.workers:
+                self.rt._leave(request.worker, "left")
+        return pb.LeaveReply()

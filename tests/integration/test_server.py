@@ -1,0 +1,210 @@
+"""The parameter server for real: `diloco serve` and `diloco worker` processes talking gRPC on
+loopback, compared with the simulator and with `diloco replay` (its own re-run of the log)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from diloco.cli import main
+from diloco.runtime.server.replay import replay
+
+TINY = "[model]\nn_layer = 2\nn_head = 2\nd_model = 32\n[inner]\nwarmup_steps = 2\n"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+SMALL = ["--seq-len", "32", "--batch-size", "4", "--threads", "1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(tmp: Path, *args: str, port: int = 0, out: str = "run") -> subprocess.Popen:
+    (tmp / "tiny.toml").write_text(TINY)
+    cmd = [sys.executable, "-m", "diloco", "serve", "--port", str(port), *args]
+    if "--resume" not in args:
+        cmd += ["--config", str(tmp / "tiny.toml"), *SMALL, "--out", str(tmp / out)]
+    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def worker(address: str, *args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "diloco", "worker", "--server", address, "--threads", "1", *args]
+    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def address(run_dir: Path, timeout: float = 60.0) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            return json.loads((run_dir / "server.json").read_text())["address"]
+        except (OSError, ValueError):
+            time.sleep(0.1)
+    raise AssertionError(f"the server never wrote {run_dir / 'server.json'}")
+
+
+def events(run_dir: Path) -> list[dict]:
+    try:
+        with open(run_dir / "events.jsonl") as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except OSError:
+        return []
+
+
+def wait_for(predicate, timeout: float = 60.0, what: str = "") -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def finish(*procs: subprocess.Popen, timeout: float = 120.0) -> list[tuple[int, str]]:
+    out = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        out.append((p.returncode, err))
+    return out
+
+
+def slot_of(run_dir: Path, proc: subprocess.Popen) -> int:
+    joins = [e for e in events(run_dir) if e["kind"] == "join" and e["name"].endswith(f":{proc.pid}")]
+    return joins[-1]["worker"]
+
+
+@pytest.mark.timeout(180)
+def test_sync_server_equals_the_simulator_and_replays(tmp_path):
+    """Two workers, one started before the server: the server's global parameters equal `diloco
+    train` in the simulator for the same seed, bit for bit, and so does `diloco replay`."""
+    port = free_port()
+    early = worker(f"127.0.0.1:{port}")  # retries until the server is up
+    assert "does not answer" in early.stderr.readline()
+    run = ["--workers", "2", "--inner-steps", "4", "--rounds", "3"]
+    srv = serve(tmp_path, *run, port=port)
+    late = worker(address(tmp_path / "run"))
+    results = finish(srv, early, late)
+    assert [rc for rc, _ in results] == [0, 0, 0], results
+
+    (tmp_path / "sim.toml").write_text(TINY)
+    cmd = ["train", "--config", str(tmp_path / "sim.toml"), *SMALL, *run, "--procs", "1"]
+    assert main([*cmd, "--out", str(tmp_path / "sim")]) == 0
+    server_model = (tmp_path / "run" / "model.safetensors").read_bytes()
+    assert server_model == (tmp_path / "sim" / "model.safetensors").read_bytes()
+
+    assert replay(tmp_path / "run")["bitwise_equal"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["runtime"] == "server" and summary["outer_updates"] == 3
+    assert [w["jobs"] for w in summary["workers"]] == [3, 3]
+    assert all(w["wire_bytes_sent"] > 0 and w["compute_utilisation"] > 0 for w in summary["workers"])
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted((x["inner_step"], x["worker"]) for x in lines if x["kind"] == "inner") == [
+        (s, w) for s in (4, 8, 12) for w in (0, 1)
+    ]
+
+
+@pytest.mark.timeout(180)
+def test_async_worker_joins_and_one_is_killed_mid_job(tmp_path):
+    """Async: a third worker joins mid-run and one is killed in the middle of a job; its lease
+    runs out, its job is re-offered, the compute budget is met, and the log replays bit for bit."""
+    run = ["--method", "async", "--workers", "3", "--inner-steps", "10", "--rounds", "8"]
+    srv = serve(tmp_path, *run, "--worker-timeout-s", "2")
+    run_dir = tmp_path / "run"
+    addr = address(run_dir)
+    first, doomed = worker(addr, "--slowdown", "8"), worker(addr, "--slowdown", "8")
+    wait_for(lambda: sum(e["kind"] == "push" for e in events(run_dir)) >= 4, what="four pushes")
+    joiner = worker(addr, "--slowdown", "8")
+    slot = slot_of(run_dir, doomed)
+
+    def doomed_is_mid_job() -> bool:
+        mine = [e for e in events(run_dir) if e.get("worker") == slot and e["kind"] in ("dispatch", "push")]
+        return bool(mine) and mine[-1]["kind"] == "dispatch" and mine[-1]["steps"] > 1
+
+    wait_for(doomed_is_mid_job, what="the doomed worker mid-job")
+    doomed.send_signal(signal.SIGKILL)
+    results = finish(srv, first, joiner)
+    assert [rc for rc, _ in results] == [0, 0, 0], results
+    log = events(run_dir)
+    assert {"kind": "leave", "worker": slot, "reason": "expired"}.items() <= next(
+        e for e in log if e["kind"] == "leave"
+    ).items()
+    joins = [i for i, e in enumerate(log) if e["kind"] == "join"]
+    assert len(joins) == 3 and joins[-1] > min(i for i, e in enumerate(log) if e["kind"] == "push")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["inner_steps"] == 3 * 8 * 10  # the abandoned job's steps were re-offered
+    assert replay(run_dir)["bitwise_equal"]
+
+
+@pytest.mark.timeout(240)
+def test_server_killed_and_resumed_loses_and_repeats_nothing(tmp_path):
+    """kill -9 of the server mid-run, then `diloco serve --resume`: the workers carry on; every
+    acknowledged push is applied exactly once, and the whole log still replays bit for bit."""
+    port = free_port()
+    run = ["--method", "async", "--workers", "2", "--inner-steps", "10", "--rounds", "12"]
+    srv = serve(tmp_path, *run, port=port)
+    run_dir = tmp_path / "run"
+    addr = address(run_dir)
+    workers = [worker(addr, "--slowdown", "4"), worker(addr, "--slowdown", "4")]
+    wait_for(lambda: sum(e["kind"] == "push" for e in events(run_dir)) >= 8, what="eight pushes")
+    srv.send_signal(signal.SIGKILL)
+    srv.communicate()
+    time.sleep(1.0)
+    again = serve(tmp_path, "--resume", str(run_dir), port=port)
+    results = finish(again, *workers)
+    assert [rc for rc, _ in results] == [0, 0, 0], results
+    assert "replayed" in results[0][1] or "write-ahead" not in results[0][1]
+    log = events(run_dir)
+    assert [e["seq"] for e in log] == list(range(1, len(log) + 1))
+    pushed = [e["job"] for e in log if e["kind"] == "push"]
+    applied = [e["job"] for e in log if e["kind"] == "apply"]
+    assert len(pushed) == len(set(pushed)) and sorted(pushed) == sorted(applied)
+    acknowledged = sum(
+        int(err.split(" pushes of this worker")[0].rsplit(" ", 1)[1]) for _, err in results[1:]
+    )
+    assert acknowledged == len(pushed)
+    assert json.loads((run_dir / "summary.json").read_text())["inner_steps"] == 2 * 12 * 10
+    assert replay(run_dir)["bitwise_equal"]
+
+
+@pytest.mark.timeout(120)
+def test_sync_round_timeout_drops_the_late_worker(tmp_path):
+    """Sync with --round-timeout-s: a much slower worker's outer_grads arrive after their round
+    closed and are dropped (the other's weight becomes 1); it rejoins each round from θ."""
+    run = ["--workers", "2", "--inner-steps", "4", "--rounds", "3", "--round-timeout-s", "2"]
+    srv = serve(tmp_path, *run, "--worker-timeout-s", "10")
+    run_dir = tmp_path / "run"
+    addr = address(run_dir)
+    fast = worker(addr)
+    wait_for(lambda: any(e["kind"] == "join" for e in events(run_dir)), what="the first worker")
+    slow = worker(addr, "--slowdown", "300")  # 4 steps take seconds: always after the timeout
+    results = finish(srv, fast, slow)
+    assert [rc for rc, _ in results] == [0, 0, 0], results
+    log = events(run_dir)
+    late = [e for e in log if e["kind"] == "late"]
+    assert late and {e["worker"] for e in late} == {1}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [w["jobs"] for w in summary["workers"]] == [summary["outer_updates"], 0]
+    assert summary["outer_updates"] >= 2  # every round the fast worker made in time
+    assert replay(run_dir)["bitwise_equal"]
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_whose_server_is_gone_gives_up_with_one_sentence(tmp_path):
+    proc = worker(f"127.0.0.1:{free_port()}", "--retry-s", "1")
+    ((rc, err),) = finish(proc)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("diloco: error: cannot reach the server at 127.0.0.1:")
+    assert "Traceback" not in err

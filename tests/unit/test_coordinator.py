@@ -1,0 +1,164 @@
+"""The server's state machine without the network: events in, state out, compared with a hand
+computation, and the same state after a checkpoint and the rest of the events."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from diloco.async_rules import build_async_rule
+from diloco.codec import Fp32Codec
+from diloco.config import ServerConfig, SimConfig
+from diloco.model import GPT
+from diloco.outer import Nesterov
+from diloco.outer_side import OuterSide
+from diloco.runtime.server.coordinator import Coordinator
+
+
+def make(tiny, *, method="diloco", k=2, **server):
+    cfg = tiny(method=method, num_workers=k, runtime="server", server=ServerConfig(**server), sim=SimConfig())
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    rule = Nesterov() if method == "diloco" else build_async_rule("dn", lr=0.7, momentum=0.9, num_workers=k)
+    side = OuterSide(model, k, update=rule, weights=[0.25, 0.75] if method == "diloco" else None)
+    return Coordinator(cfg, side, [1000] * k)
+
+
+class Log:
+    """Numbers events as the server does."""
+
+    def __init__(self, coord):
+        self.coord, self.t = coord, 100.0
+
+    def __call__(self, event, message=None):
+        self.t += 1.0
+        return self.coord.apply({**event, "seq": self.coord.seq + 1, "t": self.t}, message)
+
+
+def outer_grad(coord, scale):
+    return [torch.full_like(p, scale) for p in coord.side.params]
+
+
+def push(log, job, worker, grad, compute_s=1.0, steps=4):
+    message = Fp32Codec().encode(grad)
+    event = {
+        "kind": "push",
+        "job": job,
+        "worker": worker,
+        "steps": steps,
+        "loss": 1.0,
+        "lr": 1e-3,
+        "compute_s": compute_s,
+        "finite": True,
+        "nbytes": message.nbytes,
+    }
+    log(event, message)
+
+
+@pytest.mark.timeout(60)
+def test_a_sync_round_without_one_worker_renormalises_the_weights(tiny):
+    """Worker 1 (weight 0.75) times out: worker 0's outer_grad gets weight 1, as torch's SGD with
+    Nesterov momentum computes it."""
+    coord = make(tiny)
+    log = Log(coord)
+    before = [p.detach().clone() for p in coord.side.params]
+    for w in (0, 1):
+        log({"kind": "join", "worker": w, "name": f"w{w}", "device": "cpu"})
+    log({"kind": "begin", "round": 1, "members": [0, 1]})
+    for w in (0, 1):
+        log(coord.plan_dispatch(w))
+    assert [j.lr_step for j in coord.jobs.values()] == [0, 0] and coord.shard_steps == [4, 4]
+    grad = outer_grad(coord, 0.01)
+    push(log, 0, 0, grad)
+    stats = log({"kind": "close", "round": 1})
+    assert stats.workers == [0] and coord.side.version == 1 and coord.jobs == {}
+    ref = [b.clone().requires_grad_() for b in before]
+    opt = torch.optim.SGD(ref, lr=0.7, momentum=0.9, nesterov=True)
+    for r, g in zip(ref, grad):
+        r.grad = g.clone()
+    opt.step()
+    for p, r in zip(coord.side.params, ref):
+        torch.testing.assert_close(p, r.detach(), rtol=0, atol=0)
+    assert coord.side.own_start == [False, False]  # the late worker rejoins from θ
+
+
+@pytest.mark.timeout(60)
+def test_async_jobs_probe_then_follow_measured_speeds(tiny):
+    """A first job is the probe (H/10 steps); then H_w = ⌊fastest/own s per step × H⌋; the budget
+    caps the last job; an abandoned job's steps are offered again."""
+    coord = make(tiny, method="async", k=2, shard_sampling=False)
+    log = Log(coord)
+    H = coord.H  # 4: the probe is 1 step
+    for w in (0, 1):
+        log({"kind": "join", "worker": w, "name": f"w{w}", "device": "cpu"})
+        log(coord.plan_dispatch(w))
+    assert [j.steps for j in coord.jobs.values()] == [1, 1]
+    push(log, 0, 0, outer_grad(coord, 0.0), compute_s=0.5, steps=1)
+    push(log, 1, 1, outer_grad(coord, 0.0), compute_s=2.0, steps=1)
+    assert coord.idle() == []  # pushed, not applied: not handed a job yet
+    for job in (0, 1):
+        log({"kind": "apply", "job": job})
+    assert coord.plan_dispatch(0)["steps"] == H and coord.plan_dispatch(1)["steps"] == H // 4
+    log(coord.plan_dispatch(1))
+    log({"kind": "leave", "worker": 1, "reason": "expired"})
+    assert coord.dispatched == 2  # its job's step went back
+    coord.dispatched = coord.step_budget - 3
+    assert coord.plan_dispatch(0)["steps"] == 3
+
+
+@pytest.mark.timeout(60)
+def test_state_after_a_checkpoint_and_the_rest_of_the_log_is_the_same(tiny):
+    """Crash recovery in its pure form: checkpoint mid-run, load it into a new coordinator, apply
+    the remaining events: the same θ, bit for bit, as applying them all to one."""
+
+    def run(coord, cut=None):
+        log, states = Log(coord), []
+        script = []
+        for w in (0, 1):
+            script.append(({"kind": "join", "worker": w, "name": "w", "device": "cpu"}, None))
+        for r in range(3):
+            script.append(({"kind": "begin", "round": r + 1, "members": [0, 1]}, None))
+            for w in (0, 1):
+                script.append(("dispatch", w))
+            for w in (0, 1):
+                script.append(("push", (2 * r + w, w, 0.01 * (r + 1) * (w + 1))))
+            script.append(({"kind": "close", "round": r + 1}, None))
+        for i, (event, arg) in enumerate(script):
+            if i == cut:
+                states.append(copy.deepcopy((coord.state_dict(), coord.side.state_dict())))
+                fresh = make(tiny)
+                fresh.load_state_dict(states[-1][0])
+                fresh.side.load_state_dict(states[-1][1])
+                coord = fresh
+                log = Log(coord)
+                log.t = 100.0 + i
+            if event == "dispatch":
+                log(coord.plan_dispatch(arg))
+            elif event == "push":
+                job, w, scale = arg
+                push(log, job, w, outer_grad(coord, scale))
+            else:
+                log(event)
+        return coord
+
+    whole = run(make(tiny))
+    resumed = run(make(tiny), cut=8)  # between rounds 1 and 2, where the server checkpoints
+    for a, b in zip(whole.side.params, resumed.side.params):
+        assert torch.equal(a, b)
+    assert whole.side.version == resumed.side.version == 3
+
+
+@pytest.mark.timeout(30)
+def test_events_out_of_order_or_off_the_state_are_refused(tiny):
+    coord = make(tiny)
+    with pytest.raises(ValueError, match="does not follow"):
+        coord.apply({"kind": "join", "worker": 0, "name": "w", "device": "cpu", "seq": 2, "t": 0.0})
+    log = Log(coord)
+    log({"kind": "join", "worker": 0, "name": "w", "device": "cpu"})
+    with pytest.raises(ValueError, match="does not fit"):
+        log({**coord.plan_dispatch(0), "version": 5})
+    log({"kind": "begin", "round": 1, "members": [0]})
+    with pytest.raises(RuntimeError, match="between rounds"):
+        coord.state_dict()
