@@ -65,6 +65,11 @@ def main() -> None:
     ap.add_argument("--model", default="nano", help="model preset (nano: 2 MB messages)")
     ap.add_argument("--cycles", type=int, default=200, help="get-and-push cycles against each server")
     ap.add_argument("--block", type=int, default=20, help="cycles in a row before switching servers")
+    ap.add_argument(
+        "--tmpfs",
+        default="/dev/shm",
+        help="also run with the run directory (and its write-ahead log) here, in memory (default /dev/shm)",
+    )
     ap.add_argument("--raw-server", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--raw-bytes", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -86,15 +91,25 @@ def main() -> None:
         shapes = [p.shape for p in GPT(MODEL_PRESETS[args.model]).parameters()]
     message = Fp32Codec().encode([torch.zeros(s) for s in shapes]).to_bytes()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    tmp = Path(tempfile.mkdtemp(prefix="diloco-transport-"))
     jobs = args.cycles + 5
-    srv = subprocess.Popen(
-        [sys.executable, "-m", "diloco", "serve", "--out", str(tmp / "run"), "--port", "0", "--threads", "1",
-         "--method", "async", "--workers", "1", "--inner-steps", "1", "--rounds", str(jobs),
-         "--no-dylu", "--grace-s", "0", "--model", args.model, "--eval-every", str(jobs),
-         "--checkpoint-every", str(jobs), "--no-progress"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    opts = [("grpc.max_receive_message_length", 4 * CHUNK)]
+
+    def start_server(root: Path):
+        run = Path(tempfile.mkdtemp(prefix="diloco-transport-", dir=root)) / "run"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "diloco", "serve", "--out", str(run), "--port", "0", "--threads", "1",
+             "--method", "async", "--workers", "1", "--inner-steps", "1", "--rounds", str(jobs),
+             "--no-dylu", "--grace-s", "0", "--model", args.model, "--eval-every", str(jobs),
+             "--checkpoint-every", str(jobs), "--no-progress"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        while not (run / "server.json").exists():
+            time.sleep(0.1)
+        address = json.loads((run / "server.json").read_text())["address"]
+        stub = rpc.ParameterServerStub(grpc.insecure_channel(address, options=opts))
+        reg = stub.Register(pb.RegisterRequest(name="bench", device="cpu", protocol=PROTOCOL), timeout=60)
+        return proc, stub, pb.WorkerRef(worker=reg.worker, run_id=reg.run_id)
+
     with socket_port() as raw_port:
         pass
     raw = subprocess.Popen(
@@ -102,18 +117,15 @@ def main() -> None:
         env=env, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert raw.stdout.readline().strip() == "ready"
-    while not (tmp / "run" / "server.json").exists():
-        time.sleep(0.1)
-    address = json.loads((tmp / "run" / "server.json").read_text())["address"]
-    opts = [("grpc.max_receive_message_length", 4 * CHUNK)]
-    stub = rpc.ParameterServerStub(grpc.insecure_channel(address, options=opts))
     raw_channel = grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=opts)
     raw_down = raw_channel.unary_stream(_RAW + "Down")
     raw_up = raw_channel.stream_unary(_RAW + "Up")
-    reg = stub.Register(pb.RegisterRequest(name="bench", device="cpu", protocol=PROTOCOL), timeout=60)
-    ref = pb.WorkerRef(worker=reg.worker, run_id=reg.run_id)
+    servers = {"diloco": start_server(Path(tempfile.gettempdir()))}
+    if args.tmpfs and Path(args.tmpfs).is_dir():
+        servers["diloco_tmpfs"] = start_server(Path(args.tmpfs))
 
-    def diloco_cycle() -> tuple[float, float, int]:
+    def diloco_cycle(name: str) -> tuple[float, float, int]:
+        _, stub, ref = servers[name]
         t0 = time.perf_counter()
         chunks = stub.GetJob(ref, timeout=60)
         head = next(chunks)
@@ -127,29 +139,31 @@ def main() -> None:
         assert reply.status == pb.PushReply.ACCEPTED, reply
         return t1 - t0, time.perf_counter() - t1, down + len(message)
 
-    def raw_cycle() -> tuple[float, float, int]:
+    def raw_cycle(name: str = "raw") -> tuple[float, float, int]:
         t0 = time.perf_counter()
         down = len(b"".join(raw_down(b"", timeout=60)))
         t1 = time.perf_counter()
         raw_up(iter([message[at : at + CHUNK] for at in range(0, len(message), CHUNK)]), timeout=60)
         return t1 - t0, time.perf_counter() - t1, down + len(message)
 
-    for _ in range(3):  # warm both up
-        diloco_cycle()
-        raw_cycle()
-    timed = {"diloco": [], "raw": []}
-    wall = {"diloco": 0.0, "raw": 0.0}
+    cycles = {name: diloco_cycle for name in servers} | {"raw": raw_cycle}
+    for name, cycle in cycles.items():  # warm up
+        for _ in range(3):
+            cycle(name)
+    timed = {name: [] for name in cycles}
+    wall = dict.fromkeys(cycles, 0.0)
     done = 0
     while done < args.cycles:
         n = min(args.block, args.cycles - done)
-        for name, cycle in (("diloco", diloco_cycle), ("raw", raw_cycle)):
+        for name, cycle in cycles.items():
             t0 = time.perf_counter()
-            timed[name] += [cycle() for _ in range(n)]
+            timed[name] += [cycle(name) for _ in range(n)]
             wall[name] += time.perf_counter() - t0
         done += n
     raw.kill()
-    srv.kill()
-    srv.communicate()
+    for proc, _, _ in servers.values():
+        proc.kill()
+        proc.communicate()
 
     def stats(name):
         rows = timed[name]
@@ -176,6 +190,10 @@ def main() -> None:
         "diloco": d,
         "raw": r,
     }
+    if "diloco_tmpfs" in servers:  # the same server, its write-ahead log in memory: what durability costs
+        t = stats("diloco_tmpfs")
+        result["tmpfs_throughput_ratio"] = t["cycles_per_s"] / r["cycles_per_s"]
+        result["diloco_tmpfs"] = t
     print(json.dumps(result, indent=2))
     out = Path(__file__).parent / "results" / f"server_transport_{args.model}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
