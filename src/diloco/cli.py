@@ -207,12 +207,21 @@ def _train(args: argparse.Namespace) -> int:
     from diloco.train import train
 
     overrides = _overrides(args)
+    not_here = "the server runtime is started by diloco serve (see docs/server.md), not diloco train."
+    if overrides.get("runtime") == "server":
+        raise UserError(not_here)
     if args.resume is not None:
         cfg = _resumed_config(args, overrides)
+        if cfg.runtime == "server":
+            raise UserError(
+                f"{args.resume} is a parameter server run; continue it with diloco serve --resume."
+            )
     else:
         values = load_toml(args.config) if args.config is not None else {}
         for path, value in overrides.items():
             values = merge(values, settings.nest(path, value))
+        if values.get("runtime") == "server":
+            raise UserError(not_here)
         if (
             values.get("runtime") == "collective"
             and "num_workers" not in values
@@ -224,10 +233,6 @@ def _train(args: argparse.Namespace) -> int:
             if isinstance(m, int) and not isinstance(m, bool) and m >= 1:
                 values["num_workers"] = int(os.environ["WORLD_SIZE"]) // m
         cfg = from_dict(values, where=str(args.config) if args.config else "the flags")
-    if cfg.runtime == "server":
-        raise UserError(
-            "the server runtime is started by diloco serve (see docs/server.md), not diloco train."
-        )
     if args.stop_after is not None and not 1 <= args.stop_after < cfg.rounds:
         raise UserError(
             f"--stop-after must be a round from 1 to {cfg.rounds - 1} (the run has {cfg.rounds} rounds), "

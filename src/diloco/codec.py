@@ -30,7 +30,6 @@ from safetensors.torch import save as st_save
 
 from diloco.errors import UserError
 
-
 # dtypes safetensors' numpy writer takes as they are (bfloat16, for one, it does not)
 _NUMPY_DTYPES = {
     torch.float64,

@@ -386,6 +386,11 @@ def validate(cfg: TrainConfig) -> None:
                 "server.dylu_oracle (--dylu-oracle) reads the simulator's true speeds, which a real server "
                 "does not have (it measures them); drop it."
             )
+        if not cfg.checkpoint_every:
+            raise UserError(
+                "checkpoint_every (--checkpoint-every) must be at least 1 for the parameter server: its "
+                "write-ahead log is cut at every checkpoint, and --resume starts from one."
+            )
         settings.in_range(cfg, "round_timeout_s", lo=0.0)
         settings.in_range(cfg, "worker_timeout_s", lo=0.0, lo_open=True)
     _validate_sim(cfg)

@@ -404,8 +404,9 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
         if not main:  # rank 0 says where the run can go on
             raise Interrupted(f"rank {trainer.rank} interrupted") from None
         has_checkpoint = checkpoint.latest(run_dir / "checkpoints") is not None
+        again = "diloco serve" if cfg.runtime == "server" else "diloco train"
         raise Interrupted(
-            f"interrupted; continue with: diloco train --resume {run_dir}"
+            f"interrupted; continue with: {again} --resume {run_dir}"
             if has_checkpoint
             else f"interrupted before any checkpoint; {run_dir} cannot be resumed (use --checkpoint-every)"
         ) from None

@@ -18,7 +18,14 @@ from diloco.runtime.server.coordinator import Coordinator
 
 
 def make(tiny, *, method="diloco", k=2, **server):
-    cfg = tiny(method=method, num_workers=k, runtime="server", server=ServerConfig(**server), sim=SimConfig())
+    cfg = tiny(
+        method=method,
+        num_workers=k,
+        runtime="server",
+        server=ServerConfig(**server),
+        sim=SimConfig(),
+        checkpoint_every=1,
+    )
     torch.manual_seed(0)
     model = GPT(cfg.model)
     rule = Nesterov() if method == "diloco" else build_async_rule("dn", lr=0.7, momentum=0.9, num_workers=k)

@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -37,7 +38,15 @@ from diloco.runtime.server import diloco_pb2_grpc as rpc
 from diloco.runtime.server.service import CHUNK_BYTES, PROTOCOL
 
 T = TypeVar("T")
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# the server is down, restarting or overloaded: wait and try again (for --retry-s seconds)
+RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+)
 
 
 def _log(text: str) -> None:
@@ -162,11 +171,12 @@ def run_worker(
     acked: set[int] = set()  # jobs whose push the server acknowledged
     try:
         while True:
+            request = pb.RegisterRequest(
+                name=name, device=str(dev), protocol=PROTOCOL, nonce=uuid.uuid4().hex
+            )
             reg = link.call(
                 "registering",
-                lambda: link.stub.Register(
-                    pb.RegisterRequest(name=name, device=str(dev), protocol=PROTOCOL), timeout=30.0
-                ),
+                lambda request=request: link.stub.Register(request, timeout=30.0),
             )
             if reg.status == pb.RegisterReply.DONE:
                 _log(f"the run at {server} is over")
@@ -193,7 +203,7 @@ def run_worker(
             if slowdown != 1.0:
                 _slowed(worker, slowdown)
             _log(f"joined {server} as worker {reg.worker}")
-            ref = pb.WorkerRef(worker=reg.worker, run_id=reg.run_id)
+            ref = pb.WorkerRef(worker=reg.worker, run_id=reg.run_id, token=reg.token)
             beat = _Heartbeat(link, ref, reg.heartbeat_s)
             try:
                 if _jobs(link, ref, worker, acked):
@@ -231,6 +241,7 @@ def _jobs(link: Link, ref: pb.WorkerRef, worker: Worker, acked: set[int]) -> boo
         push = pb.PushChunk(
             worker=ref.worker,
             run_id=ref.run_id,
+            token=ref.token,
             job=head.job,
             steps=head.steps,
             mean_loss=result.mean_loss,

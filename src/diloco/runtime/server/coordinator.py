@@ -4,14 +4,15 @@ sockets and no clock.
 Every change of the server's state is an event (a small dict, `kind` plus fields) passed to
 `Coordinator.apply`, in the order the server logged it:
 
-    join     {worker, name, device}             a worker takes a free slot, as a fresh worker
+    join     {worker, name, device, nonce}      a worker takes a free slot, as a fresh worker
     leave    {worker, reason}                   it left or its lease ran out; its job is abandoned
     begin    {round, members}                   sync: a round starts with these workers
     dispatch {job, worker, steps, shard, lr_step, version}   a job is handed out (θ copied now)
     push     {job, worker, steps, loss, lr, compute_s, finite, nbytes}   + the encoded outer_grad
     close    {round}                            sync: the outer step on what arrived
     apply    {job}                              async: one arrived outer_grad applied by the rule
-    late     {job, worker}                      a worker pushed a job already abandoned (no change)
+    late     {job, worker}                      a worker pushed a job already abandoned (replay
+                                                computes it: the worker did)
     flush    {}                                 async: the end; a rule's held-back updates applied
 
 Decisions that need the clock or the network (which slot a worker gets, how many steps a job
@@ -68,11 +69,13 @@ class Coordinator:
         self.workers: dict[int, dict[str, Any]] = {}  # registered, by slot
         self.jobs: dict[int, Job] = {}  # handed out, not pushed or abandoned
         self.pushed: set[int] = set()  # jobs whose push was accepted (a retry is a duplicate)
+        self.late: set[int] = set()  # abandoned jobs whose push came anyway (logged once)
         self.next_job = 0
         self.shard_steps = [0] * len(shard_sizes)
         self.dispatched = 0  # async: inner steps handed out (an abandoned job's are given back)
         self.applied = 0  # async: inner steps whose outer_grad was applied
         self.members: list[int] = []  # sync: this round's workers ([] between rounds)
+        self.round_t = 0.0  # sync: when this round began
         self.inbox: dict[int, tuple[dict, Encoded]] = {}  # sync: this round's pushes, by worker
         self.arrived: list[tuple[dict, Encoded, Job]] = []  # async: accepted, not applied, in order
         self.flushed = False
@@ -90,6 +93,10 @@ class Coordinator:
     @property
     def probe_steps(self) -> int:
         return max(1, round(self.H * PROBE_FRACTION))
+
+    def known(self, w: int, token: int) -> bool:
+        """Whether worker w is registered, as the registration that got `token`."""
+        return w in self.workers and self.workers[w]["token"] == token
 
     def free_slot(self) -> int | None:
         return next((w for w in range(self.k) if w not in self.workers), None)
@@ -164,6 +171,8 @@ class Coordinator:
             "job": None,
             "step_s": None,  # measured seconds per inner step (EMA), None before its first push
             "joined_t": e["t"],
+            "token": e["seq"],  # this registration: calls of an earlier holder of the slot are refused
+            "nonce": e.get("nonce", ""),
         }
 
     def _on_leave(self, e, _):
@@ -177,7 +186,7 @@ class Coordinator:
 
     def _on_begin(self, e, _):
         self.side.begin_round(e["members"])  # counts every member's download of θ
-        self.members, self.inbox = list(e["members"]), {}
+        self.members, self.inbox, self.round_t = list(e["members"]), {}, e["t"]
 
     def _on_dispatch(self, e, _):
         w, job = e["worker"], e["job"]
@@ -256,7 +265,7 @@ class Coordinator:
         )
 
     def _on_late(self, e, _):
-        pass
+        self.late.add(e["job"])
 
     def _on_flush(self, e, _):
         self.side.flush()
@@ -276,6 +285,7 @@ class Coordinator:
             "jobs": [_job_state(j) for j in self.jobs.values()],
             "pulled": {str(v): list(p) for v, p in versions.items()},
             "pushed": sorted(self.pushed),
+            "late": sorted(self.late),
             "next_job": self.next_job,
             "shard_steps": list(self.shard_steps),
             "dispatched": self.dispatched,
@@ -297,6 +307,7 @@ class Coordinator:
         self.workers = {int(w): dict(rec) for w, rec in s["workers"].items()}
         self.jobs = {j["job"]: job(j) for j in s["jobs"]}
         self.pushed = set(s["pushed"])
+        self.late = set(s["late"])
         self.next_job = int(s["next_job"])
         self.shard_steps = [int(n) for n in s["shard_steps"]]
         self.dispatched, self.applied = int(s["dispatched"]), int(s["applied"])

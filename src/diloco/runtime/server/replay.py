@@ -44,8 +44,13 @@ def replay(run_dir: Path, *, progress: bool | None = None) -> dict[str, Any]:
     final_path = run_dir / "model.safetensors"
     if not final_path.is_file() or not (run_dir / "events.jsonl").is_file():
         raise UserError(f"{run_dir} has no model.safetensors or events.jsonl; replay a finished server run.")
-    with open(run_dir / "events.jsonl") as f:
-        events = [json.loads(line) for line in f if line.strip()]
+    try:
+        with open(run_dir / "events.jsonl") as f:
+            events = [json.loads(line) for line in f if line.strip()]
+    except ValueError:
+        raise UserError(
+            f"{run_dir / 'events.jsonl'} is damaged (a line is not JSON); it cannot be replayed."
+        ) from None
     set_threads(1)
     data = prepare_data(cfg)
     coord = Coordinator(cfg, build_side(cfg, data, load_init(cfg)), [len(s) for s in data.shards])

@@ -29,7 +29,7 @@ import grpc
 
 from diloco.codec import Encoded, Fp32Codec
 from diloco.config import TrainConfig
-from diloco.errors import UserError
+from diloco.errors import NonFinite, UserError
 from diloco.outer_side import OuterSide
 from diloco.runtime import SideView
 from diloco.runtime.server import diloco_pb2 as pb
@@ -65,9 +65,10 @@ class ServerRuntime(SideView):
         self.told_done: set[int] = set()
         self.wire = [{"sent": 0, "received": 0} for _ in range(cfg.num_workers)]  # real message bytes
         self._blobs: dict[int, bytes] = {}  # version -> θ as a message, while a job needs it
-        self._replayed: deque = deque()  # rounds or arrivals applied while replaying the log
+        self._pending: deque = deque()  # the log's records after the checkpoint, to apply on resume
         self._group: list[int] = []  # async: jobs of the grace group still to apply
-        self._saved_seq = 0
+        self._saved_seqs = [0]  # the events the last checkpoints hold (the log keeps the rest)
+        self.failure: Exception | None = None  # set by a handler: the main thread raises it
         self._server: grpc.Server | None = None
         self.address: str | None = None
         self.t0 = time.time()
@@ -76,7 +77,7 @@ class ServerRuntime(SideView):
     num_workers = property(lambda self: self.cfg.num_workers)
     step_budget = property(lambda self: self.coord.step_budget)
     applied = property(lambda self: self.coord.applied)
-    done = property(lambda self: self.coord.finished and not self._replayed)
+    done = property(lambda self: self.coord.finished and not self._pending)
     at_boundary = property(lambda self: not self._group)
 
     def broadcast(self, obj: Any) -> Any:
@@ -85,19 +86,21 @@ class ServerRuntime(SideView):
     def round(self, *, active: int | None = None):
         """One sync round: every registered worker (all k for the first round) gets a job; the
         round closes when each has pushed or left, or when --round-timeout-s passes."""
-        if self._replayed:
-            return self._replayed.popleft()
+        if (replayed := self._drain_log()) is not None:
+            return replayed
         self._start()
         c = self.coord
         with self.cond:
-            need = self.num_workers if self.side.rounds_done == 0 else 1
-            self._wait(
-                lambda: len(c.workers) >= need, lambda: f"{len(c.workers)} of {need} workers registered"
-            )
-            t0 = time.time()
-            self._record({"kind": "begin", "round": self.side.rounds_done + 1, "members": sorted(c.workers)})
-            for w in sorted(c.workers):
-                self._record(c.plan_dispatch(w))
+            if not c.members:  # else the round the server was in when it stopped goes on
+                need = self.num_workers if self.side.rounds_done == 0 else 1
+                self._wait(
+                    lambda: len(c.workers) >= need, lambda: f"{len(c.workers)} of {need} workers registered"
+                )
+                members = sorted(c.workers)
+                self._record({"kind": "begin", "round": self.side.rounds_done + 1, "members": members})
+                for w in members:
+                    self._record(c.plan_dispatch(w))
+            t0 = c.round_t
             timeout = self.cfg.round_timeout_s or float("inf")
             self._wait(lambda: not c.jobs or time.time() >= t0 + timeout, lambda: f"{len(c.jobs)} pushes")
             computes = [push["compute_s"] for push, _ in c.inbox.values()]
@@ -111,8 +114,8 @@ class ServerRuntime(SideView):
         """Async: apply the next arrived outer_grad (with a grace period, the pushes that land
         before the window closes form a group, applied one per call, whose workers then restart
         together); hands out jobs to idle workers. None when the budget is spent."""
-        if self._replayed:
-            return self._replayed.popleft()
+        if (replayed := self._drain_log()) is not None:
+            return replayed
         self._start()
         c = self.coord
         with self.cond:
@@ -152,6 +155,10 @@ class ServerRuntime(SideView):
         return [push["job"] for push, _, _ in c.arrived]
 
     def summary_extras(self) -> dict[str, Any]:
+        with self.cond:
+            return self._summary_extras()
+
+    def _summary_extras(self) -> dict[str, Any]:
         now, c = time.time(), self.coord
         rows = []
         for w, tot in enumerate(c.totals):
@@ -173,7 +180,7 @@ class ServerRuntime(SideView):
 
     def state_dict(self) -> dict[str, Any]:
         with self.cond:
-            self._saved_seq = self.coord.seq
+            self._saved_seqs = [*self._saved_seqs[-1:], self.coord.seq]
             self._events.flush()
             os.fsync(self._events.fileno())
             server = {
@@ -185,9 +192,10 @@ class ServerRuntime(SideView):
             return {"outer": self.side.state_dict(), "workers": [], "runtime": {"server": server}}
 
     def after_checkpoint(self) -> None:
-        """The checkpoint holds every event up to the one it saved: drop them from the log."""
+        """Drop the log's records that the checkpoint before this one holds (not this one's: if
+        it turns out corrupt, --resume falls back to the one before, and needs its records)."""
         with self.cond:
-            self.wal.truncate(self._saved_seq)
+            self.wal.truncate(self._saved_seqs[0])
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Restore the checkpoint, then replay the write-ahead log's later events: the state is
@@ -204,25 +212,25 @@ class ServerRuntime(SideView):
         with open(self.run_dir / "events.jsonl", "r+b") as f:
             f.truncate(s["events_offset"])
         self._events = open(self.run_dir / "events.jsonl", "a")
-        replayed = 0
-        for header, payload in wal.read(self.wal.path):
-            if header["seq"] <= self.coord.seq:
-                continue
-            message = Encoded.from_bytes(payload) if payload else None
-            self._events.write(json.dumps(header) + "\n")
-            out = self.coord.apply(header, message)
-            replayed += 1
-            if out is not None:
-                self._replayed.append(out)
-        if replayed:
-            _log(f"replayed {replayed} events from the write-ahead log after the checkpoint")
+        seq = self.coord.seq
+        self._saved_seqs = [seq]
+        self._pending = deque((h, p) for h, p in wal.read(self.wal.path) if h["seq"] > seq)
+        if self._pending and self._pending[0][0]["seq"] != seq + 1:
+            raise UserError(
+                f"the write-ahead log of {self.run_dir} goes on from event {self._pending[0][0]['seq']}, but "
+                f"the checkpoint it resumes from ends at event {seq} (the newer checkpoints are corrupt): "
+                "the events in between are lost, so this run cannot be resumed exactly; start it again."
+            )
+        if self._pending:
+            _log(f"replaying {len(self._pending)} events of the write-ahead log after the checkpoint")
 
     def close(self, *, clean: bool = True) -> None:
         if self._server is not None:
             if clean:  # let every worker hear that the run is over (they ask for a job every few s)
-                limit = time.time() + min(10.0, self.cfg.worker_timeout_s)
-                while time.time() < limit and set(self.coord.workers) - self.told_done:
-                    time.sleep(0.1)
+                limit = time.monotonic() + min(10.0, self.cfg.worker_timeout_s)
+                with self.cond:
+                    while time.monotonic() < limit and set(self.coord.workers) - self.told_done:
+                        self.cond.wait(0.1)
             self._server.stop(grace=1.0).wait()
         self.wal.close()
         self._events.close()
@@ -230,7 +238,15 @@ class ServerRuntime(SideView):
     # -- the main thread's helpers (called with the lock held) ---------------------------------
     def _record(self, event: dict[str, Any], payload: bytes = b"", message: Encoded | None = None):
         event = {**event, "seq": self.coord.seq + 1, "t": time.time()}
-        self.wal.append(event, payload)  # durable before anyone acts on it
+        try:
+            self.wal.append(event, payload)  # durable before anyone acts on it
+        except OSError as e:
+            self.failure = UserError(
+                f"cannot write the write-ahead log {self.wal.path} ({e.strerror}); free the disk and "
+                f"continue with: diloco serve --resume {self.run_dir}"
+            )
+            self.cond.notify_all()
+            raise self.failure from None
         self._events.write(json.dumps(event) + "\n")
         self._events.flush()
         out = self.coord.apply(event, message)
@@ -239,7 +255,7 @@ class ServerRuntime(SideView):
 
     def _reap(self) -> None:
         """Workers not heard from for --worker-timeout-s are gone: their jobs are abandoned."""
-        now = time.time()
+        now = time.monotonic()
         for w in list(self.coord.workers):
             seen = self.last_seen.setdefault(w, now)
             if now - seen > self.cfg.worker_timeout_s:
@@ -255,7 +271,24 @@ class ServerRuntime(SideView):
         self.last_seen.pop(w, None)
 
     def _wait_once(self) -> None:
+        if self.failure is not None:
+            raise self.failure
         self.cond.wait(TICK_S)
+        if self.failure is not None:
+            raise self.failure
+
+    def _drain_log(self):
+        """On resume: apply the log's records after the checkpoint, up to the next one that closes
+        a round or applies an outer_grad (returned, so its metrics are written as they were
+        live); None once the log is through."""
+        while self._pending:
+            header, payload = self._pending.popleft()
+            message = Encoded.from_bytes(payload) if payload else None
+            self._events.write(json.dumps(header) + "\n")
+            out = self.coord.apply(header, message)
+            if out is not None:
+                return out
+        return None
 
     def _wait(self, ready: Callable[[], bool], what: Callable[[], str]) -> None:
         while True:
@@ -275,7 +308,7 @@ class ServerRuntime(SideView):
     def _start(self) -> None:
         if self._server is not None:
             return
-        now = time.time()
+        now = time.monotonic()
         self.last_seen = {w: now for w in self.coord.workers}  # a resumed server gives them a lease
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4 * self.num_workers + 8),
@@ -327,9 +360,12 @@ class _Service(rpc.ParameterServerServicer):
                 f"this server now runs another run ({self.rt.run_dir}); restart the worker to join it",
             )
 
-    def _touch(self, w: int) -> None:
-        if w in self.rt.coord.workers:
-            self.rt.last_seen[w] = time.time()
+    def _touch(self, w: int, token: int) -> bool:
+        """Renew worker w's lease if it is the registration that got `token`; whether it is."""
+        known = self.rt.coord.known(w, token)
+        if known:
+            self.rt.last_seen[w] = time.monotonic()
+        return known
 
     def Register(self, request, ctx):
         rt = self.rt
@@ -342,12 +378,18 @@ class _Service(rpc.ParameterServerServicer):
         with rt.cond:
             if rt.coord.finished:
                 return pb.RegisterReply(status=pb.RegisterReply.DONE)
-            w = rt.coord.free_slot()
+            again = [
+                w for w, rec in rt.coord.workers.items() if request.nonce and rec["nonce"] == request.nonce
+            ]
+            w = again[0] if again else rt.coord.free_slot()  # a retried Register gets its slot again
             if w is None:
                 return pb.RegisterReply(status=pb.RegisterReply.FULL, retry_s=2.0)
-            rt._record({"kind": "join", "worker": w, "name": request.name, "device": request.device})
-            rt.last_seen[w] = time.time()
-        _log(f"worker {w} joined ({request.name}, {request.device})")
+            if not again:
+                event = {"kind": "join", "worker": w, "name": request.name, "device": request.device}
+                rt._record({**event, "nonce": request.nonce})
+                _log(f"worker {w} joined ({request.name}, {request.device})")
+            rt.last_seen[w] = time.monotonic()
+            token = rt.coord.workers[w]["token"]
         return pb.RegisterReply(
             status=pb.RegisterReply.OK,
             worker=w,
@@ -355,20 +397,21 @@ class _Service(rpc.ParameterServerServicer):
             config_json=json.dumps(rt.cfg.to_dict()),
             shard_tokens=rt.coord.shard_sizes,
             heartbeat_s=max(0.1, rt.cfg.worker_timeout_s / 4),
+            token=token,
         )
 
     def GetJob(self, request, ctx):
         rt, w = self.rt, request.worker
         self._check(request.run_id, ctx)
-        limit = time.time() + LONG_POLL_S
+        limit = time.monotonic() + LONG_POLL_S
         with rt.cond:
             while True:
-                self._touch(w)
+                known = self._touch(w, request.token)
                 if rt.coord.finished:
                     rt.told_done.add(w)
                     yield_header, job = pb.JobChunk(status=pb.JobChunk.DONE), None
                     break
-                if w not in rt.coord.workers:
+                if not known:
                     yield_header, job = pb.JobChunk(status=pb.JobChunk.UNKNOWN_WORKER), None
                     break
                 jid = rt.coord.workers[w]["job"]
@@ -376,7 +419,7 @@ class _Service(rpc.ParameterServerServicer):
                     job = rt.coord.jobs[jid]
                     yield_header = None
                     break
-                if time.time() >= limit:
+                if time.monotonic() >= limit:
                     yield_header, job = pb.JobChunk(status=pb.JobChunk.WAIT, retry_s=0.0), None
                     break
                 rt.cond.wait(1.0)
@@ -411,10 +454,20 @@ class _Service(rpc.ParameterServerServicer):
                 f"push of job {jid} has {len(blob)} bytes, its header says {head.total_bytes}; resend it",
             )
         with rt.cond:
-            self._touch(w)
-            verdict = self._verdict(w, jid)
+            self._touch(w, head.token)
+            verdict = self._verdict(w, head.token, jid)
         if verdict is not None:
             return verdict
+        if not head.finite and rt.cfg.on_nonfinite == "stop":  # not logged: a resume can go past it
+            with rt.cond:
+                rt.failure = NonFinite(
+                    f"worker {w} produced a non-finite (NaN or Inf) training loss or outer_grad in job "
+                    f"{jid}; the run stopped before applying it and its last checkpoint is intact: --resume "
+                    "it if the cause was passing, or start again with a lower --inner-lr or with "
+                    "--on-nonfinite drop."
+                )
+                rt.cond.notify_all()
+            ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, "the run stopped on a non-finite outer_grad")
         try:
             message = Encoded.from_bytes(blob)
             rt.side.codec.check(message)
@@ -428,7 +481,7 @@ class _Service(rpc.ParameterServerServicer):
                 f"job {jid}'s outer_grad does not fit this model's parameters",
             )
         with rt.cond:
-            verdict = self._verdict(w, jid)
+            verdict = self._verdict(w, head.token, jid)
             if verdict is not None:
                 return verdict
             job = rt.coord.jobs[jid]
@@ -447,14 +500,14 @@ class _Service(rpc.ParameterServerServicer):
             rt.wire[w]["sent"] += len(blob)
         return pb.PushReply(status=pb.PushReply.ACCEPTED)
 
-    def _verdict(self, w: int, jid: int):
+    def _verdict(self, w: int, token: int, jid: int):
         """The reply to a push that is not accepted now (None: accept it). Lock held."""
         rt = self.rt
         if jid in rt.coord.pushed:
             return pb.PushReply(status=pb.PushReply.DUPLICATE, reason=f"job {jid} was accepted before")
         job = rt.coord.jobs.get(jid)
-        if job is None or job.worker != w:
-            if jid < rt.coord.next_job:
+        if job is None or job.worker != w or not rt.coord.known(w, token):
+            if job is None and jid < rt.coord.next_job and jid not in rt.coord.late:
                 rt._record({"kind": "late", "job": jid, "worker": w})
             return pb.PushReply(
                 status=pb.PushReply.LATE, reason=f"job {jid} was abandoned (round closed or lease ran out)"
@@ -464,12 +517,11 @@ class _Service(rpc.ParameterServerServicer):
     def Heartbeat(self, request, ctx):
         self._check(request.run_id, ctx)
         with self.rt.cond:
-            self._touch(request.worker)
-            return pb.HeartbeatReply(known=request.worker in self.rt.coord.workers)
+            return pb.HeartbeatReply(known=self._touch(request.worker, request.token))
 
     def Leave(self, request, ctx):
         self._check(request.run_id, ctx)
         with self.rt.cond:
-            if request.worker in self.rt.coord.workers:
+            if self.rt.coord.known(request.worker, request.token):
                 self.rt._leave(request.worker, "left")
         return pb.LeaveReply()

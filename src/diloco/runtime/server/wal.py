@@ -79,11 +79,17 @@ class WriteAheadLog:
     def append(self, header: dict[str, Any], payload: bytes = b"") -> None:
         """Write one record and make it durable (fdatasync) before returning."""
         fd, parts = self._file.fileno(), _parts(header, payload)
-        written = os.writev(fd, parts)
-        rest = memoryview(b"".join(parts))[written:]
-        while rest:  # a short write: finish it (a full disk raises OSError)
-            rest = rest[os.write(fd, rest) :]
-        os.fdatasync(fd)
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            written = os.writev(fd, parts)
+            if written < sum(len(p) for p in parts):  # a short write: finish it
+                rest = memoryview(b"".join(parts))[written:]
+                while rest:
+                    rest = rest[os.write(fd, rest) :]
+            os.fdatasync(fd)
+        except OSError:
+            os.ftruncate(fd, start)  # no torn record in the middle of the log (a full disk, ...)
+            raise
 
     def truncate(self, seq: int) -> None:
         """Drop the records with `seq` ≤ `seq` (a checkpoint now holds them)."""
