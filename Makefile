@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test test-all lint bench bench-async clean
+.PHONY: setup run test test-all lint bench bench-async bench-server clean
 
 setup: $(VENV)/.installed
 
@@ -34,6 +34,11 @@ bench: setup
 
 bench-async: setup
 	$(PY) benchmarks/async_vs_sync.py
+
+# The parameter server: ~1 minute of transport, ~10 minutes of sync against async.
+bench-server: setup
+	$(PY) benchmarks/server_transport.py
+	$(PY) benchmarks/server_async_vs_sync.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

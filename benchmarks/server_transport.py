@@ -104,11 +104,13 @@ def main() -> None:
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         while not (run / "server.json").exists():
+            if proc.poll() is not None:
+                raise SystemExit(f"the server failed: {proc.stderr.read()[-2000:]}")
             time.sleep(0.1)
         address = json.loads((run / "server.json").read_text())["address"]
         stub = rpc.ParameterServerStub(grpc.insecure_channel(address, options=opts))
         reg = stub.Register(pb.RegisterRequest(name="bench", device="cpu", protocol=PROTOCOL), timeout=60)
-        return proc, stub, pb.WorkerRef(worker=reg.worker, run_id=reg.run_id)
+        return proc, stub, pb.WorkerRef(worker=reg.worker, run_id=reg.run_id, token=reg.token)
 
     with socket_port() as raw_port:
         pass
@@ -132,8 +134,8 @@ def main() -> None:
         down = len(b"".join(c.data for c in chunks))
         assert head.status == pb.JobChunk.RUN, head
         t1 = time.perf_counter()
-        push = pb.PushChunk(worker=ref.worker, run_id=ref.run_id, job=head.job, steps=head.steps,
-                            mean_loss=1.0, last_lr=1e-3, finite=True, compute_s=1e-3,
+        push = pb.PushChunk(worker=ref.worker, run_id=ref.run_id, token=ref.token, job=head.job,
+                            steps=head.steps, mean_loss=1.0, last_lr=1e-3, finite=True, compute_s=1e-3,
                             total_bytes=len(message))  # fmt: skip
         reply = stub.Push(_push_chunks(push, message), timeout=60)
         assert reply.status == pb.PushReply.ACCEPTED, reply

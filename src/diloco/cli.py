@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--config", type=Path, help="TOML file of settings; flags override it")
     _add_setting_flags(serve)
+    for action in serve._actions:  # the server always checkpoints: its write-ahead log is cut there
+        if action.dest == "checkpoint_every":
+            action.help = "rounds between checkpoints, each of which cuts the write-ahead log (default: 1)"
     serve.add_argument(
         "--resume",
         type=Path,
