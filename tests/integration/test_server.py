@@ -80,9 +80,10 @@ def finish(*procs: subprocess.Popen, timeout: float = 120.0) -> list[tuple[int, 
     return out
 
 
-def slot_of(run_dir: Path, proc: subprocess.Popen) -> int:
+def slot_of(run_dir: Path, proc: subprocess.Popen) -> int | None:
+    """The slot the worker process `proc` last joined, None before it has."""
     joins = [e for e in events(run_dir) if e["kind"] == "join" and e["name"].endswith(f":{proc.pid}")]
-    return joins[-1]["worker"]
+    return joins[-1]["worker"] if joins else None
 
 
 @pytest.mark.timeout(180)
@@ -187,6 +188,43 @@ def test_server_killed_and_resumed_loses_and_repeats_nothing(tmp_path, method):
     )
     assert acknowledged == len(pushed)
     assert json.loads((run_dir / "summary.json").read_text())["inner_steps"] == 2 * rounds * 10
+    assert replay(run_dir)["bitwise_equal"]
+
+
+@pytest.mark.timeout(180)
+def test_a_paused_worker_loses_its_slot_and_cannot_act_for_its_successor(tmp_path):
+    """A worker frozen (SIGSTOP: a network gone quiet) past its lease is replaced by a new worker
+    in its slot; woken up, its push is answered late, it is unknown under its old registration,
+    and it waits for a free slot: nothing it sends changes the run, which still replays."""
+    run = ["--method", "async", "--workers", "2", "--inner-steps", "10", "--rounds", "16"]
+    srv = serve(tmp_path, *run, "--worker-timeout-s", "2")
+    run_dir = tmp_path / "run"
+    addr = address(run_dir)
+    steady, frozen = worker(addr, "--slowdown", "8"), worker(addr, "--slowdown", "8", "--retry-s", "10")
+    wait_for(lambda: sum(e["kind"] == "push" for e in events(run_dir)) >= 3, what="three pushes")
+    slot = slot_of(run_dir, frozen)
+    frozen.send_signal(signal.SIGSTOP)
+    wait_for(
+        lambda: any(e["kind"] == "leave" and e["worker"] == slot for e in events(run_dir)), what="expiry"
+    )
+    successor = worker(addr, "--slowdown", "8")
+    wait_for(lambda: slot_of(run_dir, successor) == slot, what="the successor in the slot")
+    joined = max(e["seq"] for e in events(run_dir) if e["kind"] == "join")
+    frozen.send_signal(signal.SIGCONT)
+    results = finish(srv, steady, successor, frozen)
+    # the old holder waits for a free slot; if the run ends first and the server is gone before it
+    # asks again, it gives up after its --retry-s (exit 2): either way it changed nothing
+    assert [rc for rc, _ in results[:3]] == [0, 0, 0] and results[3][0] in (0, 2), results
+    log = events(run_dir)
+    successor_jobs = {
+        e["job"] for e in log if e["kind"] == "dispatch" and e["seq"] > joined and e["worker"] == slot
+    }
+    pushed_after = {
+        e["job"] for e in log if e["kind"] == "push" and e["seq"] > joined and e["worker"] == slot
+    }
+    assert pushed_after and pushed_after <= successor_jobs  # the old holder pushed nothing that counted
+    assert "lease ran out" in results[3][1] or "came too late" in results[3][1]
+    assert json.loads((run_dir / "summary.json").read_text())["inner_steps"] == 2 * 16 * 10
     assert replay(run_dir)["bitwise_equal"]
 
 
