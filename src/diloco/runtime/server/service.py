@@ -62,7 +62,8 @@ class ServerRuntime(SideView):
         self.wal = wal.WriteAheadLog(run_dir / "wal.log")  # cuts off a torn tail left by a crash
         self._events = open(run_dir / "events.jsonl", "a")
         self.last_seen: dict[int, float] = {}
-        self.told_done: set[int] = set()
+        self.told_done: set[int] = set()  # registrations (tokens) told that the run is over
+        self.may_call: set[int] = set()  # registrations that may still call (not left on their own)
         self.wire = [{"sent": 0, "received": 0} for _ in range(cfg.num_workers)]  # real message bytes
         self._blobs: dict[int, bytes] = {}  # version -> θ as a message, while a job needs it
         self._pending: deque = deque()  # the log's records after the checkpoint, to apply on resume
@@ -226,10 +227,11 @@ class ServerRuntime(SideView):
 
     def close(self, *, clean: bool = True) -> None:
         if self._server is not None:
-            if clean:  # let every worker hear that the run is over (they ask for a job every few s)
+            if clean:  # let every worker hear that the run is over, stragglers too (a late
+                # push, a lease that ran out): each asks for a job every few seconds
                 limit = time.monotonic() + min(10.0, self.cfg.worker_timeout_s)
                 with self.cond:
-                    while time.monotonic() < limit and set(self.coord.workers) - self.told_done:
+                    while time.monotonic() < limit and self.may_call - self.told_done:
                         self.cond.wait(0.1)
             self._server.stop(grace=1.0).wait()
         self.wal.close()
@@ -250,6 +252,8 @@ class ServerRuntime(SideView):
         self._events.write(json.dumps(event) + "\n")
         self._events.flush()
         out = self.coord.apply(event, message)
+        if event["kind"] == "join":
+            self.may_call.add(event["seq"])
         self.cond.notify_all()
         return out
 
@@ -310,6 +314,7 @@ class ServerRuntime(SideView):
             return
         now = time.monotonic()
         self.last_seen = {w: now for w in self.coord.workers}  # a resumed server gives them a lease
+        self.may_call |= {rec["token"] for rec in self.coord.workers.values()}
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4 * self.num_workers + 8),
             options=[("grpc.max_receive_message_length", 4 * CHUNK_BYTES), ("grpc.so_reuseport", 0)],
@@ -383,7 +388,7 @@ class _Service(rpc.ParameterServerServicer):
             ]
             w = again[0] if again else rt.coord.free_slot()  # a retried Register gets its slot again
             if w is None:
-                return pb.RegisterReply(status=pb.RegisterReply.FULL, retry_s=2.0)
+                return pb.RegisterReply(status=pb.RegisterReply.FULL, retry_s=1.0)
             if not again:
                 event = {"kind": "join", "worker": w, "name": request.name, "device": request.device}
                 rt._record({**event, "nonce": request.nonce})
@@ -408,7 +413,7 @@ class _Service(rpc.ParameterServerServicer):
             while True:
                 known = self._touch(w, request.token)
                 if rt.coord.finished:
-                    rt.told_done.add(w)
+                    rt.told_done.add(request.token)
                     yield_header, job = pb.JobChunk(status=pb.JobChunk.DONE), None
                     break
                 if not known:
@@ -524,4 +529,5 @@ class _Service(rpc.ParameterServerServicer):
         with self.rt.cond:
             if self.rt.coord.known(request.worker, request.token):
                 self.rt._leave(request.worker, "left")
+            self.rt.may_call.discard(request.token)
         return pb.LeaveReply()
