@@ -84,7 +84,7 @@ def main() -> None:
     from diloco.runtime.server import diloco_pb2 as pb
     from diloco.runtime.server import diloco_pb2_grpc as rpc
     from diloco.runtime.server.client import _push_chunks
-    from diloco.runtime.server.service import PROTOCOL
+    from diloco.runtime.server.handlers import PROTOCOL
 
     torch.set_num_threads(1)
     with torch.device("meta"):

@@ -31,6 +31,26 @@ def dylu_steps(step_s: list[float], inner_steps: int) -> list[int]:
     return [max(1, math.floor(fastest / s * inner_steps)) for s in step_s]
 
 
+# A worker's first job measures its speed on its first tenth (at least one step) before DyLU
+# sets how long its jobs are; those steps are training like any other.
+PROBE_FRACTION = 0.1
+# grace_s = "auto": a tenth of a job (H × the fastest measured seconds per step), see docs/async.md
+AUTO_GRACE_FRACTION = 0.1
+
+
+def probe_steps(inner_steps: int) -> int:
+    """Steps of the probe that measures a new worker's speed: a tenth of H, at least one."""
+    return max(1, round(inner_steps * PROBE_FRACTION))
+
+
+def grace_period(grace_s: float | str, inner_steps: int, known_step_s: list[float]) -> float:
+    """The grace period in seconds: `grace_s` as given ("inf" included), or for "auto" a tenth of
+    a job, H × the fastest known seconds per step (0 while no speed is known)."""
+    if grace_s != "auto":
+        return float(grace_s)
+    return AUTO_GRACE_FRACTION * inner_steps * min(known_step_s) if known_step_s else 0.0
+
+
 def grace_close(first_s: float, grace_s: float, in_flight: list[tuple[float, float | None]]) -> float:
     """When the server closes the grace window opened by a push landing at `first_s`.
 

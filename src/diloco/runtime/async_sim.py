@@ -33,13 +33,14 @@ from diloco.runtime import SideView
 from diloco.runtime.clock import Clock
 from diloco.runtime.pool import InlinePool, ProcessPool
 from diloco.runtime.sim import ModelFn
-from diloco.schedule import SpeedEstimator, dylu_steps, grace_close, shard_probabilities
-
-# A worker's first job measures its speed on its first tenth (at least one step) before DyLU
-# sets how long the job is; those steps are training like any other.
-PROBE_FRACTION = 0.1
-# grace_s = "auto": a tenth of a job (H × the fastest measured seconds per step), see docs/async.md
-AUTO_GRACE_FRACTION = 0.1
+from diloco.schedule import (
+    SpeedEstimator,
+    dylu_steps,
+    grace_close,
+    grace_period,
+    probe_steps,
+    shard_probabilities,
+)
 
 
 @dataclass
@@ -150,7 +151,7 @@ class AsyncDiLoCo(SideView):
 
     @property
     def probe_steps(self) -> int:
-        return max(1, round(self.inner_steps * PROBE_FRACTION))
+        return probe_steps(self.inner_steps)
 
     def known_step_s(self, t: float) -> list[float | None]:
         """What the server knows at time t of each worker's seconds per step: its estimate after
@@ -164,10 +165,8 @@ class AsyncDiLoCo(SideView):
     def grace_at(self, t: float) -> float:
         """The grace period at time t: `grace_s`, or for "auto" a tenth of a job, H × the fastest
         known seconds per step (0 while no speed is known)."""
-        if self.grace_s != "auto":
-            return float(self.grace_s)
         known = [s for s in self.known_step_s(t) if s is not None]
-        return AUTO_GRACE_FRACTION * self.inner_steps * min(known) if known else 0.0
+        return grace_period(self.grace_s, self.inner_steps, known)
 
     def _steps_for(self, w: int, t: float) -> int:
         """H_w of a job handed out at t; a first job's is set when its probe ends (`_probe`)."""

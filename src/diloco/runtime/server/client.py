@@ -35,7 +35,7 @@ from diloco.errors import UserError
 from diloco.inner import Worker
 from diloco.runtime.server import diloco_pb2 as pb
 from diloco.runtime.server import diloco_pb2_grpc as rpc
-from diloco.runtime.server.service import CHUNK_BYTES, PROTOCOL
+from diloco.runtime.server.handlers import CHUNK_BYTES, PROTOCOL
 
 T = TypeVar("T")
 # the server is down, restarting or overloaded: wait and try again (for --retry-s seconds)

@@ -26,7 +26,6 @@ write-ahead log) and how `diloco replay` re-runs a server run in one process (re
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -37,9 +36,9 @@ from diloco.async_rules import DelayComp
 from diloco.codec import Encoded
 from diloco.config import TrainConfig
 from diloco.outer_side import OuterSide
-from diloco.runtime.async_sim import AUTO_GRACE_FRACTION, PROBE_FRACTION, Arrival
+from diloco.runtime.async_sim import Arrival
 from diloco.runtime.sim import RoundStats
-from diloco.schedule import shard_probabilities
+from diloco.schedule import SpeedEstimator, dylu_steps, grace_period, probe_steps, shard_probabilities
 
 
 @dataclass
@@ -90,10 +89,6 @@ class Coordinator:
     def finished(self) -> bool:
         return self.side.rounds_done >= self.cfg.rounds if self.sync else self.flushed
 
-    @property
-    def probe_steps(self) -> int:
-        return max(1, round(self.H * PROBE_FRACTION))
-
     def known(self, w: int, token: int) -> bool:
         """Whether worker w is registered, as the registration that got `token`."""
         return w in self.workers and self.workers[w]["token"] == token
@@ -114,12 +109,11 @@ class Coordinator:
         v, job = self.cfg.server, self.next_job
         steps, shard = self.H, w
         if not self.sync:
-            speed = self.workers[w]["step_s"]
-            if v.dylu and speed is None:
-                steps = self.probe_steps
+            measured = {i: r["step_s"] for i, r in self.workers.items() if r["step_s"] is not None}
+            if v.dylu and w not in measured:
+                steps = probe_steps(self.H)
             elif v.dylu:
-                fastest = min(r["step_s"] for r in self.workers.values() if r["step_s"] is not None)
-                steps = max(1, math.floor(fastest / speed * self.H))
+                steps = dylu_steps(list(measured.values()), self.H)[list(measured).index(w)]
             steps = min(steps, self.step_budget - self.dispatched)
             if steps <= 0:
                 return None
@@ -140,11 +134,8 @@ class Coordinator:
     def grace_s(self) -> float:
         """The grace period: `grace_s`, or for "auto" a tenth of a job, H × the fastest measured
         seconds per step (0 while none is measured)."""
-        g = self.cfg.server.grace_s
-        if g != "auto":
-            return float(g)
         known = [r["step_s"] for r in self.workers.values() if r["step_s"] is not None]
-        return AUTO_GRACE_FRACTION * self.H * min(known) if known else 0.0
+        return grace_period(self.cfg.server.grace_s, self.H, known)
 
     def due(self, job: Job) -> float | None:
         """When the server expects job's push, from its worker's measured speed (None: unknown)."""
@@ -210,9 +201,9 @@ class Coordinator:
         self.pushed.add(job.job)
         rec = self.workers[job.worker]
         rec["job"] = None
-        measured = e["compute_s"] / job.steps
-        a = self.cfg.server.dylu_alpha
-        rec["step_s"] = measured if rec["step_s"] is None else a * measured + (1 - a) * rec["step_s"]
+        speed = SpeedEstimator(self.cfg.server.dylu_alpha)  # the EMA; its value lives in the record
+        speed.step_s = rec["step_s"]
+        rec["step_s"] = speed.update(e["compute_s"], job.steps)
         tot = self.totals[job.worker]
         tot["jobs"] += 1
         tot["steps"] += job.steps

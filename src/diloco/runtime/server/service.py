@@ -4,7 +4,7 @@ real clock, with a write-ahead log.
 `ServerRuntime` has the runtime interface of runtime/__init__.py, so `diloco serve` is `diloco
 train`'s loop (evaluation, metrics, checkpoints, summary) with this runtime: its main thread
 decides (rounds, jobs, grace windows, leases) and applies outer steps; gRPC threads answer the
-workers. Every event goes through `_record`: appended to the write-ahead log and made durable,
+workers (handlers.py). Every event goes through `_record`: appended to the write-ahead log and made durable,
 written to events.jsonl, then applied, all under one lock, so the log's order is the order of
 the state's changes. A push is acknowledged only once its record is durable.
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 import uuid
@@ -29,22 +28,15 @@ import grpc
 
 from diloco.codec import Encoded, Fp32Codec
 from diloco.config import TrainConfig
-from diloco.errors import NonFinite, UserError
+from diloco.errors import UserError
 from diloco.outer_side import OuterSide
 from diloco.runtime import SideView
-from diloco.runtime.server import diloco_pb2 as pb
 from diloco.runtime.server import diloco_pb2_grpc as rpc
 from diloco.runtime.server import wal
 from diloco.runtime.server.coordinator import Coordinator, Job
+from diloco.runtime.server.handlers import CHUNK_BYTES, Handlers, log
 
-PROTOCOL = 1  # bumped when the messages change meaning
-CHUNK_BYTES = 1 << 20  # a stream's chunks stay well under gRPC's 4 MB message limit
-LONG_POLL_S = 5.0  # a worker asking for a job waits this long for one before being told to ask again
 TICK_S = 0.2  # how often the main thread looks at leases and deadlines while it waits
-
-
-def _log(text: str) -> None:
-    print(f"diloco serve: {text}", file=sys.stderr, flush=True)
 
 
 class ServerRuntime(SideView):
@@ -87,7 +79,7 @@ class ServerRuntime(SideView):
     def round(self, *, active: int | None = None):
         """One sync round: every registered worker (all k for the first round) gets a job; the
         round closes when each has pushed or left, or when --round-timeout-s passes."""
-        if (replayed := self._drain_log()) is not None:
+        if (replayed := self._drainlog()) is not None:
             return replayed
         self._start()
         c = self.coord
@@ -115,7 +107,7 @@ class ServerRuntime(SideView):
         """Async: apply the next arrived outer_grad (with a grace period, the pushes that land
         before the window closes form a group, applied one per call, whose workers then restart
         together); hands out jobs to idle workers. None when the budget is spent."""
-        if (replayed := self._drain_log()) is not None:
+        if (replayed := self._drainlog()) is not None:
             return replayed
         self._start()
         c = self.coord
@@ -223,7 +215,7 @@ class ServerRuntime(SideView):
                 "the events in between are lost, so this run cannot be resumed exactly; start it again."
             )
         if self._pending:
-            _log(f"replaying {len(self._pending)} events of the write-ahead log after the checkpoint")
+            log(f"replaying {len(self._pending)} events of the write-ahead log after the checkpoint")
 
     def close(self, *, clean: bool = True) -> None:
         if self._server is not None:
@@ -249,6 +241,10 @@ class ServerRuntime(SideView):
             )
             self.cond.notify_all()
             raise self.failure from None
+        return self._apply(event, message)
+
+    def _apply(self, event: dict[str, Any], message: Encoded | None):
+        """A logged event: into events.jsonl, then applied to the state."""
         self._events.write(json.dumps(event) + "\n")
         self._events.flush()
         out = self.coord.apply(event, message)
@@ -264,7 +260,7 @@ class ServerRuntime(SideView):
             seen = self.last_seen.setdefault(w, now)
             if now - seen > self.cfg.worker_timeout_s:
                 name = self.coord.workers[w]["name"]
-                _log(
+                log(
                     f"worker {w} ({name}) was silent for {now - seen:.0f} s: "
                     "it is gone, its job is re-offered"
                 )
@@ -281,17 +277,16 @@ class ServerRuntime(SideView):
         if self.failure is not None:
             raise self.failure
 
-    def _drain_log(self):
+    def _drainlog(self):
         """On resume: apply the log's records after the checkpoint, up to the next one that closes
         a round or applies an outer_grad (returned, so its metrics are written as they were
         live); None once the log is through."""
-        while self._pending:
-            header, payload = self._pending.popleft()
-            message = Encoded.from_bytes(payload) if payload else None
-            self._events.write(json.dumps(header) + "\n")
-            out = self.coord.apply(header, message)
-            if out is not None:
-                return out
+        with self.cond:
+            while self._pending:
+                header, payload = self._pending.popleft()
+                out = self._apply(header, Encoded.from_bytes(payload) if payload else None)
+                if out is not None:
+                    return out
         return None
 
     def _wait(self, ready: Callable[[], bool], what: Callable[[], str]) -> None:
@@ -307,7 +302,7 @@ class ServerRuntime(SideView):
         now = time.time()
         if now - getattr(self, "_noted", self.t0) >= 30.0:
             self._noted = now
-            _log(text())
+            log(text())
 
     def _start(self) -> None:
         if self._server is not None:
@@ -319,7 +314,7 @@ class ServerRuntime(SideView):
             futures.ThreadPoolExecutor(max_workers=4 * self.num_workers + 8),
             options=[("grpc.max_receive_message_length", 4 * CHUNK_BYTES), ("grpc.so_reuseport", 0)],
         )
-        rpc.add_ParameterServerServicer_to_server(_Service(self), server)
+        rpc.add_ParameterServerServicer_to_server(Handlers(self), server)
         host, _, port = self.listen.rpartition(":")
         try:
             bound = server.add_insecure_port(self.listen)
@@ -334,7 +329,7 @@ class ServerRuntime(SideView):
         self._server, self.address = server, f"{host}:{bound}"
         info = {"address": self.address, "run_id": self.run_id, "pid": os.getpid()}
         (self.run_dir / "server.json").write_text(json.dumps(info) + "\n")
-        _log(
+        log(
             f"serving {self.run_dir} on {self.address}; "
             f"start workers with: diloco worker --server {self.address}"
         )
@@ -350,184 +345,3 @@ class ServerRuntime(SideView):
                 self._blobs = {v: b for v, b in self._blobs.items() if v in live}
                 self._blobs[job.version] = blob
         return blob
-
-
-class _Service(rpc.ParameterServerServicer):
-    """The gRPC handlers: each runs on a thread of the server's pool."""
-
-    def __init__(self, rt: ServerRuntime):
-        self.rt = rt
-
-    def _check(self, run_id: str, ctx) -> None:
-        if run_id != self.rt.run_id:
-            ctx.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this server now runs another run ({self.rt.run_dir}); restart the worker to join it",
-            )
-
-    def _touch(self, w: int, token: int) -> bool:
-        """Renew worker w's lease if it is the registration that got `token`; whether it is."""
-        known = self.rt.coord.known(w, token)
-        if known:
-            self.rt.last_seen[w] = time.monotonic()
-        return known
-
-    def Register(self, request, ctx):
-        rt = self.rt
-        if request.protocol != PROTOCOL:
-            ctx.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this server speaks protocol {PROTOCOL}, the worker {request.protocol}; "
-                "run the same diloco on both",
-            )
-        with rt.cond:
-            if rt.coord.finished:
-                return pb.RegisterReply(status=pb.RegisterReply.DONE)
-            again = [
-                w for w, rec in rt.coord.workers.items() if request.nonce and rec["nonce"] == request.nonce
-            ]
-            w = again[0] if again else rt.coord.free_slot()  # a retried Register gets its slot again
-            if w is None:
-                return pb.RegisterReply(status=pb.RegisterReply.FULL, retry_s=1.0)
-            if not again:
-                event = {"kind": "join", "worker": w, "name": request.name, "device": request.device}
-                rt._record({**event, "nonce": request.nonce})
-                _log(f"worker {w} joined ({request.name}, {request.device})")
-            rt.last_seen[w] = time.monotonic()
-            token = rt.coord.workers[w]["token"]
-        return pb.RegisterReply(
-            status=pb.RegisterReply.OK,
-            worker=w,
-            run_id=rt.run_id,
-            config_json=json.dumps(rt.cfg.to_dict()),
-            shard_tokens=rt.coord.shard_sizes,
-            heartbeat_s=max(0.1, rt.cfg.worker_timeout_s / 4),
-            token=token,
-        )
-
-    def GetJob(self, request, ctx):
-        rt, w = self.rt, request.worker
-        self._check(request.run_id, ctx)
-        limit = time.monotonic() + LONG_POLL_S
-        with rt.cond:
-            while True:
-                known = self._touch(w, request.token)
-                if rt.coord.finished:
-                    rt.told_done.add(request.token)
-                    yield_header, job = pb.JobChunk(status=pb.JobChunk.DONE), None
-                    break
-                if not known:
-                    yield_header, job = pb.JobChunk(status=pb.JobChunk.UNKNOWN_WORKER), None
-                    break
-                jid = rt.coord.workers[w]["job"]
-                if jid is not None and jid in rt.coord.jobs:
-                    job = rt.coord.jobs[jid]
-                    yield_header = None
-                    break
-                if time.monotonic() >= limit:
-                    yield_header, job = pb.JobChunk(status=pb.JobChunk.WAIT, retry_s=0.0), None
-                    break
-                rt.cond.wait(1.0)
-        if job is None:
-            yield yield_header
-            return
-        blob = rt.params_blob(job)
-        rt.wire[w]["received"] += len(blob)
-        yield pb.JobChunk(
-            status=pb.JobChunk.RUN,
-            job=job.job,
-            steps=job.steps,
-            shard=job.shard,
-            lr_step=job.lr_step,
-            version=job.version,
-            total_bytes=len(blob),
-        )
-        for at in range(0, len(blob), CHUNK_BYTES):
-            yield pb.JobChunk(data=blob[at : at + CHUNK_BYTES])
-
-    def Push(self, request_iterator, ctx):
-        rt = self.rt
-        head = next(request_iterator, None)
-        if head is None:
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "an empty push; send a header chunk first")
-        self._check(head.run_id, ctx)
-        blob = b"".join([head.data, *(chunk.data for chunk in request_iterator)])
-        w, jid = head.worker, head.job
-        if len(blob) != head.total_bytes:
-            ctx.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"push of job {jid} has {len(blob)} bytes, its header says {head.total_bytes}; resend it",
-            )
-        with rt.cond:
-            self._touch(w, head.token)
-            verdict = self._verdict(w, head.token, jid)
-        if verdict is not None:
-            return verdict
-        if not head.finite and rt.cfg.on_nonfinite == "stop":  # not logged: a resume can go past it
-            with rt.cond:
-                rt.failure = NonFinite(
-                    f"worker {w} produced a non-finite (NaN or Inf) training loss or outer_grad in job "
-                    f"{jid}; the run stopped before applying it and its last checkpoint is intact: --resume "
-                    "it if the cause was passing, or start again with a lower --inner-lr or with "
-                    "--on-nonfinite drop."
-                )
-                rt.cond.notify_all()
-            ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, "the run stopped on a non-finite outer_grad")
-        try:
-            message = Encoded.from_bytes(blob)
-            rt.side.codec.check(message)
-        except UserError as e:
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        want = [tuple(p.shape) for p in rt.side.params]
-        got = [tuple(t.shape) for t in message.payload]
-        if rt.side.codec.summable and got != want:
-            ctx.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"job {jid}'s outer_grad does not fit this model's parameters",
-            )
-        with rt.cond:
-            verdict = self._verdict(w, head.token, jid)
-            if verdict is not None:
-                return verdict
-            job = rt.coord.jobs[jid]
-            event = {
-                "kind": "push",
-                "job": jid,
-                "worker": w,
-                "steps": job.steps,
-                "loss": head.mean_loss,
-                "lr": head.last_lr,
-                "compute_s": head.compute_s,
-                "finite": head.finite,
-                "nbytes": message.nbytes,
-            }
-            rt._record(event, blob, message)
-            rt.wire[w]["sent"] += len(blob)
-        return pb.PushReply(status=pb.PushReply.ACCEPTED)
-
-    def _verdict(self, w: int, token: int, jid: int):
-        """The reply to a push that is not accepted now (None: accept it). Lock held."""
-        rt = self.rt
-        if jid in rt.coord.pushed:
-            return pb.PushReply(status=pb.PushReply.DUPLICATE, reason=f"job {jid} was accepted before")
-        job = rt.coord.jobs.get(jid)
-        if job is None or job.worker != w or not rt.coord.known(w, token):
-            if job is None and jid < rt.coord.next_job and jid not in rt.coord.late:
-                rt._record({"kind": "late", "job": jid, "worker": w})
-            return pb.PushReply(
-                status=pb.PushReply.LATE, reason=f"job {jid} was abandoned (round closed or lease ran out)"
-            )
-        return None
-
-    def Heartbeat(self, request, ctx):
-        self._check(request.run_id, ctx)
-        with self.rt.cond:
-            return pb.HeartbeatReply(known=self._touch(request.worker, request.token))
-
-    def Leave(self, request, ctx):
-        self._check(request.run_id, ctx)
-        with self.rt.cond:
-            if self.rt.coord.known(request.worker, request.token):
-                self.rt._leave(request.worker, "left")
-            self.rt.may_call.discard(request.token)
-        return pb.LeaveReply()
