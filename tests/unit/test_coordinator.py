@@ -169,3 +169,26 @@ def test_events_out_of_order_or_off_the_state_are_refused(tiny):
     log({"kind": "begin", "round": 1, "members": [0]})
     with pytest.raises(RuntimeError, match="between rounds"):
         coord.state_dict()
+
+
+@pytest.mark.timeout(60)
+def test_async_rules_get_staleness_and_the_pulled_parameters(tiny):
+    """Any async rule runs on the server as in the simulator: delay compensation, which needs the
+    parameters a job started from and its staleness, matches the rule applied by hand."""
+    coord = make(tiny, method="async", k=2, dylu=False, shard_sampling=False, rule="delaycomp")
+    coord.side.update = build_async_rule("delaycomp", lr=0.7, momentum=0.9, num_workers=2)
+    reference = build_async_rule("delaycomp", lr=0.7, momentum=0.9, num_workers=2)
+    theta = [p.detach().clone() for p in coord.side.params]
+    log = Log(coord)
+    for w in (0, 1):
+        log({"kind": "join", "worker": w, "name": f"w{w}", "device": "cpu"})
+        log(coord.plan_dispatch(w))
+    pulled = [t.clone() for t in theta]  # both jobs start from version 0
+    for job, w, scale in ((0, 0, 0.01), (1, 1, -0.02)):
+        grad = outer_grad(coord, scale)
+        push(log, job, w, grad)
+        arrival = log({"kind": "apply", "job": job})
+        assert arrival.staleness == job  # the second was pulled before the first applied
+        reference.apply(theta, grad, worker=w, staleness=job, pulled=pulled)
+    for p, r in zip(coord.side.params, theta):
+        assert torch.equal(p, r)
