@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -38,7 +39,7 @@ def _outer_lrs() -> dict[str, float]:
 
 
 def run(method: str, args, out: Path, outer_lr: float, extra: tuple[str, ...] = ()) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DILOCO_TOKEN": secrets.token_urlsafe(32)}
     cmd = [sys.executable, "-m", "diloco", "serve", "--out", str(out), "--port", "0", "--threads", "1",
            "--method", method, "--workers", str(len(SLOWDOWNS)), "--inner-steps", str(args.inner_steps),
            "--rounds", str(args.rounds), "--seed", str(args.seed), "--outer-lr", str(outer_lr),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -90,7 +91,9 @@ def main() -> None:
     with torch.device("meta"):
         shapes = [p.shape for p in GPT(MODEL_PRESETS[args.model]).parameters()]
     message = Fp32Codec().encode([torch.zeros(s) for s in shapes]).to_bytes()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    token = secrets.token_urlsafe(32)  # the server checks it on every call, as in a real run
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DILOCO_TOKEN": token}
+    meta = (("authorization", f"Bearer {token}"),)
     jobs = args.cycles + 5
     opts = [("grpc.max_receive_message_length", 4 * CHUNK)]
 
@@ -109,7 +112,8 @@ def main() -> None:
             time.sleep(0.1)
         address = json.loads((run / "server.json").read_text())["address"]
         stub = rpc.ParameterServerStub(grpc.insecure_channel(address, options=opts))
-        reg = stub.Register(pb.RegisterRequest(name="bench", device="cpu", protocol=PROTOCOL), timeout=60)
+        request = pb.RegisterRequest(name="bench", device="cpu", protocol=PROTOCOL)
+        reg = stub.Register(request, timeout=60, metadata=meta)
         return proc, stub, pb.WorkerRef(worker=reg.worker, run_id=reg.run_id, token=reg.token)
 
     with socket_port() as raw_port:
@@ -129,15 +133,15 @@ def main() -> None:
     def diloco_cycle(name: str) -> tuple[float, float, int]:
         _, stub, ref = servers[name]
         t0 = time.perf_counter()
-        chunks = stub.GetJob(ref, timeout=60)
+        chunks = stub.GetJob(ref, timeout=60, metadata=meta)
         head = next(chunks)
         down = len(b"".join(c.data for c in chunks))
         assert head.status == pb.JobChunk.RUN, head
         t1 = time.perf_counter()
         push = pb.PushChunk(worker=ref.worker, run_id=ref.run_id, token=ref.token, job=head.job,
                             steps=head.steps, mean_loss=1.0, last_lr=1e-3, finite=True, compute_s=1e-3,
-                            total_bytes=len(message))  # fmt: skip
-        reply = stub.Push(_push_chunks(push, message), timeout=60)
+                            total_bytes=len(message), version=head.version)  # fmt: skip
+        reply = stub.Push(_push_chunks(push, message), timeout=60, metadata=meta)
         assert reply.status == pb.PushReply.ACCEPTED, reply
         return t1 - t0, time.perf_counter() - t1, down + len(message)
 

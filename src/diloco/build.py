@@ -187,11 +187,11 @@ def build_trainer(
     init: dict[str, torch.Tensor] | None = None,
     *,
     run_dir: Path | None = None,
-    listen: str = "127.0.0.1:7000",
+    serve=None,
 ):
     """The runtime for `cfg` (see runtime/__init__.py); the global model comes from `cfg.seed`,
-    or from `init` (see `load_init`). The server runtime keeps its log in `run_dir` and listens
-    on `listen` (HOST:PORT)."""
+    or from `init` (see `load_init`). The server runtime keeps its log in `run_dir` and faces the
+    network as `serve` (a ServeOptions) says."""
     if cfg.runtime == "collective":
         from diloco.runtime.collective import CollectiveDiLoCo
 
@@ -200,7 +200,7 @@ def build_trainer(
         from diloco.runtime.server.service import ServerRuntime
 
         assert run_dir is not None, "the server runtime needs its run directory"
-        return ServerRuntime(cfg, build_side(cfg, data, init), [len(s) for s in data.shards], run_dir, listen)
+        return ServerRuntime(cfg, build_side(cfg, data, init), [len(s) for s in data.shards], run_dir, serve)
     if cfg.method in ("single", "dp"):
         model = initial_model(cfg, init)
         k = len(data.shards)

@@ -20,7 +20,13 @@ from diloco.errors import Interrupted, RunFailed, UserError
 # Settings `--resume DIR` may change: where and how fast the run continues, never its results.
 RESUME_OVERRIDES = ("runtime", "threads", "sim.procs", "timeout_s")
 # ... and those `diloco serve --resume DIR` may change (how long the server waits for workers)
-SERVE_RESUME_OVERRIDES = ("threads", "round_timeout_s", "worker_timeout_s")
+SERVE_RESUME_OVERRIDES = (
+    "threads",
+    "round_timeout_s",
+    "worker_timeout_s",
+    "max_update_norm_ratio",
+    "max_staleness",
+)
 
 
 def _flag_type(parse, flag: str):
@@ -120,6 +126,27 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None, help="show a progress bar"
     )
+    sec = serve.add_argument_group("security and the status page (docs/server.md)")
+    sec.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="the run's secret, which workers must send (default: $DILOCO_TOKEN, else one is "
+        "generated into RUN_DIR/token)",
+    )
+    sec.add_argument(
+        "--insecure-no-token",
+        action="store_true",
+        help="let anyone who reaches the port in (loopback experiments only)",
+    )
+    sec.add_argument("--tls-cert", type=Path, metavar="PEM", help="serve over TLS with this certificate")
+    sec.add_argument("--tls-key", type=Path, metavar="PEM", help="the private key of --tls-cert")
+    sec.add_argument(
+        "--http-port",
+        type=int,
+        metavar="PORT",
+        help="port of the status page (default: --port + 1; 0: any free port; -1: no status page)",
+    )
     worker = sub.add_parser("worker", help="work for a parameter server until its run is done")
     worker.add_argument("--server", required=True, metavar="HOST:PORT", help="the server's address")
     worker.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N) (default cpu)")
@@ -135,6 +162,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         metavar="F",
         help="emulate a machine F times slower: every inner step is padded to F x its time (default 1)",
+    )
+    worker.add_argument(
+        "--token-file", type=Path, metavar="FILE", help="the run's token (default: $DILOCO_TOKEN)"
+    )
+    worker.add_argument(
+        "--tls-ca",
+        type=Path,
+        metavar="PEM",
+        help="connect over TLS, trusting the certificates this CA signed",
+    )
+    worker.add_argument(
+        "--acks",
+        type=Path,
+        metavar="FILE",
+        help="append a JSON line per acknowledged push (job, seconds) to FILE: for load tests",
     )
     worker.add_argument(
         "--retry-s",
@@ -254,6 +296,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from diloco.runtime.server import security
+    from diloco.runtime.server.security import ServeOptions
     from diloco.train import train
 
     overrides = _overrides(args)
@@ -274,12 +318,34 @@ def _serve(args: argparse.Namespace) -> int:
         cfg = from_dict(values, where=str(args.config) if args.config else "the flags")
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be from 0 to 65535, got {args.port}.")
-    summary = train(cfg, resume=args.resume, progress=args.progress, listen=f"{args.host}:{args.port}")
+    if args.http_port is not None and not -1 <= args.http_port < 65536:
+        raise UserError(
+            f"--http-port must be from 0 to 65535, or -1 for no status page; got {args.http_port}."
+        )
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UserError("--tls-cert and --tls-key go together: give both (or neither, for no TLS).")
+    for path in (args.token_file, args.tls_cert, args.tls_key):
+        if path is not None and not path.is_file():
+            raise UserError(f"{path} is not a file; give the path of an existing file.")
+    if args.insecure_no_token and (args.token_file is not None or os.environ.get("DILOCO_TOKEN")):
+        raise UserError("--insecure-no-token with --token-file or DILOCO_TOKEN: choose one.")
+    opts = ServeOptions(
+        listen=f"{args.host}:{args.port}",
+        token_file=args.token_file,
+        insecure_no_token=args.insecure_no_token,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        http_port=args.http_port,
+    )
+    if args.token_file is not None:
+        security.worker_token(args.token_file)  # a bad token file is refused before any work
+    summary = train(cfg, resume=args.resume, progress=args.progress, serve=opts)
     _report(summary)
     return 0
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from diloco.runtime.server import security
     from diloco.runtime.server.client import run_worker
 
     if args.threads < 1 or not args.slowdown >= 1.0 or not args.retry_s >= 0:
@@ -287,8 +353,18 @@ def _worker(args: argparse.Namespace) -> int:
             f"diloco worker needs --threads >= 1, --slowdown >= 1 and --retry-s >= 0, got {args.threads}, "
             f"{args.slowdown} and {args.retry_s}."
         )
+    for path in (args.token_file, args.tls_ca):
+        if path is not None and not path.is_file():
+            raise UserError(f"{path} is not a file; give the path of an existing file.")
     return run_worker(
-        args.server, device=args.device, threads=args.threads, slowdown=args.slowdown, retry_s=args.retry_s
+        args.server,
+        device=args.device,
+        threads=args.threads,
+        slowdown=args.slowdown,
+        retry_s=args.retry_s,
+        token=security.worker_token(args.token_file),
+        tls_ca=args.tls_ca,
+        acks=args.acks,
     )
 
 

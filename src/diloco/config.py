@@ -258,6 +258,18 @@ class TrainConfig:
         needs=ON_SERVER,
         help="seconds without a heartbeat after which a worker is gone and its job is re-offered",
     )
+    max_update_norm_ratio: float = setting(
+        0.0,
+        flag="--max-update-norm-ratio",
+        needs=ON_SERVER,
+        help="refuse an outer_grad whose norm per √step exceeds this × the median of recent ones; 0: off",
+    )
+    max_staleness: int = setting(
+        0,
+        flag="--max-staleness",
+        needs=ON_SERVER,
+        help="async: refuse an outer_grad pulled more than this many updates ago; 0: no limit",
+    )
     drop_prob: float = setting(
         0.0, flag="--drop-prob", needs=ON_DILOCO, help="probability that an outer_grad is lost, each round"
     )
@@ -393,6 +405,18 @@ def validate(cfg: TrainConfig) -> None:
             )
         settings.in_range(cfg, "round_timeout_s", lo=0.0)
         settings.in_range(cfg, "worker_timeout_s", lo=0.0, lo_open=True)
+        settings.in_range(cfg, "max_update_norm_ratio", lo=0.0)
+        settings.in_range(cfg, "max_staleness", lo=0)
+        if cfg.max_staleness and cfg.method != "async":
+            raise UserError(
+                "max_staleness (--max-staleness) limits how stale an async push may be; a sync round's "
+                "outer_grads are never stale: drop it or use --method async."
+            )
+        if 0 < cfg.max_update_norm_ratio <= 1:
+            raise UserError(
+                f"max_update_norm_ratio (--max-update-norm-ratio) is {cfg.max_update_norm_ratio:g}, which "
+                "would refuse a typical update; give a number above 1 (10 in docs/server.md) or 0 for off."
+            )
     _validate_sim(cfg)
     _validate_server(cfg)
     settings.check_needs(cfg)

@@ -282,14 +282,15 @@ def train(
     resume: Path | None = None,
     stop_after: int | None = None,
     progress: bool | None = None,
-    listen: str = "127.0.0.1:7000",
+    serve=None,
 ) -> dict[str, Any]:
     """Run (or continue) a training run; returns the summary (or where it stopped early).
 
     Under torchrun (`runtime = "collective"`) every rank calls this; rank 0 reads and writes the
     run directory and tells the others what it decided (or the user error it found), returns
     the summary, the others return {"rank": r}. The parameter server (`runtime = "server"`,
-    `diloco serve`) listens on `listen` (HOST:PORT). A job that torchrun restarts after a failure
+    `diloco serve`) faces the network as `serve` (a ServeOptions: address, token, TLS,
+    status page) says. A job that torchrun restarts after a failure
     resumes from its own run's latest checkpoint, and only its own."""
     threads = cfg.resolved_threads
     collective = cfg.runtime == "collective"
@@ -314,7 +315,7 @@ def train(
     else:
         run_dir_text, resuming = decide()
     run_dir = Path(run_dir_text)
-    trainer = build_trainer(cfg, data, init, run_dir=run_dir, listen=listen)
+    trainer = build_trainer(cfg, data, init, run_dir=run_dir, serve=serve)
     del init  # the model holds its own copy
     clean = False
     try:
@@ -394,6 +395,8 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
         run.evaluate(0)
         if cfg.checkpoint_every:  # from here on the run can always be resumed
             save_checkpoint(run, 0, 0, run_dir)
+    if cfg.runtime == "server":
+        trainer.attach_run(run)  # refused pushes get metrics lines
     loop = _run_async if cfg.method == "async" else _run_sync
     try:
         finished = loop(

@@ -18,7 +18,9 @@ from diloco.cli import main
 from diloco.runtime.server.replay import replay
 
 TINY = "[model]\nn_layer = 2\nn_head = 2\nd_model = 32\n[inner]\nwarmup_steps = 2\n"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TOKEN = "test-token-of-this-run-0123456789"
+# server and workers share the run's token through the environment, as a deployment would
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DILOCO_TOKEN": TOKEN}
 SMALL = ["--seq-len", "32", "--batch-size", "4", "--threads", "1"]
 
 

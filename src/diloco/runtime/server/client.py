@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -35,6 +36,7 @@ from diloco.errors import UserError
 from diloco.inner import Worker
 from diloco.runtime.server import diloco_pb2 as pb
 from diloco.runtime.server import diloco_pb2_grpc as rpc
+from diloco.runtime.server import security
 from diloco.runtime.server.handlers import CHUNK_BYTES, PROTOCOL
 
 T = TypeVar("T")
@@ -53,15 +55,37 @@ def _log(text: str) -> None:
     print(f"diloco worker: {text}", file=sys.stderr, flush=True)
 
 
-class Link:
-    """The channel to the server, and the retry policy of every call."""
+# a push the server refused (its reason in the message): the worker drops that job and goes on
+REFUSED = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
+MAX_REFUSED_IN_A_ROW = 3  # then something is wrong with this worker: it stops (exit 2)
 
-    def __init__(self, server: str, retry_s: float):
-        self.server, self.retry_s = server, retry_s
-        self.channel = grpc.insecure_channel(
-            server, options=[("grpc.max_receive_message_length", 4 * CHUNK_BYTES)]
-        )
+
+class Refused(UserError):
+    """The server refused a call for a reason that retrying does not fix."""
+
+    def __init__(self, text: str, code: grpc.StatusCode):
+        super().__init__(text)
+        self.code = code
+
+
+class Link:
+    """The channel to the server (TLS with `tls_ca`), the token every call carries, and the
+    retry policy of every call."""
+
+    def __init__(self, server: str, retry_s: float, token: str | None = None, tls_ca: Path | None = None):
+        self.server, self.retry_s, self.tls_ca, self.token = server, retry_s, tls_ca, token
+        options = [("grpc.max_receive_message_length", 4 * CHUNK_BYTES)]
+        if tls_ca is not None:
+            self.channel = grpc.secure_channel(server, security.channel_credentials(tls_ca), options=options)
+        else:
+            self.channel = grpc.insecure_channel(server, options=options)
         self.stub = rpc.ParameterServerStub(self.channel)
+        self.meta = ((security.HEADER, f"Bearer {token}"),) if token else ()
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
         """fn() until it succeeds; while the server is unreachable, retry with backoff (0.1 s up
@@ -71,16 +95,32 @@ class Link:
             try:
                 return fn()
             except grpc.RpcError as e:
-                code, details = e.code(), e.details()
+                code, details = e.code(), e.details() or ""
+                if code == grpc.StatusCode.UNAUTHENTICATED:
+                    given = "a token that is not the run's" if self.token else "no token"
+                    raise UserError(
+                        f"the server at {self.server} refused this worker, which sent {given}; pass the "
+                        "run's token with --token-file FILE or DILOCO_TOKEN (diloco serve printed where "
+                        "it is)."
+                    ) from None
                 if code not in RETRYABLE:
-                    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
-                        raise UserError(f"the server at {self.server} refused {what}: {details}.") from None
+                    if code in REFUSED:
+                        text = f"the server at {self.server} refused {what}: {details}."
+                        raise Refused(text, code) from None
                     raise
+                if self.tls_ca is not None and _tls_failure(details):
+                    raise UserError(
+                        f"the TLS handshake with {self.server} failed: its certificate is not signed by "
+                        f"--tls-ca {self.tls_ca} or is not for this address ({details}); give the CA that "
+                        "signed the server's certificate."
+                    ) from None
                 waited = time.monotonic() - start
                 if waited >= self.retry_s:
+                    hint = "" if self.tls_ca else " (if it serves TLS, pass --tls-ca)"
                     raise UserError(
                         f"cannot reach the server at {self.server} ({what}) for {waited:.0f} s ({details}); "
-                        "check that diloco serve runs there and the address is right, or raise --retry-s."
+                        f"check that diloco serve runs there{hint} and the address is right, or raise "
+                        "--retry-s."
                     ) from None
                 if not warned and waited >= 1.0:
                     _log(
@@ -95,6 +135,12 @@ class Link:
         self.channel.close()
 
 
+def _tls_failure(details: str) -> bool:
+    """Whether gRPC's message says the TLS handshake failed (a certificate not trusted)."""
+    text = details.lower()
+    return any(s in text for s in ("handshake", "certificate", "ssl", "tls"))
+
+
 class _Heartbeat:
     """Tells the server every `every` seconds that this worker is alive (its lease)."""
 
@@ -107,7 +153,7 @@ class _Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(self.every):
             try:
-                self.link.stub.Heartbeat(self.ref, timeout=max(1.0, self.every))
+                self.link.stub.Heartbeat(self.ref, timeout=max(1.0, self.every), metadata=self.link.meta)
             except grpc.RpcError:
                 pass  # the job loop finds out, and retries
 
@@ -117,7 +163,7 @@ class _Heartbeat:
 
 def _get_job(link: Link, ref: pb.WorkerRef) -> tuple[pb.JobChunk, bytes]:
     """The next job's header and the global parameters (all chunks)."""
-    chunks = link.stub.GetJob(ref, timeout=120.0)
+    chunks = link.stub.GetJob(ref, timeout=120.0, metadata=link.meta)
     head = next(chunks)
     blob = b"".join(chunk.data for chunk in chunks)
     if head.status == pb.JobChunk.RUN and len(blob) != head.total_bytes:
@@ -158,14 +204,23 @@ def _device(name: str) -> torch.device:
 
 
 def run_worker(
-    server: str, *, device: str = "cpu", threads: int = 1, slowdown: float = 1.0, retry_s: float = 60.0
+    server: str,
+    *,
+    device: str = "cpu",
+    threads: int = 1,
+    slowdown: float = 1.0,
+    retry_s: float = 60.0,
+    token: str | None = None,
+    tls_ca: Path | None = None,
+    acks: Path | None = None,
 ) -> int:
-    """Work for the server at `server` (HOST:PORT) until its run is done; returns the exit code."""
+    """Work for the server at `server` (HOST:PORT) until its run is done; returns the exit code.
+    `acks`: a file that gets one JSON line per acknowledged push (job, seconds; load tests)."""
     from diloco.train import set_threads
 
     set_threads(threads)
     dev = _device(device)
-    link = Link(server, retry_s)
+    link = Link(server, retry_s, token, tls_ca)
     name = f"{socket.gethostname()}:{os.getpid()}"
     built: dict[str, tuple] = {}  # the run's settings -> (config, data), kept across rejoins
     acked: set[int] = set()  # jobs whose push the server acknowledged
@@ -176,7 +231,7 @@ def run_worker(
             )
             reg = link.call(
                 "registering",
-                lambda request=request: link.stub.Register(request, timeout=30.0),
+                lambda request=request: link.stub.Register(request, timeout=30.0, metadata=link.meta),
             )
             if reg.status == pb.RegisterReply.DONE:
                 _log(f"the run at {server} is over")
@@ -206,12 +261,12 @@ def run_worker(
             ref = pb.WorkerRef(worker=reg.worker, run_id=reg.run_id, token=reg.token)
             beat = _Heartbeat(link, ref, reg.heartbeat_s)
             try:
-                if _jobs(link, ref, worker, acked):
+                if _jobs(link, ref, worker, acked, cfg, len(data.shards), acks):
                     _log(f"the run at {server} is done; {len(acked)} pushes of this worker were acknowledged")
                     return 0
             except KeyboardInterrupt:
                 try:
-                    link.stub.Leave(ref, timeout=2.0)
+                    link.stub.Leave(ref, timeout=2.0, metadata=link.meta)
                 except grpc.RpcError:
                     pass
                 raise
@@ -222,8 +277,21 @@ def run_worker(
         link.close()
 
 
-def _jobs(link: Link, ref: pb.WorkerRef, worker: Worker, acked: set[int]) -> bool:
+def _check_job(head: pb.JobChunk, start: list[torch.Tensor], worker: Worker, cfg, shards: int) -> None:
+    """A job from the server is checked like any input: steps, shard, position, parameters."""
+    limit = 100 * cfg.inner_steps  # DyLU never gives more than H; a job far beyond it is an error
+    ok = 1 <= head.steps <= limit and 0 <= head.shard < shards and head.lr_step >= 0
+    want = [(tuple(p.shape), p.dtype) for p in worker.model.parameters()]
+    if not ok or [(tuple(t.shape), t.dtype) for t in start] != want:
+        raise UserError(
+            f"job {head.job} from the server does not fit this run (steps {head.steps}, shard {head.shard}, "
+            f"position {head.lr_step}, {len(start)} tensors); run the same diloco on server and workers."
+        )
+
+
+def _jobs(link: Link, ref: pb.WorkerRef, worker: Worker, acked: set[int], cfg, shards: int, acks) -> bool:
     """Jobs until the run is done (True) or the server no longer knows this worker (False)."""
+    refused = 0
     while True:
         head, blob = link.call("asking for a job", lambda: _get_job(link, ref))
         if head.status == pb.JobChunk.DONE:
@@ -234,6 +302,7 @@ def _jobs(link: Link, ref: pb.WorkerRef, worker: Worker, acked: set[int]) -> boo
             time.sleep(head.retry_s)
             continue
         start = Encoded.from_bytes(blob).payload
+        _check_job(head, start, worker, cfg, shards)
         t0 = time.perf_counter()
         result = worker.run(start, head.steps, lr_step=head.lr_step, shard=head.shard)
         compute_s = time.perf_counter() - t0
@@ -249,12 +318,27 @@ def _jobs(link: Link, ref: pb.WorkerRef, worker: Worker, acked: set[int]) -> boo
             finite=result.finite,
             compute_s=compute_s,
             total_bytes=len(message),
+            version=head.version,
         )
-        reply = link.call(
-            "pushing",
-            lambda push=push, message=message: link.stub.Push(_push_chunks(push, message), timeout=120.0),
-        )
+        t0 = time.perf_counter()
+        try:
+            reply = link.call(
+                f"job {head.job}'s update",
+                lambda push=push, message=message: link.stub.Push(
+                    _push_chunks(push, message), timeout=120.0, metadata=link.meta
+                ),
+            )
+        except Refused as e:  # e.g. too stale, or a norm over the bound: this job is dropped
+            refused += 1
+            if refused >= MAX_REFUSED_IN_A_ROW:
+                raise UserError(f"{e} ({refused} updates of this worker were refused in a row)") from None
+            _log(f"{e} Going on with the next job.")
+            continue
+        refused = 0
         if reply.status == pb.PushReply.LATE:
             _log(f"job {head.job} came too late and was dropped ({reply.reason})")
         else:  # accepted now, or before (a retry after a lost reply)
             acked.add(head.job)
+            if acks is not None:
+                with open(acks, "a") as f:
+                    f.write(json.dumps({"job": head.job, "push_s": time.perf_counter() - t0}) + "\n")

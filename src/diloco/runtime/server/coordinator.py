@@ -8,7 +8,10 @@ Every change of the server's state is an event (a small dict, `kind` plus fields
     leave    {worker, reason}                   it left or its lease ran out; its job is abandoned
     begin    {round, members}                   sync: a round starts with these workers
     dispatch {job, worker, steps, shard, lr_step, version}   a job is handed out (θ copied now)
-    push     {job, worker, steps, loss, lr, compute_s, finite, nbytes}   + the encoded outer_grad
+    push     {job, worker, steps, loss, lr, compute_s, finite, nbytes, norm}   + the encoded outer_grad
+    reject   {job, worker, reason, detail, abandon}   a push refused by validation (handlers.py);
+                                                θ is untouched; with `abandon` the job, the
+                                                pusher's own, is given back as on a leave
     close    {round}                            sync: the outer step on what arrived
     apply    {job}                              async: one arrived outer_grad applied by the rule
     late     {job, worker}                      a worker pushed a job already abandoned (replay
@@ -27,6 +30,8 @@ write-ahead log) and how `diloco replay` re-runs a server run in one process (re
 from __future__ import annotations
 
 import random
+import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +44,9 @@ from diloco.outer_side import OuterSide
 from diloco.runtime.async_sim import Arrival
 from diloco.runtime.sim import RoundStats
 from diloco.schedule import SpeedEstimator, dylu_steps, grace_period, probe_steps, shard_probabilities
+
+NORM_WINDOW = 16  # --max-update-norm-ratio compares with the median of this many accepted pushes
+NORM_MIN = 4  # ... once there are at least this many
 
 
 @dataclass
@@ -67,7 +75,9 @@ class Coordinator:
         self.seq = 0  # events applied
         self.workers: dict[int, dict[str, Any]] = {}  # registered, by slot
         self.jobs: dict[int, Job] = {}  # handed out, not pushed or abandoned
-        self.pushed: set[int] = set()  # jobs whose push was accepted (a retry is a duplicate)
+        self.pushed: dict[int, int] = {}  # job -> worker, for accepted pushes (a retry is a duplicate)
+        self.norms: deque[float] = deque(maxlen=NORM_WINDOW)  # recent accepted outer_grad norms per √step
+        self.rejected: dict[str, int] = {}  # refused pushes by reason
         self.late: set[int] = set()  # abandoned jobs whose push came anyway (logged once)
         self.next_job = 0
         self.shard_steps = [0] * len(shard_sizes)
@@ -92,6 +102,13 @@ class Coordinator:
     def known(self, w: int, token: int) -> bool:
         """Whether worker w is registered, as the registration that got `token`."""
         return w in self.workers and self.workers[w]["token"] == token
+
+    def norm_bound(self, ratio: float) -> float | None:
+        """The largest outer_grad norm per √step accepted now: `ratio` × the median of the recent
+        accepted ones (None: no bound, when ratio is 0 or too few were accepted yet)."""
+        if not ratio or len(self.norms) < NORM_MIN:
+            return None
+        return ratio * statistics.median(self.norms)
 
     def free_slot(self) -> int | None:
         return next((w for w in range(self.k) if w not in self.workers), None)
@@ -198,7 +215,9 @@ class Coordinator:
 
     def _on_push(self, e, message):
         job = self.jobs.pop(e["job"])
-        self.pushed.add(job.job)
+        self.pushed[job.job] = job.worker
+        if e.get("norm") is not None:
+            self.norms.append(e["norm"])
         rec = self.workers[job.worker]
         rec["job"] = None
         speed = SpeedEstimator(self.cfg.server.dylu_alpha)  # the EMA; its value lives in the record
@@ -208,6 +227,7 @@ class Coordinator:
         tot["jobs"] += 1
         tot["steps"] += job.steps
         tot["compute_s"] += e["compute_s"]
+        tot["last_steps"] = job.steps
         if self.sync:
             self.inbox[job.worker] = (e, message)
         else:
@@ -250,10 +270,19 @@ class Coordinator:
         )
         self.applied += job.steps
         self.totals[job.worker]["staleness"] += staleness
+        self.totals[job.worker]["last_staleness"] = staleness
         speed = self.workers.get(job.worker, {}).get("step_s")
         return Arrival(
             job.worker, job.steps, staleness, changed, push["loss"], push["lr"], job.shard, speed, e["t"]
         )
+
+    def _on_reject(self, e, _):
+        self.rejected[e["reason"]] = self.rejected.get(e["reason"], 0) + 1
+        if e["abandon"]:
+            job = self.jobs.pop(e["job"])
+            self.workers[job.worker]["job"] = None
+            if not self.sync:
+                self.dispatched -= job.steps  # re-offered, as a departed worker's
 
     def _on_late(self, e, _):
         self.late.add(e["job"])
@@ -275,7 +304,9 @@ class Coordinator:
             "workers": {str(w): dict(rec) for w, rec in self.workers.items()},
             "jobs": [_job_state(j) for j in self.jobs.values()],
             "pulled": {str(v): list(p) for v, p in versions.items()},
-            "pushed": sorted(self.pushed),
+            "pushed": sorted(self.pushed.items()),
+            "norms": list(self.norms),
+            "rejected": dict(self.rejected),
             "late": sorted(self.late),
             "next_job": self.next_job,
             "shard_steps": list(self.shard_steps),
@@ -297,7 +328,9 @@ class Coordinator:
         self.seq = int(s["seq"])
         self.workers = {int(w): dict(rec) for w, rec in s["workers"].items()}
         self.jobs = {j["job"]: job(j) for j in s["jobs"]}
-        self.pushed = set(s["pushed"])
+        self.pushed = {int(j): int(w) for j, w in s["pushed"]}
+        self.norms = deque(s["norms"], maxlen=NORM_WINDOW)
+        self.rejected = dict(s["rejected"])
         self.late = set(s["late"])
         self.next_job = int(s["next_job"])
         self.shard_steps = [int(n) for n in s["shard_steps"]]

@@ -8,12 +8,15 @@ the run's id and its registration's token, so an earlier holder of the slot is r
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import sys
 import time
 from typing import TYPE_CHECKING
 
 import grpc
+import torch
 
 from diloco.codec import Encoded
 from diloco.errors import NonFinite, UserError
@@ -23,7 +26,7 @@ from diloco.runtime.server import diloco_pb2_grpc as rpc
 if TYPE_CHECKING:
     from diloco.runtime.server.service import ServerRuntime
 
-PROTOCOL = 1  # bumped when the messages change meaning
+PROTOCOL = 2  # bumped when the messages change meaning
 CHUNK_BYTES = 1 << 20  # a stream's chunks stay well under gRPC's 4 MB message limit
 LONG_POLL_S = 5.0  # a worker asking for a job waits this long for one before being told to ask again
 
@@ -126,23 +129,40 @@ class Handlers(rpc.ParameterServerServicer):
             yield pb.JobChunk(data=blob[at : at + CHUNK_BYTES])
 
     def Push(self, request_iterator, ctx):
+        """Check a pushed outer_grad before it touches anything, then log it (durably) and
+        acknowledge it. A refused push changes neither θ nor the version (see `_refuse`)."""
         rt = self.rt
+        t0 = time.perf_counter()
         head = next(request_iterator, None)
         if head is None:
             ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "an empty push; send a header chunk first")
         self._check(head.run_id, ctx)
-        blob = b"".join([head.data, *(chunk.data for chunk in request_iterator)])
-        w, jid = head.worker, head.job
-        if len(blob) != head.total_bytes:
-            ctx.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"push of job {jid} has {len(blob)} bytes, its header says {head.total_bytes}; resend it",
+        w, jid, token = head.worker, head.job, head.token
+        refuse = functools.partial(self._refuse, ctx, w, token, jid)
+        limit = rt.max_message_bytes
+        if head.total_bytes > limit:
+            refuse(
+                "oversized", f"push of job {jid} announces {head.total_bytes} bytes, over the limit {limit}"
             )
+        parts, size = [head.data], len(head.data)
+        for chunk in request_iterator:
+            size += len(chunk.data)
+            if size > limit:
+                refuse("oversized", f"push of job {jid} sent more than this run's limit of {limit} bytes")
+            parts.append(chunk.data)
+        blob = b"".join(parts)
+        if len(blob) != head.total_bytes:
+            refuse("length", f"push of job {jid} has {len(blob)} bytes, its header says {head.total_bytes}")
         with rt.cond:
-            self._touch(w, head.token)
-            verdict = self._verdict(w, head.token, jid)
-        if verdict is not None:
-            return verdict
+            self._touch(w, token)
+            verdict = self._verdict(ctx, w, token, jid)
+            if verdict is not None:
+                return verdict
+            job = rt.coord.jobs[jid]
+        if head.version != job.version:
+            refuse("version", f"job {jid} started from version {job.version}, the push says {head.version}")
+        if head.steps != job.steps:
+            refuse("steps", f"job {jid} has {job.steps} inner steps, the push says {head.steps}")
         if not head.finite and rt.cfg.on_nonfinite == "stop":  # not logged: a resume can go past it
             with rt.cond:
                 rt.failure = NonFinite(
@@ -157,19 +177,36 @@ class Handlers(rpc.ParameterServerServicer):
             message = Encoded.from_bytes(blob)
             rt.side.codec.check(message)
         except UserError as e:
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        want = [tuple(p.shape) for p in rt.side.params]
-        got = [tuple(t.shape) for t in message.payload]
-        if rt.side.codec.summable and got != want:
-            ctx.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"job {jid}'s outer_grad does not fit this model's parameters",
-            )
+            refuse("malformed", str(e).removesuffix(" resend it.").rstrip(";."))
+        got = [(tuple(t.shape), t.dtype) for t in message.payload]
+        if got != rt.expected_message:
+            refuse("shape", f"job {jid}'s outer_grad does not have this model's shapes and dtypes")
+        norm = None
+        if head.finite:  # an outer_grad flagged non-finite is dropped by the rule (--on-nonfinite drop)
+            grads = rt.side.codec.decode(message)
+            if not all(bool(torch.isfinite(g).all()) for g in grads):
+                refuse("nonfinite", f"job {jid}'s outer_grad has NaN or Inf values but says it is finite")
+            norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads) / max(1, job.steps))
         with rt.cond:
-            verdict = self._verdict(w, head.token, jid)
+            verdict = self._verdict(ctx, w, token, jid)
             if verdict is not None:
                 return verdict
-            job = rt.coord.jobs[jid]
+            c = rt.coord
+            if rt.cfg.max_staleness and c.side.version - job.version > rt.cfg.max_staleness:
+                refuse(
+                    "stale",
+                    f"job {jid} started from version {job.version}, "
+                    f"{c.side.version - job.version} updates ago "
+                    f"(--max-staleness {rt.cfg.max_staleness})",
+                    code=grpc.StatusCode.FAILED_PRECONDITION,
+                )
+            bound = c.norm_bound(rt.cfg.max_update_norm_ratio)
+            if norm is not None and bound is not None and norm > bound:
+                refuse(
+                    "norm",
+                    f"job {jid}'s outer_grad has norm {norm:.4g} per √step, over {bound:.4g} "
+                    f"(--max-update-norm-ratio {rt.cfg.max_update_norm_ratio:g} × the median of recent ones)",
+                )
             event = {
                 "kind": "push",
                 "job": jid,
@@ -180,19 +217,59 @@ class Handlers(rpc.ParameterServerServicer):
                 "compute_s": head.compute_s,
                 "finite": head.finite,
                 "nbytes": message.nbytes,
+                "norm": norm,
             }
             rt._record(event, blob, message)
             rt.wire[w]["sent"] += len(blob)
+            rt.push_seconds.append(time.perf_counter() - t0)
         return pb.PushReply(status=pb.PushReply.ACCEPTED)
 
-    def _verdict(self, w: int, token: int, jid: int):
-        """The reply to a push that is not accepted now (None: accept it). Lock held."""
+    def _refuse(self, ctx, w: int, token: int, jid: int, reason: str, detail: str, code=None):
+        """Refuse a push: a `reject` event (counted in metrics as kind "rejected"; when the job is
+        the pusher's own, it is given back, as when a worker leaves: θ and the version stay as
+        they are), then a gRPC error with the reason."""
         rt = self.rt
-        if jid in rt.coord.pushed:
-            return pb.PushReply(status=pb.PushReply.DUPLICATE, reason=f"job {jid} was accepted before")
-        job = rt.coord.jobs.get(jid)
-        if job is None or job.worker != w or not rt.coord.known(w, token):
-            if job is None and jid < rt.coord.next_job and jid not in rt.coord.late:
+        with rt.cond:
+            job = rt.coord.jobs.get(jid)
+            own = job is not None and job.worker == w and rt.coord.known(w, token)
+            event = {"kind": "reject", "job": jid, "worker": w, "reason": reason, "detail": detail}
+            rt._record({**event, "abandon": own})
+        log(f"refused a push from worker {w} ({ctx.peer()}): {detail}")
+        if code is None:
+            big = reason == "oversized"
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if big else grpc.StatusCode.INVALID_ARGUMENT
+        ctx.abort(code, f"{reason}: {detail}")
+
+    def _verdict(self, ctx, w: int, token: int, jid: int):
+        """The reply to a push that is not to be checked further (None: go on). Lock held."""
+        rt, c = self.rt, self.rt.coord
+        if jid in c.pushed:
+            if c.pushed[jid] == w:  # a retry after a lost reply: already in
+                return pb.PushReply(status=pb.PushReply.DUPLICATE, reason=f"job {jid} was accepted before")
+            self._refuse(
+                ctx,
+                w,
+                token,
+                jid,
+                "replay",
+                f"job {jid} was pushed by worker {c.pushed[jid]} and applied",
+                code=grpc.StatusCode.PERMISSION_DENIED,
+            )
+        if jid < 0 or jid >= c.next_job:
+            self._refuse(ctx, w, token, jid, "unknown_job", f"job {jid} was never handed out")
+        job = c.jobs.get(jid)
+        if job is not None and job.worker != w:
+            self._refuse(
+                ctx,
+                w,
+                token,
+                jid,
+                "not_yours",
+                f"job {jid} was given to worker {job.worker}, not worker {w}",
+                code=grpc.StatusCode.PERMISSION_DENIED,
+            )
+        if job is None or not c.known(w, token):
+            if job is None and jid not in c.late:
                 rt._record({"kind": "late", "job": jid, "worker": w})
             return pb.PushReply(
                 status=pb.PushReply.LATE, reason=f"job {jid} was abandoned (round closed or lease ran out)"

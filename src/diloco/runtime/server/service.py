@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import torch
 
 from diloco.codec import Encoded, Fp32Codec
 from diloco.config import TrainConfig
@@ -32,11 +33,13 @@ from diloco.errors import UserError
 from diloco.outer_side import OuterSide
 from diloco.runtime import SideView
 from diloco.runtime.server import diloco_pb2_grpc as rpc
-from diloco.runtime.server import wal
+from diloco.runtime.server import security, wal
 from diloco.runtime.server.coordinator import Coordinator, Job
 from diloco.runtime.server.handlers import CHUNK_BYTES, Handlers, log
+from diloco.runtime.server.security import ServeOptions
 
 TICK_S = 0.2  # how often the main thread looks at leases and deadlines while it waits
+MESSAGE_SLACK = 1 << 16  # a push may exceed the exact size of this model's message by this much
 
 
 class ServerRuntime(SideView):
@@ -46,8 +49,27 @@ class ServerRuntime(SideView):
     is_main = True
     sim_time_s = None
 
-    def __init__(self, cfg: TrainConfig, side: OuterSide, shard_sizes: list[int], run_dir: Path, listen: str):
-        self.cfg, self.side, self.run_dir, self.listen = cfg, side, run_dir, listen
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        side: OuterSide,
+        shard_sizes: list[int],
+        run_dir: Path,
+        opts: ServeOptions | None,
+    ):
+        opts = opts or ServeOptions()
+        self.cfg, self.side, self.run_dir, self.opts = cfg, side, run_dir, opts
+        self.listen = opts.listen
+        self.token = security.server_token(opts, run_dir)  # None: --insecure-no-token
+        self.refusals = security.Refusals(log)
+        # what a pushed outer_grad must look like: this model's tensors through the run's codec
+        template = side.codec.encode([torch.zeros_like(p) for p in side.params], {})
+        self.expected_message = [(tuple(t.shape), t.dtype) for t in template.payload]
+        self.max_message_bytes = len(template.to_bytes()) + MESSAGE_SLACK
+        self.recent_rejected: deque = deque(maxlen=20)  # for the status page
+        self.push_seconds: deque = deque(maxlen=1000)  # receive-to-acknowledge time of recent pushes
+        self.run = None  # train.Run, for the metrics lines of refused pushes (attach_run)
+        self.status_page = None
         self.coord = Coordinator(cfg, side, shard_sizes)
         self.cond = threading.Condition()
         self.run_id = uuid.uuid4().hex
@@ -65,6 +87,7 @@ class ServerRuntime(SideView):
         self._server: grpc.Server | None = None
         self.address: str | None = None
         self.t0 = time.time()
+        self._steps_at_start = 0  # inner steps done when this server started (for the ETA)
 
     # -- the runtime interface -----------------------------------------------------------------
     num_workers = property(lambda self: self.cfg.num_workers)
@@ -171,6 +194,60 @@ class ServerRuntime(SideView):
             )
         return {"workers": rows, "events": c.seq, "server_address": self.address}
 
+    def status(self) -> dict[str, Any]:
+        """The run at a glance, for the status page (`/status`, `/`, `/metrics`)."""
+        with self.cond:
+            c, now, mono = self.coord, time.time(), time.monotonic()
+            done = sum(t["steps"] for t in c.totals)
+            elapsed = now - self.t0
+            rate = (done - self._steps_at_start) / elapsed if elapsed > 0 else 0.0
+            workers = []
+            for w, tot in enumerate(c.totals):
+                rec = c.workers.get(w)
+                if rec is None and not tot["jobs"]:
+                    continue
+                job = c.jobs.get(rec["job"]) if rec and rec["job"] is not None else None
+                waiting = any(j.worker == w for _, _, j in c.arrived) or (c.sync and w in c.inbox)
+                state = "gone" if rec is None else "working" if job else "pushed" if waiting else "idle"
+                seen = self.last_seen.get(w)
+                workers.append(
+                    {
+                        "worker": w,
+                        "host": rec["name"] if rec else None,
+                        "device": rec["device"] if rec else None,
+                        "state": state,
+                        "step_s": rec["step_s"] if rec else tot["step_s"],
+                        "steps": job.steps if job else tot.get("last_steps"),
+                        "staleness": tot.get("last_staleness"),
+                        "jobs": tot["jobs"],
+                        "inner_steps": tot["steps"],
+                        "bytes_sent": self.wire[w]["sent"],
+                        "bytes_received": self.wire[w]["received"],
+                        "last_seen_s": None if seen is None else round(mono - seen, 1),
+                    }
+                )
+            return {
+                "run_dir": str(self.run_dir),
+                "run_id": self.run_id,
+                "method": self.cfg.method,
+                "rule": self.cfg.server.rule if not c.sync else "nesterov",
+                "k": self.num_workers,
+                "H": self.cfg.inner_steps,
+                "version": self.side.version,
+                "inner_steps": done,
+                "inner_step_budget": c.step_budget,
+                "eta_s": round((c.step_budget - done) / rate, 1) if rate > 0 and not c.finished else None,
+                "elapsed_s": round(elapsed, 1),
+                "finished": c.finished,
+                "tls": self.opts.tls_cert is not None,
+                "auth": self.token is not None,
+                "workers": workers,
+                "rejected": dict(c.rejected),
+                "recent_rejected": list(self.recent_rejected),
+                "unauthenticated": self.refusals.count,
+                "push_seconds": sorted(self.push_seconds),
+            }
+
     def state_dict(self) -> dict[str, Any]:
         with self.cond:
             self._saved_seqs = [*self._saved_seqs[-1:], self.coord.seq]
@@ -226,6 +303,8 @@ class ServerRuntime(SideView):
                     while time.monotonic() < limit and self.may_call - self.told_done:
                         self.cond.wait(0.1)
             self._server.stop(grace=1.0).wait()
+        if self.status_page is not None:
+            self.status_page.close()
         self.wal.close()
         self._events.close()
 
@@ -250,8 +329,22 @@ class ServerRuntime(SideView):
         out = self.coord.apply(event, message)
         if event["kind"] == "join":
             self.may_call.add(event["seq"])
+        if event["kind"] == "reject":
+            self._rejected(event)
         self.cond.notify_all()
         return out
+
+    def attach_run(self, run) -> None:
+        """The run whose metrics.jsonl gets a `rejected` line for every refused push."""
+        self.run = run
+
+    def _rejected(self, e: dict[str, Any]) -> None:
+        fields = {k: e[k] for k in ("reason", "worker", "job", "detail")}
+        self.recent_rejected.append({"t": e["t"], **fields})
+        if self.run is not None:
+            c = self.coord
+            step = c.applied // self.num_workers if not c.sync else self.side.inner_step
+            self.run.writer.log("rejected", **self.run.clock(step), **fields)
 
     def _reap(self) -> None:
         """Workers not heard from for --worker-timeout-s are gone: their jobs are abandoned."""
@@ -307,17 +400,25 @@ class ServerRuntime(SideView):
     def _start(self) -> None:
         if self._server is not None:
             return
+        self._steps_at_start = sum(t["steps"] for t in self.coord.totals)
         now = time.monotonic()
         self.last_seen = {w: now for w in self.coord.workers}  # a resumed server gives them a lease
         self.may_call |= {rec["token"] for rec in self.coord.workers.values()}
+        opts = self.opts
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4 * self.num_workers + 8),
+            interceptors=[security.AuthInterceptor(self.token, self.refusals)] if self.token else [],
             options=[("grpc.max_receive_message_length", 4 * CHUNK_BYTES), ("grpc.so_reuseport", 0)],
         )
         rpc.add_ParameterServerServicer_to_server(Handlers(self), server)
         host, _, port = self.listen.rpartition(":")
+        tls = opts.tls_cert is not None
+        credentials = security.server_credentials(opts.tls_cert, opts.tls_key) if tls else None
         try:
-            bound = server.add_insecure_port(self.listen)
+            if tls:
+                bound = server.add_secure_port(self.listen, credentials)
+            else:
+                bound = server.add_insecure_port(self.listen)
         except RuntimeError:
             bound = 0
         if not bound:
@@ -327,12 +428,34 @@ class ServerRuntime(SideView):
             )
         server.start()
         self._server, self.address = server, f"{host}:{bound}"
-        info = {"address": self.address, "run_id": self.run_id, "pid": os.getpid()}
+        if opts.http_port != -1:
+            from diloco.runtime.server.status import StatusPage
+
+            want = (bound + 1 if int(port) else 0) if opts.http_port is None else opts.http_port
+            self.status_page = StatusPage(self, host, want)
+        info = {
+            "address": self.address,
+            "run_id": self.run_id,
+            "pid": os.getpid(),
+            "http": self.status_page.url if self.status_page else None,
+            "tls": tls,
+        }
         (self.run_dir / "server.json").write_text(json.dumps(info) + "\n")
+        flags = (" --tls-ca CA.pem" if tls else "") + (" --token-file TOKEN_FILE" if self.token else "")
         log(
             f"serving {self.run_dir} on {self.address}; "
-            f"start workers with: diloco worker --server {self.address}"
+            f"start workers with: diloco worker --server {self.address}{flags}"
         )
+        if self.token is None:
+            log(
+                "WARNING: --insecure-no-token: anyone who can reach this port can join the run and push "
+                "updates; use it on loopback only"
+            )
+        elif opts.token_file is None and not os.environ.get(security.ENV):
+            log(f"the workers' token is in {self.run_dir / 'token'} (give it to them with --token-file)")
+        if self.status_page:
+            query = f"?token={self.token}" if self.token else ""
+            log(f"status page: {self.status_page.url}/{query}")
 
     def params_blob(self, job: Job) -> bytes:
         """θ of job's version as a message (made once per version)."""

@@ -1,0 +1,167 @@
+"""Who may talk to the parameter server: the run's token, TLS, and the gRPC interceptor that
+refuses calls without the token before any handler runs.
+
+The token is a shared secret of the run: `--token-file FILE` or `DILOCO_TOKEN`, else one is
+generated and written to RUN_DIR/token (mode 0600). Workers send it with every call as gRPC
+metadata (`authorization: Bearer TOKEN`); the status page takes it as a bearer token or a
+`?token=` query. Comparisons take constant time (`hmac.compare_digest`). With TLS
+(`--tls-cert/--tls-key`, workers `--tls-ca`) the token and the tensors are encrypted on the way.
+
+    diloco serve --token-file secret.txt --tls-cert server.pem --tls-key server.key
+    DILOCO_TOKEN=$(cat secret.txt) diloco worker --server host:7000 --tls-ca ca.pem
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from diloco.errors import UserError
+
+ENV = "DILOCO_TOKEN"
+HEADER = "authorization"  # gRPC metadata keys are lower case
+MIN_TOKEN_CHARS = 16
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How `diloco serve` faces the network (none of it goes into config.json: the token is a
+    secret, and the rest may change on --resume)."""
+
+    listen: str = "127.0.0.1:7000"
+    token_file: Path | None = None
+    insecure_no_token: bool = False
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    http_port: int | None = None  # None: the gRPC port + 1 (0 when that is 0); -1: no status page
+
+
+def _read_token(path: Path, what: str) -> str:
+    try:
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(
+            f"cannot read the token file {path} ({e}); give {what} a readable text file."
+        ) from None
+    return check_token(token, str(path))
+
+
+def check_token(token: str, where: str) -> str:
+    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token) or not token.isprintable():
+        raise UserError(
+            f"the token in {where} must be at least {MIN_TOKEN_CHARS} printable characters without spaces; "
+            "generate one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
+    return token
+
+
+def server_token(opts: ServeOptions, run_dir: Path) -> str | None:
+    """The run's token: --token-file, else DILOCO_TOKEN, else RUN_DIR/token (made now, mode
+    0600, if it is not there from an earlier start). None with --insecure-no-token."""
+    if opts.insecure_no_token:
+        if opts.token_file is not None or os.environ.get(ENV):
+            raise UserError(f"--insecure-no-token with --token-file or {ENV}: choose one.")
+        return None
+    if opts.token_file is not None:
+        return _read_token(opts.token_file, "--token-file")
+    if os.environ.get(ENV):
+        return check_token(os.environ[ENV].strip(), f"${ENV}")
+    path = run_dir / "token"
+    if path.exists():
+        return _read_token(path, "diloco serve (or delete it for a new token)")
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def worker_token(token_file: Path | None) -> str | None:
+    """The token a worker sends: --token-file, else DILOCO_TOKEN, else none."""
+    if token_file is not None:
+        return _read_token(token_file, "--token-file")
+    if os.environ.get(ENV):
+        return check_token(os.environ[ENV].strip(), f"${ENV}")
+    return None
+
+
+def same(given: str | None, token: str) -> bool:
+    """Whether `given` is the token, in time that does not depend on where they differ."""
+    return given is not None and hmac.compare_digest(given.encode(), token.encode())
+
+
+def bearer(value: str | None) -> str | None:
+    """The token of an `authorization: Bearer TOKEN` value (None when it is not one)."""
+    if value and value[:7].lower() == "bearer ":
+        return value[7:].strip()
+    return None
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise UserError(f"cannot read {what} {path} ({e.strerror}); give the PEM file's path.") from None
+
+
+def server_credentials(cert: Path, key: Path) -> grpc.ServerCredentials:
+    return grpc.ssl_server_credentials([(_read(key, "--tls-key"), _read(cert, "--tls-cert"))])
+
+
+def channel_credentials(ca: Path) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca, "--tls-ca"))
+
+
+class Refusals:
+    """Unauthenticated calls: counted by caller, one log line per caller every `every` seconds
+    (someone hammering the port cannot flood the log)."""
+
+    def __init__(self, log: Callable[[str], None], every: float = 10.0):
+        self.log, self.every = log, every
+        self.count = 0
+        self._last: dict[str, float] = {}
+
+    def refused(self, peer: str, method: str) -> None:
+        self.count += 1
+        host = peer.rsplit(":", 1)[0]
+        now = time.monotonic()
+        if now - self._last.get(host, -self.every) >= self.every:
+            self._last[host] = now
+            self.log(f"refused a call without the run's token from {peer} ({method}; {self.count} so far)")
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Lets a call through only if its metadata carries the run's token; else UNAUTHENTICATED,
+    before any handler (and so any state) is touched."""
+
+    def __init__(self, token: str, refusals: Refusals):
+        self.token, self.refusals = token, refusals
+
+    def intercept_service(self, continuation, details):
+        meta = dict(details.invocation_metadata or ())
+        if same(bearer(meta.get(HEADER)), self.token):
+            return continuation(details)
+        handler = continuation(details)
+        method = details.method.rsplit("/", 1)[-1]
+
+        def refuse(request_or_iterator, ctx):
+            self.refusals.refused(ctx.peer(), method)
+            ctx.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "this server needs the run's token (missing or wrong)",
+            )
+
+        if handler is None:
+            return None
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(refuse)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(refuse)
+        return grpc.unary_unary_rpc_method_handler(refuse)
