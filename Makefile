@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test test-all lint bench bench-async bench-server clean
+.PHONY: setup run test test-all lint bench bench-async bench-server browser clean
 
 setup: $(VENV)/.installed
 
@@ -16,8 +16,16 @@ $(VENV)/.installed: pyproject.toml
 run: setup
 	$(VENV)/bin/diloco train
 
+# The status page's test drives a real headless browser: Debian's chromium, installed here when it
+# is missing and apt-get can (root); elsewhere that one test is skipped (CI requires it: .ci/run).
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  (command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+	   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
+	  echo "note: no chromium (apt-get install chromium); the status page's browser test will be skipped"
+
 # pytest exits 5 when it collects no test: say so plainly instead of failing with make's code.
-test: setup
+test: setup browser
 	$(PY) -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
 test-all: setup

@@ -248,6 +248,13 @@ def test_a_checkpoint_of_the_earlier_layout_is_refused_in_one_sentence(tiny, tmp
         (["serve", "--speeds", "1,2,3,4"], "applies only with --runtime sim"),
         (["serve", "--worker-timeout-s", "0"], "--worker-timeout-s) must be a finite number > 0.0"),
         (["serve", "--port", "70000"], "--port must be from 0 to 65535"),
+        (["serve", "--http-port", "-5"], "--http-port must be from 0 to 65535, or -1"),
+        (["serve", "--tls-cert", "cert.pem"], "--tls-cert and --tls-key go together"),
+        (["serve", "--token-file", "missing.txt"], "missing.txt is not a file"),
+        (["serve", "--max-staleness", "3"], "a sync round's outer_grads are never stale"),
+        (["serve", "--max-update-norm-ratio", "0.5"], "give a number above 1"),
+        (["serve", "--method", "async", "--max-staleness", "-1"], "--max-staleness) must be"),
+        (["worker", "--server", "localhost:1", "--tls-ca", "missing.pem"], "missing.pem is not a file"),
         (["train", "--round-timeout-s", "5"], "applies only with --runtime server"),
         (["worker", "--server", "localhost:1", "--threads", "0"], "needs --threads >= 1"),
         pytest.param(

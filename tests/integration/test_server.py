@@ -30,17 +30,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(tmp: Path, *args: str, port: int = 0, out: str = "run") -> subprocess.Popen:
+def serve(tmp: Path, *args: str, port: int = 0, out: str = "run", env=None) -> subprocess.Popen:
     (tmp / "tiny.toml").write_text(TINY)
     cmd = [sys.executable, "-m", "diloco", "serve", "--port", str(port), *args]
     if "--resume" not in args:
         cmd += ["--config", str(tmp / "tiny.toml"), *SMALL, "--out", str(tmp / out)]
-    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def worker(address: str, *args: str) -> subprocess.Popen:
+def worker(address: str, *args: str, env=None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "diloco", "worker", "--server", address, "--threads", "1", *args]
-    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def address(run_dir: Path, timeout: float = 60.0) -> str:

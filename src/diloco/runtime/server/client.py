@@ -264,7 +264,7 @@ def run_worker(
                 if _jobs(link, ref, worker, acked, cfg, len(data.shards), acks):
                     _log(f"the run at {server} is done; {len(acked)} pushes of this worker were acknowledged")
                     return 0
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, UserError):  # stopping: tell the server (best effort)
                 try:
                     link.stub.Leave(ref, timeout=2.0, metadata=link.meta)
                 except grpc.RpcError:

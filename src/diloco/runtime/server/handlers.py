@@ -9,6 +9,7 @@ the run's id and its registration's token, so an earlier holder of the slot is r
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import sys
@@ -144,8 +145,8 @@ class Handlers(rpc.ParameterServerServicer):
             refuse(
                 "oversized", f"push of job {jid} announces {head.total_bytes} bytes, over the limit {limit}"
             )
-        parts, size = [head.data], len(head.data)
-        for chunk in request_iterator:
+        parts, size = [], 0
+        for chunk in itertools.chain([head], request_iterator):
             size += len(chunk.data)
             if size > limit:
                 refuse("oversized", f"push of job {jid} sent more than this run's limit of {limit} bytes")

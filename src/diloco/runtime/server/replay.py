@@ -5,8 +5,9 @@ The server wrote every event to RUN_DIR/events.jsonl (coordinator.py lists them)
 which job went to whom with how many steps, which shard and from which version, in which order
 outer_grads arrived and were applied. Replay builds the same outer side and, for each worker
 that joined, a fresh worker in this process; it computes each job when its push (or a late
-push) comes up, from the parameters the job was handed, and applies the same events with those
-outer_grads instead of the received ones. A worker's result depends only on its own state and
+push, or a refused push of the worker's own job: the worker ran it all the same) comes up,
+from the parameters the job was handed, and applies the same events with those outer_grads
+instead of the received ones. A worker's result depends only on its own state and
 the parameters it starts from, so if the workers and this process compute alike (CPU, one
 intra-op thread: `diloco worker`'s default) the final parameters are equal bit for bit, which
 shows that the server applied exactly the algorithm and nothing else. Each replayed job's
@@ -63,7 +64,8 @@ def replay(run_dir: Path, *, progress: bool | None = None) -> dict[str, Any]:
         kind, message = event["kind"], None
         if kind == "join":
             workers[event["worker"]] = build_worker(event["worker"], cfg, data.shards)
-        elif kind in ("push", "late"):
+        elif kind in ("push", "late") or (kind == "reject" and event["abandon"]):
+            # the worker ran the job whether its push was applied, came late or was refused
             worker, start, steps, lr_step, shard = handed.pop(event["job"])
             result = worker.run(start, steps, lr_step=lr_step, shard=shard)
             message = result.message

@@ -1,0 +1,210 @@
+"""The server in the open, for real: `diloco serve` and `diloco worker` processes with the run's
+token (generated, from a file, wrong, missing), TLS with a certificate made here, and the
+status page's HTTP endpoints behind the same token."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import ssl
+import stat
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from test_server import ENV, address, events, finish, free_port, serve, wait_for, worker
+
+NO_TOKEN_ENV = {k: v for k, v in ENV.items() if k != "DILOCO_TOKEN"}
+RUN = ["--workers", "1", "--inner-steps", "4", "--rounds", "2"]
+
+
+def get(url: str, token: str | None = None, context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10, context=context) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def http_url(run_dir: Path) -> str:
+    address(run_dir)
+    return json.loads((run_dir / "server.json").read_text())["http"]
+
+
+@pytest.mark.timeout(120)
+def test_a_generated_token_keeps_out_workers_without_it(tmp_path):
+    """No --token-file and no DILOCO_TOKEN: the server writes RUN_DIR/token (0600). Workers with
+    a wrong or no token exit 2 with one sentence and change nothing; with the file they work."""
+    run_dir = tmp_path / "run"
+    port = free_port()
+    srv = serve(tmp_path, *RUN, port=port, env=NO_TOKEN_ENV)
+    addr = address(run_dir)
+    token_path = run_dir / "token"
+    assert stat.S_IMODE(token_path.stat().st_mode) == 0o600
+    token = token_path.read_text().strip()
+    assert len(token) >= 32
+
+    (tmp_path / "wrong").write_text("w" * 40)
+    intruders = [
+        worker(addr, "--retry-s", "5", env=NO_TOKEN_ENV),
+        worker(addr, "--retry-s", "5", "--token-file", str(tmp_path / "wrong"), env=NO_TOKEN_ENV),
+    ]
+    (rc1, err1), (rc2, err2) = finish(*intruders, timeout=60)
+    assert (rc1, rc2) == (2, 2), (err1, err2)
+    assert "sent no token; pass the run's token with --token-file" in err1
+    assert "sent a token that is not the run's" in err2
+    assert err1.count("\n") == 1 and err2.count("\n") == 1  # one sentence, no traceback
+    assert not [e for e in events(run_dir) if e["kind"] == "join"]
+
+    url = http_url(run_dir)
+    assert url == f"http://127.0.0.1:{port + 1}"  # the default: --port + 1
+    for path in ("/", "/status", "/metrics"):
+        assert get(url + path)[0] == 401
+        assert get(url + path, "w" * 40)[0] == 401
+        assert get(f"{url}{path}?token={token}")[0] == 200
+    status = json.loads(get(url + "/status", token)[1])
+    assert status["version"] == 0 and status["workers"] == [] and status["unauthenticated"] >= 8
+
+    good = worker(addr, "--token-file", str(token_path), env=NO_TOKEN_ENV)
+    (rc_srv, err_srv), (rc_w, err_w) = finish(srv, good)
+    assert (rc_srv, rc_w) == (0, 0), (err_srv, err_w)
+    assert f"the workers' token is in {token_path}" in err_srv
+    assert f"status page: {url}/?token={token}" in err_srv
+    assert "refused a call without the run's token" in err_srv
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outer_updates"] == 2
+
+
+@pytest.mark.timeout(120)
+def test_status_and_metrics_follow_the_run(tmp_path):
+    run_dir = tmp_path / "run"
+    srv = serve(tmp_path, "--method", "async", "--workers", "2", "--inner-steps", "4", "--rounds", "3")
+    url, token = http_url(run_dir), ENV["DILOCO_TOKEN"]
+    workers = [worker(address(run_dir), "--slowdown", "3") for _ in range(2)]
+    wait_for(lambda: json.loads(get(url + "/status", token)[1])["version"] >= 2, what="two updates")
+    status = json.loads(get(url + "/status", token)[1])
+    assert status["method"] == "async" and status["inner_step_budget"] == 24
+    assert 0 < status["inner_steps"] <= 24
+    assert sorted(w["worker"] for w in status["workers"]) == [0, 1]
+    row = status["workers"][0]
+    keys = ("host", "device", "state", "step_s", "steps", "staleness", "jobs", "bytes_sent", "last_seen_s")
+    assert all(key in row for key in keys), row
+    assert row["device"] == "cpu" and row["jobs"] >= 1 and row["bytes_received"] > 0
+    text = get(url + "/metrics", token)[1].decode()
+    assert f"diloco_version {float(status['version'])}" in text or "diloco_version " in text
+    assert 'diloco_worker_jobs_total{worker="0"}' in text and "diloco_inner_step_budget 24.0" in text
+    results = finish(srv, *workers)
+    assert [rc for rc, _ in results] == [0, 0, 0], results
+
+
+def make_certificate(directory: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed certificate for localhost and 127.0.0.1, and its key (PEM files)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return cert_path, key_path
+
+
+@pytest.mark.timeout(120)
+def test_tls_workers_trust_the_servers_certificate_and_refuse_another(tmp_path):
+    cert, key = make_certificate(tmp_path, "server")
+    other, _ = make_certificate(tmp_path, "other")
+    run_dir = tmp_path / "run"
+    srv = serve(tmp_path, *RUN, "--tls-cert", str(cert), "--tls-key", str(key))
+    addr = address(run_dir)
+    assert json.loads((run_dir / "server.json").read_text())["tls"] is True
+
+    t0 = time.time()
+    rc, err = finish(worker(addr, "--tls-ca", str(other), "--retry-s", "30"), timeout=60)[0]
+    assert rc == 2 and "the TLS handshake with" in err and f"--tls-ca {other}" in err, err
+    assert time.time() - t0 < 25  # told at once, not after retrying for --retry-s
+    rc, err = finish(worker(addr, "--retry-s", "3"), timeout=60)[0]  # plaintext to a TLS server
+    assert rc == 2 and "if it serves TLS, pass --tls-ca" in err, err
+
+    url = http_url(run_dir)
+    assert url.startswith("https://")
+    context = ssl.create_default_context(cafile=str(cert))
+    assert get(url + "/status", ENV["DILOCO_TOKEN"], context)[0] == 200
+    with pytest.raises(urllib.error.URLError):
+        get(url + "/status", ENV["DILOCO_TOKEN"], ssl.create_default_context(cafile=str(other)))
+
+    good = worker(addr, "--tls-ca", str(cert))
+    results = finish(srv, good)
+    assert [rc for rc, _ in results] == [0, 0], results
+
+
+@pytest.mark.timeout(60)
+def test_insecure_no_token_warns_and_lets_workers_in(tmp_path):
+    srv = serve(tmp_path, *RUN, "--insecure-no-token", env=NO_TOKEN_ENV)
+    good = worker(address(tmp_path / "run"), env=NO_TOKEN_ENV)
+    (rc_srv, err_srv), (rc_w, _) = finish(srv, good)
+    assert (rc_srv, rc_w) == (0, 0), err_srv
+    assert "WARNING: --insecure-no-token" in err_srv
+    assert not (tmp_path / "run" / "token").exists()
+
+
+def test_a_bad_token_file_is_refused_before_anything_is_written(tmp_path, capsys):
+    from diloco.cli import main
+
+    (tmp_path / "short").write_text("abc\n")
+    assert main(["serve", "--out", str(tmp_path / "r"), "--token-file", str(tmp_path / "short")]) == 2
+    assert "must be at least 16 printable characters" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.timeout(120)
+def test_stale_pushes_are_refused_counted_and_replayed(tmp_path):
+    """A worker 6x slower than the other, with --max-staleness 2 and DyLU off: most of its
+    pushes come more than 2 updates late and are refused as stale (a `rejected` metrics line
+    each; its job is given back), and it goes on with its next job, or stops with one sentence
+    after 3 refusals in a row. The run ends and replays bit for bit, refused jobs included."""
+    run_dir = tmp_path / "run"
+    run = ["--method", "async", "--workers", "2", "--inner-steps", "4", "--rounds", "8"]
+    srv = serve(tmp_path, *run, "--no-dylu", "--grace-s", "0", "--max-staleness", "2")
+    fast, slow = worker(address(run_dir)), worker(address(run_dir), "--slowdown", "6")
+    (rc_srv, err_srv), (rc_fast, _), (rc_slow, err_slow) = finish(srv, fast, slow)
+    assert (rc_srv, rc_fast) == (0, 0) and rc_slow in (0, 2), (err_srv, err_slow)
+    assert "stale: job" in err_slow and "Going on with the next job" in err_slow
+    if rc_slow == 2:
+        assert "3 updates of this worker were refused in a row" in err_slow
+    rejects = [e for e in events(run_dir) if e["kind"] == "reject"]
+    assert rejects and {e["reason"] for e in rejects} == {"stale"} and all(e["abandon"] for e in rejects)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["job"] for x in lines if x["kind"] == "rejected"] == [e["job"] for e in rejects]
+
+    from diloco.runtime.server.replay import replay
+
+    assert replay(run_dir)["bitwise_equal"]
