@@ -398,6 +398,9 @@ def _report(summary: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # gRPC's own log lines (an info line per failed TLS handshake, say) would repeat what diloco
+    # says in one sentence; GRPC_VERBOSITY=INFO (or DEBUG) in the environment brings them back
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     try:
         if args.command == "train":
             return _train(args)

@@ -1,6 +1,6 @@
 """Metrics: metrics.jsonl (one JSON object a line), TensorBoard event files, the summary.
 
-Every line has `kind` (`inner`, `worker`, `outer`, `eval`), `version`, `inner_step`, `tokens`,
+Every line has `kind` (`inner`, `worker`, `outer`, `eval`; `rejected` from the server), `version`, `inner_step`, `tokens`,
 `wall_time_s` and, in the simulator, `sim_time_s`; see README.md, "The run directory". Plots and
 benchmarks read these files; nothing parses console output.
 

@@ -150,6 +150,7 @@ def test_tls_workers_trust_the_servers_certificate_and_refuse_another(tmp_path):
     t0 = time.time()
     rc, err = finish(worker(addr, "--tls-ca", str(other), "--retry-s", "30"), timeout=60)[0]
     assert rc == 2 and "the TLS handshake with" in err and f"--tls-ca {other}" in err, err
+    assert err.count("\n") == 1, err  # one sentence, no gRPC log lines
     assert time.time() - t0 < 25  # told at once, not after retrying for --retry-s
     rc, err = finish(worker(addr, "--retry-s", "3"), timeout=60)[0]  # plaintext to a TLS server
     assert rc == 2 and "if it serves TLS, pass --tls-ca" in err, err
