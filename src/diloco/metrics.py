@@ -1,8 +1,9 @@
 """Metrics: metrics.jsonl (one JSON object a line), TensorBoard event files, the summary.
 
-Every line has `kind` (`inner`, `worker`, `outer`, `eval`; `rejected` from the server), `version`, `inner_step`, `tokens`,
-`wall_time_s` and, in the simulator, `sim_time_s`; see README.md, "The run directory". Plots and
-benchmarks read these files; nothing parses console output.
+Every line has `kind` (`inner`, `worker`, `outer`, `eval`; `rejected` from the server),
+`version`, `inner_step`, `tokens`, `wall_time_s` and, in the simulator, `sim_time_s`; see
+README.md, "The run directory". Plots and benchmarks read these files; nothing parses console
+output.
 
 metrics.jsonl is strict JSON: a non-finite number (a diverged loss, its perplexity) is written as
 `null` (`json_safe`), never as the `NaN`/`Infinity` literals that other JSON readers reject; other

@@ -69,6 +69,9 @@ def test_a_generated_token_keeps_out_workers_without_it(tmp_path):
     status = json.loads(get(url + "/status", token)[1])
     assert status["version"] == 0 and status["workers"] == [] and status["unauthenticated"] >= 8
 
+    (tmp_path / "ca.pem").write_bytes(make_certificate(tmp_path, "ca")[0].read_bytes())
+    rc, err = finish(worker(addr, "--tls-ca", str(tmp_path / "ca.pem"), env=NO_TOKEN_ENV))[0]
+    assert rc == 2 and "does not speak TLS; drop --tls-ca" in err, err
     good = worker(addr, "--token-file", str(token_path), env=NO_TOKEN_ENV)
     (rc_srv, err_srv), (rc_w, err_w) = finish(srv, good)
     assert (rc_srv, rc_w) == (0, 0), (err_srv, err_w)

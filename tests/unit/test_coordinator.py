@@ -192,3 +192,50 @@ def test_async_rules_get_staleness_and_the_pulled_parameters(tiny):
         reference.apply(theta, grad, worker=w, staleness=job, pulled=pulled)
     for p, r in zip(coord.side.params, theta):
         assert torch.equal(p, r)
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_push_gives_its_job_back_and_only_its_own(tiny):
+    """A `reject` of the pusher's own job (abandon) is a departure without leaving: the round
+    closes without that outer_grad, as for a timeout; a reject of anyone else's job changes no
+    job. Counts, accepted norms and the norm bound survive a checkpoint."""
+    coord = make(tiny)
+    log = Log(coord)
+    before = [p.detach().clone() for p in coord.side.params]
+    for w in (0, 1):
+        log({"kind": "join", "worker": w, "name": f"w{w}", "device": "cpu"})
+    log({"kind": "begin", "round": 1, "members": [0, 1]})
+    for w in (0, 1):
+        log(coord.plan_dispatch(w))
+    grad = outer_grad(coord, 0.01)
+    push(log, 0, 0, grad)
+    log({"kind": "reject", "job": 1, "worker": 1, "reason": "norm", "detail": "big", "abandon": True})
+    assert coord.jobs == {} and coord.workers[1]["job"] is None and coord.rejected == {"norm": 1}
+    assert log({"kind": "close", "round": 1}).workers == [0]
+    ref = [b.clone().requires_grad_() for b in before]
+    opt = torch.optim.SGD(ref, lr=0.7, momentum=0.9, nesterov=True)
+    for r, g in zip(ref, grad):
+        r.grad = g.clone()
+    opt.step()
+    for p, r in zip(coord.side.params, ref):
+        torch.testing.assert_close(p, r.detach(), rtol=0, atol=0)
+
+    log({"kind": "begin", "round": 2, "members": [0, 1]})
+    for w in (0, 1):
+        log(coord.plan_dispatch(w))
+    jobs = dict(coord.jobs)
+    log({"kind": "reject", "job": 2, "worker": 1, "reason": "not_yours", "detail": "x", "abandon": False})
+    assert coord.jobs == jobs and coord.rejected == {"norm": 1, "not_yours": 1}
+
+    assert coord.norm_bound(10.0) is None  # no accepted norm yet
+    coord.norms.extend([1.0, 2.0, 3.0])
+    assert coord.norm_bound(10.0) is None  # fewer than 4
+    coord.norms.append(4.0)
+    assert coord.norm_bound(10.0) == 25.0 and coord.norm_bound(0.0) is None
+    for j, w in ((2, 0), (3, 1)):
+        push(log, j, w, grad)
+    log({"kind": "close", "round": 2})
+    fresh = make(tiny)
+    fresh.load_state_dict(copy.deepcopy(coord.state_dict()))
+    assert (fresh.rejected, list(fresh.norms)) == (coord.rejected, list(coord.norms))
+    assert fresh.pushed == {0: 0, 2: 0, 3: 1}

@@ -108,6 +108,11 @@ class Link:
                         text = f"the server at {self.server} refused {what}: {details}."
                         raise Refused(text, code) from None
                     raise
+                if self.tls_ca is not None and "WRONG_VERSION_NUMBER" in details:
+                    raise UserError(
+                        f"the server at {self.server} does not speak TLS; drop --tls-ca, or start the "
+                        "server with --tls-cert and --tls-key."
+                    ) from None
                 if self.tls_ca is not None and _tls_failure(details):
                     raise UserError(
                         f"the TLS handshake with {self.server} failed: its certificate is not signed by "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -127,14 +128,18 @@ class Refusals:
         self.log, self.every = log, every
         self.count = 0
         self._last: dict[str, float] = {}
+        self._lock = threading.Lock()  # called from gRPC's and the status page's threads
 
     def refused(self, peer: str, method: str) -> None:
-        self.count += 1
         host = peer.rsplit(":", 1)[0]
         now = time.monotonic()
-        if now - self._last.get(host, -self.every) >= self.every:
-            self._last[host] = now
-            self.log(f"refused a call without the run's token from {peer} ({method}; {self.count} so far)")
+        with self._lock:
+            self.count += 1
+            count, say = self.count, now - self._last.get(host, -self.every) >= self.every
+            if say:
+                self._last[host] = now
+        if say:
+            self.log(f"refused a call without the run's token from {peer} ({method}; {count} so far)")
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
