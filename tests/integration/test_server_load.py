@@ -25,7 +25,6 @@ def test_eight_workers_two_killed_and_the_server_killed_lose_nothing(tmp_path):
         workers=8,
         rounds=8,
         worker_kills=2,
-        kill_window_s=(2.0, 8.0),
         time_limit_s=200.0,
         root=tmp_path,
         log=lambda text: None,
