@@ -185,9 +185,12 @@ class Handlers(rpc.ParameterServerServicer):
         norm = None
         if head.finite:  # an outer_grad flagged non-finite is dropped by the rule (--on-nonfinite drop)
             grads = rt.side.codec.decode(message)
-            if not all(bool(torch.isfinite(g).all()) for g in grads):
-                refuse("nonfinite", f"job {jid}'s outer_grad has NaN or Inf values but says it is finite")
-            norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads) / max(1, job.steps))
+            # one fused pass: the norm is finite exactly when every value is (or it overflows)
+            total = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+            if not math.isfinite(total):
+                detail = f"job {jid}'s outer_grad has NaN or Inf values (or overflows) but says it is finite"
+                refuse("nonfinite", detail)
+            norm = total / math.sqrt(max(1, job.steps))
         with rt.cond:
             verdict = self._verdict(ctx, w, token, jid)
             if verdict is not None:
