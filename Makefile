@@ -43,9 +43,10 @@ bench: setup
 bench-async: setup
 	$(PY) benchmarks/async_vs_sync.py
 
-# The parameter server: ~1 minute of transport, ~10 minutes of sync against async.
+# The parameter server: ~1 minute of transport, ~2 of load with faults, ~10 of sync against async.
 bench-server: setup
 	$(PY) benchmarks/server_transport.py
+	$(PY) benchmarks/server_load.py
 	$(PY) benchmarks/server_async_vs_sync.py
 
 clean:
