@@ -64,10 +64,8 @@ def push(log, job, worker, grad, compute_s=1.0, steps=4):
     log(event, message)
 
 
-@pytest.mark.timeout(60)
-def test_a_sync_round_without_one_worker_renormalises_the_weights(tiny):
-    """Worker 1 (weight 0.75) times out: worker 0's outer_grad gets weight 1, as torch's SGD with
-    Nesterov momentum computes it."""
+def first_round(tiny):
+    """Workers 0 and 1 join and get the first sync round's jobs; θ before it."""
     coord = make(tiny)
     log = Log(coord)
     before = [p.detach().clone() for p in coord.side.params]
@@ -76,11 +74,11 @@ def test_a_sync_round_without_one_worker_renormalises_the_weights(tiny):
     log({"kind": "begin", "round": 1, "members": [0, 1]})
     for w in (0, 1):
         log(coord.plan_dispatch(w))
-    assert [j.lr_step for j in coord.jobs.values()] == [0, 0] and coord.shard_steps == [4, 4]
-    grad = outer_grad(coord, 0.01)
-    push(log, 0, 0, grad)
-    stats = log({"kind": "close", "round": 1})
-    assert stats.workers == [0] and coord.side.version == 1 and coord.jobs == {}
+    return coord, log, before
+
+
+def assert_one_nesterov_step(coord, before, grad):
+    """θ is `before` after one step of torch's SGD with Nesterov momentum on `grad` alone."""
     ref = [b.clone().requires_grad_() for b in before]
     opt = torch.optim.SGD(ref, lr=0.7, momentum=0.9, nesterov=True)
     for r, g in zip(ref, grad):
@@ -88,6 +86,19 @@ def test_a_sync_round_without_one_worker_renormalises_the_weights(tiny):
     opt.step()
     for p, r in zip(coord.side.params, ref):
         torch.testing.assert_close(p, r.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_sync_round_without_one_worker_renormalises_the_weights(tiny):
+    """Worker 1 (weight 0.75) times out: worker 0's outer_grad gets weight 1, as torch's SGD with
+    Nesterov momentum computes it."""
+    coord, log, before = first_round(tiny)
+    assert [j.lr_step for j in coord.jobs.values()] == [0, 0] and coord.shard_steps == [4, 4]
+    grad = outer_grad(coord, 0.01)
+    push(log, 0, 0, grad)
+    stats = log({"kind": "close", "round": 1})
+    assert stats.workers == [0] and coord.side.version == 1 and coord.jobs == {}
+    assert_one_nesterov_step(coord, before, grad)
     assert coord.side.own_start == [False, False]  # the late worker rejoins from θ
 
 
@@ -199,26 +210,13 @@ def test_a_refused_push_gives_its_job_back_and_only_its_own(tiny):
     """A `reject` of the pusher's own job (abandon) is a departure without leaving: the round
     closes without that outer_grad, as for a timeout; a reject of anyone else's job changes no
     job. Counts, accepted norms and the norm bound survive a checkpoint."""
-    coord = make(tiny)
-    log = Log(coord)
-    before = [p.detach().clone() for p in coord.side.params]
-    for w in (0, 1):
-        log({"kind": "join", "worker": w, "name": f"w{w}", "device": "cpu"})
-    log({"kind": "begin", "round": 1, "members": [0, 1]})
-    for w in (0, 1):
-        log(coord.plan_dispatch(w))
+    coord, log, before = first_round(tiny)
     grad = outer_grad(coord, 0.01)
     push(log, 0, 0, grad)
     log({"kind": "reject", "job": 1, "worker": 1, "reason": "norm", "detail": "big", "abandon": True})
     assert coord.jobs == {} and coord.workers[1]["job"] is None and coord.rejected == {"norm": 1}
     assert log({"kind": "close", "round": 1}).workers == [0]
-    ref = [b.clone().requires_grad_() for b in before]
-    opt = torch.optim.SGD(ref, lr=0.7, momentum=0.9, nesterov=True)
-    for r, g in zip(ref, grad):
-        r.grad = g.clone()
-    opt.step()
-    for p, r in zip(coord.side.params, ref):
-        torch.testing.assert_close(p, r.detach(), rtol=0, atol=0)
+    assert_one_nesterov_step(coord, before, grad)
 
     log({"kind": "begin", "round": 2, "members": [0, 1]})
     for w in (0, 1):
