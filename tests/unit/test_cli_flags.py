@@ -36,6 +36,8 @@ EXPECTED = {
     "--bucket-mb": "bucket_mb",
     "--round-timeout-s": "round_timeout_s",
     "--worker-timeout-s": "worker_timeout_s",
+    "--max-update-norm-ratio": "max_update_norm_ratio",
+    "--max-staleness": "max_staleness",
     "--drop-prob": "drop_prob",
     "--workers-schedule": "workers_schedule",
     "--codec": "codec",
