@@ -327,8 +327,6 @@ def _serve(args: argparse.Namespace) -> int:
     for path in (args.token_file, args.tls_cert, args.tls_key):
         if path is not None and not path.is_file():
             raise UserError(f"{path} is not a file; give the path of an existing file.")
-    if args.insecure_no_token and (args.token_file is not None or os.environ.get("DILOCO_TOKEN")):
-        raise UserError("--insecure-no-token with --token-file or DILOCO_TOKEN: choose one.")
     opts = ServeOptions(
         listen=f"{args.host}:{args.port}",
         token_file=args.token_file,
@@ -337,8 +335,7 @@ def _serve(args: argparse.Namespace) -> int:
         tls_key=args.tls_key,
         http_port=args.http_port,
     )
-    if args.token_file is not None:
-        security.worker_token(args.token_file)  # a bad token file is refused before any work
+    security.explicit_token(opts)  # a bad or conflicting token is refused before anything is written
     summary = train(cfg, resume=args.resume, progress=args.progress, serve=opts)
     _report(summary)
     return 0
@@ -362,7 +359,7 @@ def _worker(args: argparse.Namespace) -> int:
         threads=args.threads,
         slowdown=args.slowdown,
         retry_s=args.retry_s,
-        token=security.worker_token(args.token_file),
+        token=security.given_token(args.token_file),
         tls_ca=args.tls_ca,
         acks=args.acks,
     )

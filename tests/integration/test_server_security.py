@@ -180,12 +180,19 @@ def test_insecure_no_token_warns_and_lets_workers_in(tmp_path):
     assert not (tmp_path / "run" / "token").exists()
 
 
-def test_a_bad_token_file_is_refused_before_anything_is_written(tmp_path, capsys):
+def test_a_bad_token_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
     from diloco.cli import main
 
+    out = ["serve", "--out", str(tmp_path / "r")]
     (tmp_path / "short").write_text("abc\n")
-    assert main(["serve", "--out", str(tmp_path / "r"), "--token-file", str(tmp_path / "short")]) == 2
+    assert main([*out, "--token-file", str(tmp_path / "short")]) == 2
     assert "must be at least 16 printable characters" in capsys.readouterr().err
+    monkeypatch.setenv("DILOCO_TOKEN", "abc")
+    assert main(out) == 2
+    assert "the token in $DILOCO_TOKEN must be at least 16" in capsys.readouterr().err
+    monkeypatch.setenv("DILOCO_TOKEN", "a-long-enough-token-0123")
+    assert main([*out, "--insecure-no-token"]) == 2
+    assert "--insecure-no-token with --token-file or DILOCO_TOKEN: choose one" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
 
 

@@ -68,10 +68,6 @@ MAX_REFUSED_IN_A_ROW = 3  # then something is wrong with this worker: it stops (
 class Refused(UserError):
     """The server refused a call for a reason that retrying does not fix."""
 
-    def __init__(self, text: str, code: grpc.StatusCode):
-        super().__init__(text)
-        self.code = code
-
 
 class Link:
     """The channel to the server (TLS with `tls_ca`), the token every call carries, and the
@@ -105,8 +101,7 @@ class Link:
                     ) from None
                 if code not in RETRYABLE:
                     if code in REFUSED:
-                        text = f"the server at {self.server} refused {what}: {details}."
-                        raise Refused(text, code) from None
+                        raise Refused(f"the server at {self.server} refused {what}: {details}.") from None
                     raise
                 if self.tls_ca is not None and "WRONG_VERSION_NUMBER" in details:
                     raise UserError(

@@ -63,17 +63,31 @@ def check_token(token: str, where: str) -> str:
     return token
 
 
-def server_token(opts: ServeOptions, run_dir: Path) -> str | None:
-    """The run's token: --token-file, else DILOCO_TOKEN, else RUN_DIR/token (made now, mode
-    0600, if it is not there from an earlier start). None with --insecure-no-token."""
-    if opts.insecure_no_token:
-        if opts.token_file is not None or os.environ.get(ENV):
-            raise UserError(f"--insecure-no-token with --token-file or {ENV}: choose one.")
-        return None
-    if opts.token_file is not None:
-        return _read_token(opts.token_file, "--token-file")
+def given_token(token_file: Path | None) -> str | None:
+    """The token given on this side (server or worker): --token-file, else DILOCO_TOKEN, checked;
+    None when neither is set."""
+    if token_file is not None:
+        return _read_token(token_file, "--token-file")
     if os.environ.get(ENV):
         return check_token(os.environ[ENV].strip(), f"${ENV}")
+    return None
+
+
+def explicit_token(opts: ServeOptions) -> str | None:
+    """The server's given token (see `given_token`), refused together with --insecure-no-token.
+    diloco serve calls it before anything is written, so a bad token file leaves no run behind."""
+    token = given_token(opts.token_file)
+    if opts.insecure_no_token and token is not None:
+        raise UserError(f"--insecure-no-token with --token-file or {ENV}: choose one.")
+    return token
+
+
+def server_token(opts: ServeOptions, run_dir: Path) -> str | None:
+    """The run's token: the one given, else RUN_DIR/token (made now, mode 0600, if it is not
+    there from an earlier start). None with --insecure-no-token."""
+    token = explicit_token(opts)
+    if token is not None or opts.insecure_no_token:
+        return token
     path = run_dir / "token"
     if path.exists():
         return _read_token(path, "diloco serve (or delete it for a new token)")
@@ -82,15 +96,6 @@ def server_token(opts: ServeOptions, run_dir: Path) -> str | None:
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token
-
-
-def worker_token(token_file: Path | None) -> str | None:
-    """The token a worker sends: --token-file, else DILOCO_TOKEN, else none."""
-    if token_file is not None:
-        return _read_token(token_file, "--token-file")
-    if os.environ.get(ENV):
-        return check_token(os.environ[ENV].strip(), f"${ENV}")
-    return None
 
 
 def same(given: str | None, token: str) -> bool:

@@ -86,8 +86,8 @@ class ServerRuntime(SideView):
         self.failure: Exception | None = None  # set by a handler: the main thread raises it
         self._server: grpc.Server | None = None
         self.address: str | None = None
-        self.t0 = time.time()
-        self._steps_at_start = 0  # inner steps done when this server started (for the ETA)
+        self.t0 = time.time()  # when it started serving (after a resume's replay), for the ETA
+        self._steps_at_start = 0  # inner steps done then
 
     # -- the runtime interface -----------------------------------------------------------------
     num_workers = property(lambda self: self.cfg.num_workers)
@@ -230,7 +230,7 @@ class ServerRuntime(SideView):
                 "run_dir": str(self.run_dir),
                 "run_id": self.run_id,
                 "method": self.cfg.method,
-                "rule": self.cfg.server.rule if not c.sync else "nesterov",
+                "rule": self.cfg.server.rule if not c.sync else self.cfg.outer.opt,
                 "k": self.num_workers,
                 "H": self.cfg.inner_steps,
                 "version": self.side.version,
@@ -400,7 +400,7 @@ class ServerRuntime(SideView):
     def _start(self) -> None:
         if self._server is not None:
             return
-        self._steps_at_start = sum(t["steps"] for t in self.coord.totals)
+        self.t0, self._steps_at_start = time.time(), sum(t["steps"] for t in self.coord.totals)
         now = time.monotonic()
         self.last_seen = {w: now for w in self.coord.workers}  # a resumed server gives them a lease
         self.may_call |= {rec["token"] for rec in self.coord.workers.values()}
