@@ -18,19 +18,20 @@ from safetensors.torch import load_file
 
 from diloco import faults
 from diloco.async_rules import build_async_rule
-from diloco.codec import build_codec
+from diloco.codec import build_codec, codec_for
 from diloco.config import InnerConfig, TrainConfig
 from diloco.data import ShardSampler, ShardSet, eval_windows, load_corpus, make_shards, validation_tokens
 from diloco.errors import UserError
 from diloco.inner import Worker
 from diloco.model import GPT
-from diloco.outer import build_outer_opt
+from diloco.outer import Fragmented, OuterOpt, build_outer_opt
 from diloco.outer_side import OuterSide
 from diloco.runtime.async_sim import AsyncDiLoCo
 from diloco.runtime.clock import Clock, parse_slowdown, profile
 from diloco.runtime.pool import InlinePool, ProcessPool, balanced_assignment
 from diloco.runtime.sim import DataParallel, DiLoCo, make_worker
 from diloco.schedule import warmup_cosine
+from diloco.streaming import Schedule
 
 
 @dataclass
@@ -94,7 +95,7 @@ def build_worker(w: int, cfg: TrainConfig, shards: list[torch.Tensor], batch_mul
         batches,
         lr_schedule=lr_schedule(cfg),
         grad_clip=cfg.inner.grad_clip,
-        codec=build_codec(cfg.codec),
+        codec=codec_for(cfg),
     )
     return faults.wrap_worker(worker, w)
 
@@ -172,8 +173,9 @@ def build_side(cfg: TrainConfig, data: Data, init: dict[str, torch.Tensor] | Non
     return OuterSide(
         initial_model(cfg, init),
         cfg.num_workers,
-        update=_async_rule(cfg) if cfg.method == "async" else build_outer_opt(cfg.outer),
-        codec=build_codec(cfg.codec),
+        update=_async_rule(cfg) if cfg.method == "async" else _outer_opt(cfg),
+        codec=codec_for(cfg),
+        download=build_codec(cfg.download_codec),
         weights=None if cfg.method == "async" else data.weights,
         drop_prob=cfg.drop_prob,
         seed=cfg.seed,
@@ -217,8 +219,24 @@ def build_trainer(
     side = build_side(cfg, data, init)  # built before the pool, so the pool cannot change the initialisation
     pool, clock = build_pool(cfg, data), build_clock(cfg, cfg.num_workers)
     if cfg.method == "diloco":
-        return DiLoCo.from_side(side, pool, clock, inner_steps=cfg.inner_steps)
+        return DiLoCo.from_side(
+            side, pool, clock, inner_steps=cfg.inner_steps, schedule=streaming_schedule(cfg)
+        )
     return AsyncDiLoCo.from_config(cfg, side, pool, clock, shard_sizes=[len(s) for s in data.shards])
+
+
+def streaming_schedule(cfg: TrainConfig) -> Schedule | None:
+    """Streaming DiLoCo's schedule (--fragments, --overlap-steps), or None for plain DiLoCo."""
+    if cfg.fragments == 1 and cfg.overlap_steps == 0:
+        return None
+    return Schedule(cfg.inner_steps, cfg.fragments, cfg.overlap_steps, cfg.mix_alpha)
+
+
+def _outer_opt(cfg: TrainConfig) -> OuterOpt:
+    """The sync outer optimizer: one, or one per fragment for Streaming DiLoCo."""
+    if streaming_schedule(cfg) is None:
+        return build_outer_opt(cfg.outer)
+    return Fragmented([build_outer_opt(cfg.outer) for _ in range(cfg.fragments)])
 
 
 def _async_rule(cfg: TrainConfig):

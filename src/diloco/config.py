@@ -32,7 +32,8 @@ ASYNC_RULES = ("dn", "naive", "buffer", "poly", "polythres", "delaycomp")
 HETEROGENEITY = ("none", "slight", "moderate", "very")
 SHARDINGS = ("iid", "genre", "kmeans")
 OUTER_OPTS = ("nesterov", "sgd", "adam")
-CODECS = ("fp32",)
+CODECS = ("fp32", "bf16", "int8", "fp4", "topk")  # codec.CODECS, checked by tests
+DOWNLOAD_CODECS = ("fp32", "bf16")  # codec.DOWNLOAD_CODECS
 ON_NONFINITE = ("stop", "drop")
 PRESETS = ("nano", "micro", "20m")  # the keys of MODEL_PRESETS (below), which needs ModelConfig
 # `needs` of settings that apply to one runtime or method only (the simulator's clock: not real time)
@@ -225,7 +226,35 @@ class TrainConfig:
         choices=ON_NONFINITE,
         help="on a worker's NaN/Inf loss or outer_grad: stop the run (exit code 3) or drop that outer_grad",
     )
-    codec: str = setting("fp32", flag="--codec", choices=CODECS, help="how outer_grads are encoded")
+    # what crosses the network (docs/communication.md)
+    codec: str = setting("fp32", flag="--codec", choices=CODECS, help="how workers encode outer_grads")
+    topk_fraction: float = setting(
+        0.01,
+        flag="--topk-fraction",
+        needs=("codec", "topk"),
+        help="fraction of each tensor's values topk sends",
+    )
+    error_feedback: bool = setting(
+        False,
+        flag="--error-feedback",
+        help="a worker adds what its earlier messages left out to its next outer_grad (lossy codecs)",
+    )
+    download_codec: str = setting(
+        "fp32",
+        flag="--download-codec",
+        choices=DOWNLOAD_CODECS,
+        help="how workers download global parameters",
+    )
+    # Streaming DiLoCo (ALGORITHMS.md §3)
+    fragments: int = setting(
+        1, flag="--fragments", needs=ON_DILOCO, help="strided fragments of blocks, synced at staggered steps"
+    )
+    overlap_steps: int = setting(
+        0, flag="--overlap-steps", needs=ON_DILOCO, help="inner steps a fragment's exchange runs under"
+    )
+    mix_alpha: float = setting(
+        0.5, flag="--mix-alpha", help="with overlap, a merged fragment is α·local + (1 − α)·global"
+    )
     out: str = setting("", flag="--out", help="run directory", default_help="runs/<method>-k<k>-H<H>-s<seed>")
     target_loss: float = setting(0.0, flag="--target-loss", help="report reaching this val loss; 0: off")
     # collective runs under torchrun (docs/distributed.md)
@@ -417,9 +446,65 @@ def validate(cfg: TrainConfig) -> None:
                 f"max_update_norm_ratio (--max-update-norm-ratio) is {cfg.max_update_norm_ratio:g}, which "
                 "would refuse a typical update; give a number above 1 (10 in docs/server.md) or 0 for off."
             )
+    _validate_communication(cfg)
     _validate_sim(cfg)
     _validate_server(cfg)
     settings.check_needs(cfg)
+
+
+def _validate_communication(cfg: TrainConfig) -> None:
+    settings.in_range(cfg, "topk_fraction", lo=0.0, hi=1.0, lo_open=True)
+    if cfg.error_feedback and cfg.codec == "fp32":
+        raise UserError(
+            "error_feedback (--error-feedback) keeps what a lossy codec leaves out, and fp32 leaves out "
+            "nothing: add --codec bf16, int8, fp4 or topk, or drop it."
+        )
+    if cfg.error_feedback and cfg.method in ("single", "dp"):
+        raise UserError(
+            f"error_feedback (--error-feedback) needs outer_grads; --method {cfg.method} sends none."
+        )
+    if settings.changed(cfg, "codec") and cfg.method in ("single", "dp"):
+        raise UserError(f"codec (--codec) encodes outer_grads; --method {cfg.method} sends none: drop it.")
+    settings.at_least(cfg, "fragments", minimum=1)
+    settings.at_least(cfg, "overlap_steps", minimum=0)
+    settings.in_range(cfg, "mix_alpha", lo=0.0, hi=1.0)
+    if settings.changed(cfg, "mix_alpha") and not cfg.overlap_steps:
+        raise UserError(
+            "mix_alpha (--mix-alpha) mixes a fragment that arrives after --overlap-steps steps; without "
+            "overlap the fragment is replaced: add --overlap-steps N or drop it."
+        )
+    if cfg.fragments == 1 and not cfg.overlap_steps:
+        return
+    P, H, tau = cfg.fragments, cfg.inner_steps, cfg.overlap_steps
+    if P > cfg.model.n_layer:
+        raise UserError(
+            f"fragments (--fragments) is {P} but the model has {cfg.model.n_layer} blocks to split; "
+            f"use at most {cfg.model.n_layer}."
+        )
+    if H // P - tau < 1:
+        raise UserError(
+            f"overlap_steps (--overlap-steps) {tau} must be below inner_steps / fragments = {H // P} (each "
+            "fragment's exchange must finish before the next one starts): lower it, or raise --inner-steps."
+        )
+    for key, why in (
+        ("drop_prob", "lost outer_grads"),
+        ("workers_schedule", "workers coming and going"),
+    ):
+        if settings.changed(cfg, key):
+            raise UserError(
+                f"Streaming DiLoCo (--fragments, --overlap-steps) does not simulate {why}: drop {label(key)}."
+            )
+    if cfg.on_nonfinite != "stop":
+        raise UserError(
+            "Streaming DiLoCo (--fragments, --overlap-steps) stops on a non-finite outer_grad: use "
+            "--on-nonfinite stop."
+        )
+    if cfg.runtime == "server":
+        raise UserError(
+            "the parameter server hands out whole jobs and takes whole outer_grads, so Streaming DiLoCo "
+            "(--fragments, --overlap-steps) runs on --runtime sim or collective only: drop them or change "
+            "the runtime."
+        )
 
 
 def _validate_sim(cfg: TrainConfig) -> None:

@@ -73,6 +73,7 @@ class Worker:
         self.codec_state: dict[str, Any] = {}  # the codec's per-worker state (error feedback)
         self.step = 0  # inner steps taken so far, over all rounds
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.anchor: list[torch.Tensor] | None = None  # streaming: the global θ last merged, per param
 
     def train_step(self, lr_step: int | None = None) -> tuple[float, float]:
         """One inner step on the next batch; returns (loss, lr). The lr schedule is driven by
@@ -119,10 +120,58 @@ class Worker:
             # On the start's device: the CPU for a GPU worker of the collective runtime.
             outer_grad = [s - p.to(s.device) for s, p in zip(start, self.params, strict=True)]
             finite = math.isfinite(total_loss) and all(bool(torch.isfinite(g).all()) for g in outer_grad)
-        if not finite:
+        if finite:
+            message = self.codec.encode(outer_grad, self.codec_state)
+        else:
             self.optimizer.state.clear()  # fresh moments: the next job starts clean
-        message = self.codec.encode(outer_grad, self.codec_state)
+            # Reported, never applied: a message of the right size, and the codec's state untouched.
+            message = self.codec.encode([torch.zeros_like(g) for g in outer_grad], None)
         return InnerResult(outer_grad, steps, total_loss / steps, lr, finite, message)
+
+    @torch.no_grad()
+    def segment(
+        self,
+        steps: int,
+        *,
+        start: list[torch.Tensor] | None = None,
+        anchor: list[torch.Tensor] | None = None,
+        merge: tuple[list[int], list[torch.Tensor], float] | None = None,
+        send: tuple[int, list[int]] | None = None,
+    ) -> InnerResult:
+        """Part of a Streaming DiLoCo round (streaming.py). In order: `start` replaces the
+        parameters; `anchor` sets the global θ the worker measures outer_grads from; `merge`
+        (indices, global tensors, α) mixes those parameters, θ ← α·θ + (1 − α)·global (α = 0:
+        replaced), and makes the global tensors their anchor; `steps` inner steps; `send`
+        (fragment p, indices) returns that fragment's outer_grad, anchor − θ, encoded with the
+        fragment's own codec state."""
+        if start is not None:
+            self.load_params(start)
+        if anchor is not None:
+            self.anchor = [t.detach().clone().cpu() for t in anchor]
+        if merge is not None:
+            indices, tensors, alpha = merge
+            for i, g in zip(indices, tensors, strict=True):
+                p = self.params[i]
+                if alpha == 0.0:
+                    p.copy_(g)
+                else:
+                    p.mul_(alpha).add_(g.to(p.device), alpha=1.0 - alpha)
+                self.anchor[i] = g.detach().clone().cpu()
+        total_loss, lr = 0.0, self.optimizer.param_groups[0]["lr"]
+        with torch.enable_grad():
+            for _ in range(steps):
+                loss, lr = self.train_step()
+                total_loss += loss
+        if send is None:
+            return InnerResult([], steps, total_loss / max(1, steps), lr, math.isfinite(total_loss))
+        p, indices = send
+        outer_grad = [self.anchor[i] - self.params[i].detach().to(self.anchor[i].device) for i in indices]
+        finite = math.isfinite(total_loss) and all(bool(torch.isfinite(g).all()) for g in outer_grad)
+        state = self.codec_state.setdefault(f"fragment{p}", {})
+        message = self.codec.encode(
+            outer_grad if finite else [torch.zeros_like(g) for g in outer_grad], state if finite else None
+        )
+        return InnerResult(outer_grad, steps, total_loss / max(1, steps), lr, finite, message)
 
     def state_dict(self) -> dict[str, Any]:
         state = {

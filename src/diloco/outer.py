@@ -130,6 +130,32 @@ class Adam(OuterOpt):
         self.v = [t.clone() for t in state["v"]] if "v" in state else None
 
 
+class Fragmented(OuterOpt):
+    """One outer optimizer per fragment of Streaming DiLoCo (streaming.py): fragment p's step
+    updates its own parameters with its own state (momentum, Adam's moments and count)."""
+
+    def __init__(self, parts: list[OuterOpt]):
+        self.parts = parts
+
+    def step(self, params: Tensors, grads: Tensors) -> None:
+        raise TypeError("a Fragmented outer optimizer steps one fragment at a time: use step_part")
+
+    def step_part(self, p: int, params: Tensors, grads: Tensors) -> None:
+        self.parts[p].step(params, grads)
+
+    def state_dict(self) -> dict:
+        return {"parts": [part.state_dict() for part in self.parts]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state.get("parts", ())) != len(self.parts):
+            raise ValueError(
+                f"the checkpoint's outer optimizer has {len(state.get('parts', ()))} fragments, this run "
+                f"{len(self.parts)}; resume with the same --fragments"
+            )
+        for part, s in zip(self.parts, state["parts"], strict=True):
+            part.load_state_dict(s)
+
+
 def build_outer_opt(cfg: OuterConfig) -> OuterOpt:
     if cfg.opt == "nesterov":
         return Nesterov(cfg.lr, cfg.momentum)

@@ -56,6 +56,7 @@ class OuterSide:
         *,
         update: OuterOpt | AsyncRule | None = None,
         codec: Codec | None = None,
+        download: Codec | None = None,
         weights: Sequence[float] | None = None,
         drop_prob: float = 0.0,
         seed: int = 0,
@@ -73,6 +74,8 @@ class OuterSide:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.update = update if update is not None else Nesterov()
         self.codec = codec or Fp32Codec()
+        self.download = download or Fp32Codec()  # how workers receive θ: fp32, or bf16 (lossy)
+        self._downloaded: tuple[int, list[torch.Tensor]] | None = None  # (version, decoded θ)
         self.weights = weights
         self.drop_prob, self.seed, self.on_nonfinite = drop_prob, seed, on_nonfinite
         self.version = 0  # outer updates applied
@@ -95,11 +98,25 @@ class OuterSide:
     def param_bytes(self) -> int:
         return tensor_bytes(self.params)
 
+    @property
+    def pull_bytes(self) -> int:
+        """Size of one download of the global parameters through the download codec."""
+        return self.download.message_bytes(self.params)
+
     # -- pulls ---------------------------------------------------------------------------------
+    def downloaded(self) -> list[torch.Tensor]:
+        """The global parameters as a worker receives them: θ itself with the fp32 download
+        codec, else decode(encode(θ)) (made once per version). The caller must copy them."""
+        if not self.download.lossy:
+            return self.params
+        if self._downloaded is None or self._downloaded[0] != self.version:
+            self._downloaded = (self.version, self.download.decode(self.download.encode(self.params)))
+        return self._downloaded[1]
+
     def pull(self, w: int) -> list[torch.Tensor]:
         """Worker w downloads the global parameters (counted); the caller must copy them."""
-        self.bytes_received[w] += self.param_bytes
-        return self.params
+        self.bytes_received[w] += self.pull_bytes
+        return self.downloaded()
 
     # -- a synchronous round -------------------------------------------------------------------
     def begin_round(self, active: int | Sequence[int] | None = None) -> list[bool]:
@@ -120,7 +137,7 @@ class OuterSide:
         for w in members:
             starts.append(not self.own_start[w])
             if starts[-1]:
-                self.bytes_received[w] += self.param_bytes
+                self.bytes_received[w] += self.pull_bytes
         self._active, self._kept, self._arrived = members, {}, 0
         return starts
 
@@ -164,15 +181,16 @@ class OuterSide:
         return [next(it) if c else 0.0 for c in kept]
 
     def contribution(self, w: int, message: Encoded | None) -> list[torch.Tensor]:
-        """Worker w's weighted share of the round's sum: w_i × payload for a summable codec
-        (decoded after summing), w_i × decode(message) otherwise; zeros if it does not count
-        (dropped, or not active this round). Summing contributions in worker order or by an
-        all-reduce gives the same numbers."""
+        """Worker w's weighted share of the round's sum, w_i × decode(message) in float32;
+        zeros if it does not count (dropped, or not active this round). Summing contributions in
+        worker order or by an all-reduce (summable codecs) gives the same numbers."""
         weight = self.round_weights()[w]
         if message is None or weight == 0.0:
             return [torch.zeros_like(p) for p in self.params]
-        tensors = message.payload if self.codec.summable else self.codec.decode(message)
-        return [torch.zeros_like(t).add_(t, alpha=weight) for t in tensors]
+        return [
+            torch.zeros_like(p).add_(t, alpha=weight)
+            for p, t in zip(self.params, self.codec.decode(message), strict=True)
+        ]
 
     def reduce(self, messages: Sequence[Encoded | None]) -> list[torch.Tensor]:
         """The sum of every active worker's contribution in worker order (the simulator's
@@ -192,8 +210,6 @@ class OuterSide:
         active worker ran `inner_steps`. Returns whether θ changed."""
         changed = any(self._kept.values())
         if changed:
-            if self.codec.summable:
-                summed = self.codec.decode(Encoded(self.codec.name, list(summed), 0))
             self.update.step(self.params, summed)
             self.version += 1
         self.rounds_done += 1
@@ -201,6 +217,55 @@ class OuterSide:
         self.total_steps += self._arrived * inner_steps
         self._arrived = 0
         return changed
+
+    # -- Streaming DiLoCo (streaming.py): one fragment at a time, every worker, no drops --------
+    def fragment_contribution(self, w: int, message: Encoded, group: list[int]) -> list[torch.Tensor]:
+        """Worker w's weighted share of fragment `group`'s sum (float32), as `contribution`."""
+        decoded = self.codec.decode(message)
+        if len(decoded) != len(group):
+            raise ValueError(f"a fragment of {len(group)} tensors got a message of {len(decoded)}")
+        weight = self.weights[w]
+        return [
+            torch.zeros_like(self.params[i]).add_(t, alpha=weight)
+            for i, t in zip(group, decoded, strict=True)
+        ]
+
+    def reduce_fragment(self, messages: Sequence[Encoded], group: list[int]) -> list[torch.Tensor]:
+        """Σ_w w_i × decode(message_w) over every worker, in worker order (as `reduce`)."""
+        total = [torch.zeros_like(self.params[i]) for i in group]
+        for w, message in enumerate(messages):
+            for acc, t in zip(total, self.fragment_contribution(w, message, group), strict=True):
+                acc.add_(t)
+        return total
+
+    def sent_fragment(self, w: int, nbytes: int, finite: bool) -> None:
+        """Worker w sent a fragment's outer_grad of `nbytes`; a non-finite one stops the run."""
+        self.bytes_sent[w] += nbytes
+        if not finite:
+            raise NonFinite(
+                f"worker {w} produced a non-finite (NaN or Inf) training loss or outer_grad in round "
+                f"{self.rounds_done + 1}; the run stopped before applying it and its last checkpoint is "
+                "intact: --resume it if the cause was passing, or start again with a lower --inner-lr."
+            )
+
+    def end_fragment(self, p: int, group: list[int], summed: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Fragment p's outer step on the summed contributions; returns the fragment as workers
+        download it (through the download codec), counting each worker's download."""
+        self.update.step_part(p, [self.params[i] for i in group], summed)
+        fragment = [self.params[i] for i in group]
+        if self.download.lossy:
+            fragment = self.download.decode(self.download.encode(fragment))
+        nbytes = self.download.message_bytes(fragment)
+        for w in range(self.num_workers):
+            self.bytes_received[w] += nbytes
+        return [t.detach().clone() for t in fragment]
+
+    def end_streaming_round(self, inner_steps: int) -> None:
+        """Every fragment of the round was merged: one more version and round."""
+        self.version += 1
+        self.rounds_done += 1
+        self.inner_step += inner_steps
+        self.total_steps += self.num_workers * inner_steps
 
     # -- asynchronous --------------------------------------------------------------------------
     def apply_async(
@@ -258,6 +323,7 @@ class OuterSide:
         if len(state["own_start"]) != k:
             raise ValueError(f"the checkpoint has {len(state['own_start'])} workers, this run {k}")
         self.model.load_state_dict(state["global"])
+        self._downloaded = None
         self.update.load_state_dict(state["update"])
         for key in ("version", "rounds_done", "inner_step", "total_steps", "nonfinite_dropped"):
             setattr(self, key, int(state[key]))

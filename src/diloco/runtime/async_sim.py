@@ -183,7 +183,7 @@ class AsyncDiLoCo(SideView):
 
     def _probe(self, w: int, t: float) -> None:
         """Worker w's first job starts at t: its first steps measure its speed."""
-        pulled_at = t + self.clock.transfer_s(self.side.param_bytes)
+        pulled_at = t + self.clock.transfer_s(self.side.pull_bytes)
         seconds = self.clock.compute_s(w, pulled_at, self.probe_steps, job=self._jobs[w])
         self._probes[w] = (pulled_at + seconds, seconds / self.probe_steps)
 
@@ -201,7 +201,7 @@ class AsyncDiLoCo(SideView):
         key = w if shard is None else shard
         shard_step = self.shard_steps[key]
         self.shard_steps[key] += steps
-        pull_bytes = self.side.param_bytes
+        pull_bytes = self.side.pull_bytes
         self.pool.submit(w, self.side.pull(w), steps, lr_step=shard_step, shard=shard)
         pulled_at = t + self.clock.transfer_s(pull_bytes)
         compute_s = self.clock.compute_s(w, pulled_at, steps, job=self._jobs[w])

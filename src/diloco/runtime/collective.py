@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco import faults
-from diloco.codec import Encoded, build_codec
+from diloco.codec import Encoded, build_codec, codec_for
 from diloco.config import TrainConfig
 from diloco.errors import ReplicaMismatch, RunFailed, WorkerDied
 from diloco.outer import build_outer_opt
@@ -157,7 +157,8 @@ class CollectiveDiLoCo:
             model,
             self.k,
             update=build_outer_opt(cfg.outer),
-            codec=build_codec(cfg.codec),
+            codec=codec_for(cfg),
+            download=build_codec(cfg.download_codec),
             weights=weights,
             drop_prob=cfg.drop_prob,
             seed=cfg.seed,
@@ -244,7 +245,7 @@ class CollectiveDiLoCo:
         n = len(starts)
         loss, lr, message, finite = float("nan"), 0.0, None, True
         if w < n:
-            result = self.worker.run(self.params if starts[w] else None, H)
+            result = self.worker.run(side.downloaded() if starts[w] else None, H)
             loss, lr, finite = result.mean_loss, result.last_lr, result.finite
             message = result.message
         compute_s = time.perf_counter() - t0

@@ -72,20 +72,22 @@ class InlinePool:
     ) -> None:
         """Queue worker w's job (see Worker.run); the start parameters are copied now, since the
         caller's may change before the job runs."""
-        self._jobs[w] = (
-            None if start is None else [t.detach().clone() for t in start],
-            steps,
-            lr_step,
-            shard,
-        )
+        start = None if start is None else [t.detach().clone() for t in start]
+        self._jobs[w] = ("run", (start, steps), {"lr_step": lr_step, "shard": shard})
+
+    def submit_segment(self, w: int, steps: int, **kwargs: Any) -> None:
+        """Queue part of a Streaming DiLoCo round for worker w (see Worker.segment); tensors are
+        copied now."""
+        copied = {k: _copied(v) for k, v in kwargs.items()}
+        self._jobs[w] = ("segment", (steps,), copied)
 
     def result(self, w: int) -> InnerResult:
-        start, steps, lr_step, shard = self._jobs.pop(w)
+        method, args, kwargs = self._jobs.pop(w)
         before = torch.get_num_threads()
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         try:
-            return self.workers[w].run(start, steps, lr_step=lr_step, shard=shard)
+            return getattr(self.workers[w], method)(*args, **kwargs)
         finally:
             torch.set_num_threads(before)
 
@@ -98,6 +100,15 @@ class InlinePool:
 
     def close(self) -> None:
         pass
+
+
+def _copied(value: Any) -> Any:
+    """Tensors (also inside tuples and lists) copied; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    return value
 
 
 class _Sender:
@@ -161,6 +172,11 @@ def _serve(conn, factory: WorkerFactory, ids: list[int], threads: int) -> None:
                 w, start, steps, lr_step, shard = args
                 doing = f"computing worker {w}"
                 pool.submit(index[w], start, steps, lr_step=lr_step, shard=shard)
+                out.send(("ok", pool.result(index[w])))
+            elif cmd == "segment":
+                w, steps, kwargs = args
+                doing = f"computing worker {w}"
+                pool.submit_segment(index[w], steps, **kwargs)
                 out.send(("ok", pool.result(index[w])))
             elif cmd == "state":
                 doing = "getting its workers' state"
@@ -253,6 +269,11 @@ class ProcessPool:
         p = self.assign[w]
         start = None if start is None else [t.detach() for t in start]  # pickled (copied) now
         self._send(p, ("run", (w, start, steps, lr_step, shard)), f"receiving a job for worker {w}")
+        self._queued[p].append(w)
+
+    def submit_segment(self, w: int, steps: int, **kwargs: Any) -> None:
+        p = self.assign[w]  # tensors are pickled (copied) now
+        self._send(p, ("segment", (w, steps, kwargs)), f"receiving a job for worker {w}")
         self._queued[p].append(w)
 
     def result(self, w: int) -> InnerResult:

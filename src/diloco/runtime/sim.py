@@ -11,6 +11,7 @@ downloads the global parameters and uploads its encoded outer_grad.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -22,11 +23,12 @@ import torch.nn as nn
 from diloco.codec import Codec, Fp32Codec
 from diloco.errors import NonFinite
 from diloco.inner import LossFn, Worker, gpt_loss
-from diloco.outer import Nesterov, OuterOpt
+from diloco.outer import Fragmented, Nesterov, OuterOpt
 from diloco.outer_side import OuterSide
 from diloco.runtime import SideView
 from diloco.runtime.clock import Clock
 from diloco.runtime.pool import InlinePool, ProcessPool
+from diloco.streaming import Schedule, fragment_groups
 
 ModelFn = Callable[[], nn.Module]
 OptFn = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -71,6 +73,11 @@ class DiLoCo(SideView):
     simulated durations; by default every inner step takes 1 s and messages are free. A round
     ends when the last worker's push lands. `on_nonfinite` ("stop" or "drop") says what a NaN or
     Inf loss or outer_grad does: raise `NonFinite`, or drop that outer_grad.
+
+    `fragments` > 1 or `overlap_steps` > 0 is Streaming DiLoCo (streaming.py): fragments of the
+    model sync at staggered steps, each with its own copy of `outer_opt`, and an exchange runs
+    under `overlap_steps` inner steps before it is merged with weight `mix_alpha` on the local
+    parameters. Every worker takes part every round then (no `active`, no `drop_prob`).
     """
 
     is_main = True
@@ -93,8 +100,15 @@ class DiLoCo(SideView):
         drop_prob: float = 0.0,
         seed: int = 0,
         on_nonfinite: str = "stop",
+        fragments: int = 1,
+        overlap_steps: int = 0,
+        mix_alpha: float = 0.5,
     ):
         model = model_fn()
+        schedule = None
+        if fragments > 1 or overlap_steps > 0:
+            schedule = Schedule(inner_steps, fragments, overlap_steps, mix_alpha)
+            outer_opt = Fragmented([copy.deepcopy(outer_opt or Nesterov()) for _ in range(fragments)])
         codec = codec or Fp32Codec()
         if pool is None:
             if inner_opt_fn is None or batches is None:
@@ -126,18 +140,34 @@ class DiLoCo(SideView):
             seed=seed,
             on_nonfinite=on_nonfinite,
         )
-        self._setup(side, pool, clock or Clock([1.0] * k), inner_steps)
+        self._setup(side, pool, clock or Clock([1.0] * k), inner_steps, schedule)
 
     @classmethod
-    def from_side(cls, side: OuterSide, pool: InlinePool | ProcessPool, clock: Clock, *, inner_steps: int):
-        """A run built by build.py from its config: the outer side and the pool are ready."""
+    def from_side(
+        cls,
+        side: OuterSide,
+        pool: InlinePool | ProcessPool,
+        clock: Clock,
+        *,
+        inner_steps: int,
+        schedule: Schedule | None = None,
+    ):
+        """A run built by build.py from its config: the outer side and the pool are ready (with a
+        `schedule`, Streaming DiLoCo: the side's update is then `Fragmented`)."""
         self = cls.__new__(cls)
-        self._setup(side, pool, clock, inner_steps)
+        self._setup(side, pool, clock, inner_steps, schedule)
         return self
 
-    def _setup(self, side: OuterSide, pool, clock: Clock, inner_steps: int) -> None:
+    def _setup(self, side: OuterSide, pool, clock: Clock, inner_steps: int, schedule=None) -> None:
         self.side, self.pool, self.clock, self.inner_steps = side, pool, clock, inner_steps
         self._sim_time_s = 0.0
+        self.schedule = schedule  # Streaming DiLoCo, or None
+        if schedule is not None:
+            if schedule.inner_steps != inner_steps or not isinstance(side.update, Fragmented):
+                raise ValueError("a streaming run needs its schedule's H and a Fragmented outer optimizer")
+            self.groups = fragment_groups(side.model, schedule.fragments)
+            self._anchored = False  # workers know the global θ they measure outer_grads from
+            self._worker_s: list[float] | None = None  # each worker's simulated time
 
     # more of the outer side's state, under the names a library user reads (and SideView's)
     own_start = property(lambda self: self.side.own_start)
@@ -174,11 +204,15 @@ class DiLoCo(SideView):
         outer_grad is lost with that probability; its worker then continues from its own
         parameters next round, and the others' weights are rescaled to sum to 1.
         """
+        if self.schedule is not None:
+            if active is not None and active != self.num_workers:
+                raise ValueError("Streaming DiLoCo runs every worker every round")
+            return self._streaming_round()
         side, H, start = self.side, self.inner_steps, self._sim_time_s
         starts = side.begin_round(active)
         for w, from_global in enumerate(starts):  # all jobs first: a process pool runs them side by side
-            self.pool.submit(w, self.params if from_global else None, H)
-        pull_bytes = side.param_bytes
+            self.pool.submit(w, side.downloaded() if from_global else None, H)
+        pull_bytes = side.pull_bytes
         messages, losses, lr, end = [], [], 0.0, start
         for w in range(len(starts)):
             result = self.pool.result(w)
@@ -193,6 +227,55 @@ class DiLoCo(SideView):
         side.end_round(side.reduce(messages), H)
         self._sim_time_s = end
         return self._stats(losses, lr)
+
+    def _streaming_round(self) -> RoundStats:
+        """One round of Streaming DiLoCo: the schedule's segments for every worker; a fragment's
+        outer step is taken as soon as every worker sent it (its result is only merged later, so
+        when it is computed changes nothing). Each worker has its own clock: it waits at a merge
+        for the exchange to land (max of the pushes, plus the download), which overlapped inner
+        steps hide."""
+        side, clock, k, H = self.side, self.clock, self.num_workers, self.inner_steps
+        t = self._worker_s if self._worker_s is not None else [self._sim_time_s] * k
+        job = side.rounds_done
+        totals, lr = [0.0] * k, 0.0
+        landed: dict[int, tuple[list[torch.Tensor], float]] = {}  # fragment -> (θ_frag, when)
+        for n, seg in enumerate(self.schedule.segments()):
+            for w in range(k):
+                kwargs: dict[str, Any] = {}
+                if n == 0 and not self._anchored:
+                    kwargs["anchor"] = side.downloaded()
+                    if side.rounds_done == 0:  # the first pull; after a resume they hold their own θ
+                        kwargs["start"] = side.pull(w)
+                        t[w] += clock.transfer_s(side.pull_bytes)
+                if seg.merge is not None:
+                    tensors, when = landed[seg.merge]
+                    kwargs["merge"] = (self.groups[seg.merge], tensors, self.schedule.alpha)
+                    t[w] = max(t[w], when)
+                if seg.send is not None:
+                    kwargs["send"] = (seg.send, self.groups[seg.send])
+                self.pool.submit_segment(w, seg.steps, **kwargs)
+            self._anchored = True
+            messages, arrivals = [], []
+            for w in range(k):
+                result = self.pool.result(w)
+                totals[w] += result.mean_loss * seg.steps
+                lr = result.last_lr if seg.steps else lr
+                t[w] += clock.compute_s(w, t[w], seg.steps, job=job)
+                if seg.send is not None:
+                    side.sent_fragment(w, result.message.nbytes, result.finite)
+                    messages.append(result.message)
+                    arrivals.append(t[w] + clock.transfer_s(result.message.nbytes))
+                elif not math.isfinite(result.mean_loss):
+                    side.sent_fragment(w, 0, False)
+            if seg.send is not None:
+                group = self.groups[seg.send]
+                fragment = side.end_fragment(seg.send, group, side.reduce_fragment(messages, group))
+                nbytes = side.download.message_bytes(fragment)
+                landed[seg.send] = (fragment, max(arrivals) + clock.transfer_s(nbytes))
+        side.end_streaming_round(H)
+        self._worker_s = t
+        self._sim_time_s = max(t)
+        return self._stats([x / H for x in totals], lr)
 
     def _stats(self, losses: list[float], lr: float) -> RoundStats:
         return RoundStats(
@@ -212,14 +295,24 @@ class DiLoCo(SideView):
         return {
             "outer": self.side.state_dict(),
             "workers": self.pool.state_dict(),
-            "runtime": {"sim": {"sim_time_s": self._sim_time_s}},
+            "runtime": {"sim": {"sim_time_s": self._sim_time_s, "worker_s": self._streaming_clock()}},
         }
+
+    def _streaming_clock(self) -> list[float] | None:
+        return getattr(self, "_worker_s", None)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.side.load_state_dict(state["outer"])
         self.pool.load_state_dict(state["workers"])
         # A run that comes from a real runtime has no simulated time yet: it starts at 0.
-        self._sim_time_s = float(state.get("runtime", {}).get("sim", {}).get("sim_time_s", 0.0))
+        mine = state.get("runtime", {}).get("sim", {})
+        self._sim_time_s = float(mine.get("sim_time_s", 0.0))
+        if self.schedule is not None:
+            self._anchored = False  # they hold their own θ; the global one is theirs to measure from
+            worker_s = mine.get("worker_s")
+            self._worker_s = (
+                [float(x) for x in worker_s] if worker_s and len(worker_s) == self.num_workers else None
+            )
 
     def close(self, *, clean: bool = True) -> None:
         self.pool.close()

@@ -30,7 +30,7 @@ import grpc
 import torch
 
 from diloco.build import build_worker, prepare_data
-from diloco.codec import Encoded
+from diloco.codec import Encoded, build_codec
 from diloco.config import from_dict
 from diloco.errors import UserError
 from diloco.inner import Worker
@@ -292,6 +292,7 @@ def _check_job(head: pb.JobChunk, start: list[torch.Tensor], worker: Worker, cfg
 def _jobs(link: Link, ref: pb.WorkerRef, worker: Worker, acked: set[int], cfg, shards: int, acks) -> bool:
     """Jobs until the run is done (True) or the server no longer knows this worker (False)."""
     refused = 0
+    download = build_codec(cfg.download_codec)  # how the server sends θ
     while True:
         head, blob = link.call("asking for a job", lambda: _get_job(link, ref))
         if head.status == pb.JobChunk.DONE:
@@ -301,7 +302,7 @@ def _jobs(link: Link, ref: pb.WorkerRef, worker: Worker, acked: set[int], cfg, s
         if head.status == pb.JobChunk.WAIT:
             time.sleep(head.retry_s)
             continue
-        start = Encoded.from_bytes(blob).payload
+        start = download.decode(Encoded.from_bytes(blob))
         _check_job(head, start, worker, cfg, shards)
         t0 = time.perf_counter()
         result = worker.run(start, head.steps, lr_step=head.lr_step, shard=head.shard)

@@ -206,7 +206,7 @@ class Coordinator:
             raise ValueError(f"dispatch of job {job} does not fit the state it follows")
         if not self.sync:
             self.side.pull(w)  # counts the download (sync: counted by begin)
-        pulled = [p.detach().clone() for p in self.side.params]
+        pulled = [p.detach().clone() for p in self.side.downloaded()]
         self.jobs[job] = Job(job, w, e["steps"], e["shard"], e["lr_step"], e["version"], e["t"], pulled)
         self.workers[w]["job"] = job
         self.next_job = job + 1

@@ -180,7 +180,7 @@ class Handlers(rpc.ParameterServerServicer):
         except UserError as e:
             refuse("malformed", str(e).removesuffix(" resend it.").rstrip(";."))
         got = [(tuple(t.shape), t.dtype) for t in message.payload]
-        if got != rt.expected_message:
+        if got != rt.expected_message or message.meta != rt.expected_meta:
             refuse("shape", f"job {jid}'s outer_grad does not have this model's shapes and dtypes")
         norm = None
         if head.finite:  # an outer_grad flagged non-finite is dropped by the rule (--on-nonfinite drop)

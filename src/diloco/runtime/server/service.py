@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 import torch
 
-from diloco.codec import Encoded, Fp32Codec
+from diloco.codec import Encoded
 from diloco.config import TrainConfig
 from diloco.errors import UserError
 from diloco.outer_side import OuterSide
@@ -65,6 +65,7 @@ class ServerRuntime(SideView):
         # what a pushed outer_grad must look like: this model's tensors through the run's codec
         template = side.codec.encode([torch.zeros_like(p) for p in side.params], {})
         self.expected_message = [(tuple(t.shape), t.dtype) for t in template.payload]
+        self.expected_meta = template.meta  # e.g. fp4's and topk's shapes
         self.max_message_bytes = len(template.to_bytes()) + MESSAGE_SLACK
         self.recent_rejected: deque = deque(maxlen=20)  # for the status page
         self.push_seconds: deque = deque(maxlen=1000)  # receive-to-acknowledge time of recent pushes
@@ -462,7 +463,7 @@ class ServerRuntime(SideView):
         with self.cond:
             blob = self._blobs.get(job.version)
         if blob is None:
-            blob = Fp32Codec().encode(job.pulled).to_bytes()
+            blob = self.side.download.encode(job.pulled).to_bytes()  # bf16: exactly what was made
             with self.cond:
                 live = {j.version for j in self.coord.jobs.values()}
                 self._blobs = {v: b for v, b in self._blobs.items() if v in live}

@@ -1,0 +1,209 @@
+"""Codecs against encodings computed by hand: values, codes, scales and byte counts, for zeros,
+negative values, tiny and huge magnitudes; NaN refused; damaged messages refused; error feedback
+conserves the sum of what was meant to be sent."""
+
+import math
+
+import pytest
+import torch
+
+from diloco import config
+from diloco.codec import CODECS, DOWNLOAD_CODECS, BLOCK, Encoded, build_codec
+from diloco.errors import UserError
+
+LOSSY = ("bf16", "int8", "fp4", "topk")
+
+
+def _roundtrip(codec, tensors, state=None):
+    message = codec.encode(tensors, state)
+    again = Encoded.from_bytes(message.to_bytes())  # what a server receives
+    decoded = codec.decode(again)
+    for a, b in zip(decoded, codec.decode(message), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    return message, decoded
+
+
+@pytest.mark.timeout(10)
+def test_the_config_offers_exactly_the_codecs():
+    assert config.CODECS == tuple(CODECS)
+    assert config.DOWNLOAD_CODECS == DOWNLOAD_CODECS
+
+
+@pytest.mark.timeout(10)
+def test_fp32_is_the_identity_and_four_bytes_a_value():
+    x = [torch.tensor([0.0, -1.5, 1e-38, 3e38, float("nan")]), torch.ones(2, 3)]
+    message, decoded = _roundtrip(build_codec("fp32"), x)
+    assert message.nbytes == 4 * 11
+    assert torch.equal(decoded[1], x[1]) and torch.equal(decoded[0][:4], x[0][:4])
+    assert math.isnan(decoded[0][4])  # lossless: it sends what it is given; the worker reports NaN
+
+
+@pytest.mark.timeout(10)
+def test_bf16_rounds_to_nearest_even_by_hand():
+    # bfloat16 keeps 8 significant bits: next to 1 the step is 2^-7.
+    x = torch.tensor([0.0, -0.5, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-7, -(2**-130), 3.0e38])
+    message, (decoded,) = _roundtrip(build_codec("bf16"), [x])
+    want = [0.0, -0.5, 1.0, 1 + 2**-6, 1 + 2**-7, -(2**-130), 1.765625 * 2.0**127]
+    assert decoded.dtype == torch.float32 and message.nbytes == 2 * 7
+    # ties to even: 1 + 2^-8 -> 1, 1 + 3·2^-8 -> 1 + 2^-6; 3e38 = 1.7632·2^127 -> 226/128·2^127
+    assert decoded.tolist() == want
+
+
+@pytest.mark.timeout(10)
+def test_int8_scales_each_block_by_its_absmax_by_hand():
+    first = torch.tensor([0.0, 1.0, -2.0, 0.5, 2.54, -2.54, 0.011, -0.009])
+    x = torch.zeros(BLOCK + 4)
+    x[:8] = first
+    x[BLOCK:] = torch.tensor([1e-30, -1e-30, 0.5e-30, 0.0])  # a block of tiny values: its own scale
+    message, (decoded,) = _roundtrip(build_codec("int8"), [x])
+    q, scale = message.payload
+    assert q.dtype == torch.int8 and q.shape == x.shape
+    s = torch.tensor(2.54) / 127  # 0.02
+    assert torch.equal(scale, torch.stack([s, torch.tensor(1e-30) / 127]))
+    assert q[:8].tolist() == [0, 50, -100, 25, 127, -127, 1, 0]  # round(x / 0.02), ties to even
+    assert q[BLOCK:].tolist() == [127, -127, 64, 0]
+    assert torch.equal(decoded[:8], q[:8].float() * s)
+    assert message.nbytes == (BLOCK + 4) + 4 * 2  # a byte per value and a float32 scale per block
+    # huge magnitudes scale too, and an all-zero block decodes to zeros
+    big = torch.tensor([3e38, -1.5e38, 0.0])
+    assert torch.allclose(build_codec("int8").decode(build_codec("int8").encode([big]))[0], big, rtol=1e-2)
+    assert torch.equal(build_codec("int8").decode(build_codec("int8").encode([torch.zeros(5)]))[0], torch.zeros(5))
+
+
+@pytest.mark.timeout(10)
+def test_fp4_is_sign_and_three_exponent_bits_by_hand():
+    x = torch.tensor([1.0, 0.5, 0.74, 0.76, 0.01, 0.005, -0.25, 0.0, -1e-3])
+    for scale in (1.0, 2.0**-100, 2.0**100):  # tiny and huge blocks give the same codes
+        message, (decoded,) = _roundtrip(build_codec("fp4"), [x * scale])
+        packed, absmax = message.payload
+        # codes: magnitude m (0: zero, m: 2^(m-7)) | sign << 3; nearest power of two in between
+        codes = [7, 6, 6, 7, 1, 0, 8 | 5, 0, 0]
+        want = [c0 | c1 << 4 for c0, c1 in zip(codes[0::2], codes[1::2] + [0], strict=True)]
+        assert packed.tolist() == want and absmax.tolist() == [scale]
+        expect = torch.tensor([1.0, 0.5, 0.5, 1.0, 2.0**-6, 0.0, -0.25, 0.0, 0.0]) * scale
+        assert torch.equal(decoded, expect)
+        assert message.nbytes == 5 + 4  # two codes a byte, one float32 absmax
+    # one block per 256 values, each with its own absmax; shapes come back
+    y = torch.randn(3, 200)
+    message, (decoded,) = _roundtrip(build_codec("fp4"), [y])
+    assert decoded.shape == y.shape and message.payload[1].numel() == math.ceil(600 / BLOCK)
+    ratio = decoded.flatten()[y.flatten() != 0] / y.flatten()[y.flatten() != 0]
+    assert bool((ratio >= 0).all())  # signs kept, zeros allowed
+    nonzero = decoded != 0
+    blocks = y.flatten().view(-1)[: 2 * BLOCK].view(2, BLOCK).abs().amax(dim=1)
+    mags = (decoded.flatten()[: 2 * BLOCK].view(2, BLOCK).abs() / blocks[:, None]).flatten()
+    assert set(torch.log2(mags[mags > 0]).tolist()) <= set(range(-6, 1)) and bool(nonzero.any())
+
+
+@pytest.mark.timeout(10)
+def test_topk_keeps_the_largest_magnitudes_with_their_indices():
+    x = torch.tensor([[0.1, -3.0, 2.0], [0.0, -0.5, 1.0]])
+    message, (decoded,) = _roundtrip(build_codec("topk", topk_fraction=0.3), [x])
+    values, index = message.payload
+    assert index.tolist() == [1, 2] and values.tolist() == [-3.0, 2.0]  # ceil(0.3 × 6) = 2
+    assert torch.equal(decoded, torch.tensor([[0.0, -3.0, 2.0], [0.0, 0.0, 0.0]]))
+    assert message.nbytes == 2 * (4 + 4)
+    # at least one value per tensor, and a fraction of 1 is lossless
+    tiny = build_codec("topk", topk_fraction=1e-6).encode([torch.tensor([0.0, -1e-30, 1e-31])])
+    assert tiny.payload[1].tolist() == [1]
+    _, (whole,) = _roundtrip(build_codec("topk", topk_fraction=1.0), [x])
+    assert torch.equal(whole, x)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("name", LOSSY)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_lossy_codecs_refuse_nan_and_inf(name, bad):
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        build_codec(name).encode([torch.tensor([1.0, bad])])
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("name", CODECS)
+def test_message_bytes_are_the_payload_and_zeros_decode_to_zeros(name):
+    x = [torch.zeros(7, 33), torch.zeros(5)]
+    codec = build_codec(name)
+    message, decoded = _roundtrip(codec, x)
+    assert message.nbytes == sum(t.numel() * t.element_size() for t in message.payload)
+    assert message.nbytes == codec.message_bytes(x)
+    assert all(torch.equal(d, t) for d, t in zip(decoded, x, strict=True))
+
+
+@pytest.mark.timeout(10)
+def test_bytes_per_value_of_a_large_tensor():
+    x = [torch.randn(1 << 16)]
+    per_value = {name: build_codec(name).encode(x).nbytes / x[0].numel() for name in CODECS}
+    assert per_value["fp32"] == 4 and per_value["bf16"] == 2
+    assert per_value["int8"] == 1 + 4 / BLOCK and per_value["fp4"] == 0.5 + 4 / BLOCK
+    assert per_value["topk"] == pytest.approx(0.01 * 8, rel=1e-3)
+
+
+@pytest.mark.timeout(10)
+def test_damaged_messages_are_refused_with_a_sentence():
+    x = [torch.randn(4, 5)]
+    topk = build_codec("topk", topk_fraction=0.5)
+    m = topk.encode(x)
+    m.payload[1] = torch.tensor([3, 2, 40, 41, 42, 43, 44, 45, 46, 47], dtype=torch.int32)
+    with pytest.raises(UserError, match="does not decode"):
+        topk.decode(m)
+    fp4 = build_codec("fp4")
+    m = fp4.encode(x)
+    m.payload[0] = m.payload[0][:-1]
+    with pytest.raises(UserError, match="does not decode"):
+        fp4.decode(m)
+    m = fp4.encode(x)
+    m.meta["shapes"] = [[5, 5]]
+    with pytest.raises(UserError, match="does not decode"):
+        fp4.decode(m)
+    int8 = build_codec("int8")
+    m = int8.encode(x)
+    m.payload[1] = torch.ones(3)
+    with pytest.raises(UserError, match="does not decode"):
+        int8.decode(m)
+    with pytest.raises(UserError, match="encoded with codec 'fp4'"):
+        int8.decode(fp4.encode(x))
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("name", LOSSY)
+def test_error_feedback_conserves_the_sum_over_rounds(name):
+    """Σ_t decode(message_t) + residual_T = Σ_t g_t: nothing is lost, only delayed."""
+    gen = torch.Generator().manual_seed(0)
+    rounds = [[torch.randn(40, 50, generator=gen) * 10.0 ** (-3 * i) for i in range(2)] for _ in range(12)]
+    with_ef, without = build_codec(name, error_feedback=True), build_codec(name)
+    state = {}
+    sent = [torch.zeros(40, 50), torch.zeros(40, 50)]
+    plain = [torch.zeros(40, 50), torch.zeros(40, 50)]
+    meant = [torch.zeros(40, 50), torch.zeros(40, 50)]
+    for grads in rounds:
+        for acc, d in zip(sent, with_ef.decode(with_ef.encode(grads, state)), strict=True):
+            acc += d
+        for acc, d in zip(plain, without.decode(without.encode(grads, {})), strict=True):
+            acc += d
+        for acc, g in zip(meant, grads, strict=True):
+            acc += g
+    for s, r, m, p in zip(sent, state["residual"], meant, plain, strict=True):
+        scale = m.abs().max()
+        assert torch.allclose(s + r, m, atol=1e-5 * scale, rtol=1e-5)
+        assert (s - m).norm() <= (p - m).norm()  # and what arrived is no further from the sum
+    assert build_codec(name).encode(rounds[0], state) is not None and "residual" in state
+
+
+@pytest.mark.timeout(10)
+def test_a_stateless_encode_leaves_no_residual():
+    codec = build_codec("fp4", error_feedback=True)
+    assert codec.message_bytes([torch.ones(10)]) == 5 + 4
+    state = {}
+    codec.encode([torch.ones(3) * 0.3], None)
+    assert state == {}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("name", CODECS)
+def test_a_gpu_encodes_as_the_cpu_does(name):
+    x = [torch.randn(300, 7), torch.randn(13)]
+    codec = build_codec(name, topk_fraction=0.1)
+    cpu = codec.encode(x)
+    gpu = codec.encode([t.cuda() for t in x])
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu.payload, gpu.payload, strict=True))
