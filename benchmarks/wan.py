@@ -9,10 +9,13 @@ slowest rank, summed over rounds) and its final validation loss (`val_loss`, the
 How, step by step:
 1. two namespaces `diloco-wan-<pid>-0` and `-1`, veth ends `dw<pid>-0` (10.77.0.1/24) and
    `dw<pid>-1` (10.77.0.2/24), `lo` up in each; nothing outside them is touched, and they are
-   deleted on every way out (finally, atexit, SIGTERM/SIGHUP/SIGINT);
+   deleted on every way out (finally, atexit, SIGTERM/SIGHUP/SIGINT; those of a SIGKILLed run
+   by the next run);
 2. calibration, link unshaped: fp32 for 2 rounds; `step_s` = its compute_s ÷ (2 H), measured
    with both ranks computing at once (one thread each), as they do in the timed runs;
-   `model_bytes` = its parameter count × 4;
+   `model_bytes` = its parameter count × 4. Its utilisation (`calibration` in the JSON) is the
+   ceiling on an unlimited link: comm_s there is the wait for the slower rank and the small
+   collectives of every round;
 3. `link_mbps` = model_bytes × 8 ÷ (H × step_s) ÷ 1e6 (or `--link-mbps`). A 2-rank all-reduce
    (gloo's ring: reduce-scatter then all-gather, each moving (n−1)/n of the buffer) sends ~1×
    the model each way at the same time; both veth ends are shaped, so one exchange takes about
@@ -37,8 +40,8 @@ TP_SOCKET_IFNAME) name each rank's veth so gloo binds and advertises that addres
 Needs root, `ip` and `tc` (exits 2 otherwise). Prints one JSON object and saves it under
 benchmarks/results/ (wan.json).
 
-    python benchmarks/wan.py                         # nano, H=50, 6 rounds per configuration
-    python benchmarks/wan.py --quick                 # a tiny model, H=4, 2 rounds: ~1 minute
+    python benchmarks/wan.py                         # nano, H=50, 6 rounds each: ~5 minutes on 2 cores
+    python benchmarks/wan.py --quick                 # a tiny model, H=4, 2 rounds: ~20 s (a smoke test)
     python benchmarks/wan.py --link-mbps 8           # skip the calibration
 
 tests/integration/test_wan.py checks the namespaces, the shaping and the cleanup (no training).
@@ -120,6 +123,18 @@ def _kill(p: subprocess.Popen) -> None:
         p.wait()
     if p in _CHILDREN:
         _CHILDREN.remove(p)
+
+
+def sweep_stale() -> list[str]:
+    """Delete the namespaces of wan.py processes that are gone (a SIGKILL skips every cleanup)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    stale = []
+    for name in (line.split()[0] for line in out.splitlines() if line.startswith("diloco-wan-")):
+        pid = name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            stale.append(name)
+    return stale
 
 
 def _on_signal(signum, frame) -> None:
@@ -478,6 +493,8 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown configuration {unknown[0]!r}; use some of {', '.join(CONFIGS)}")
     install_signal_handlers()
+    for name in sweep_stale():
+        log(f"deleted {name}, left by a wan.py that was killed")
     with tempfile.TemporaryDirectory(prefix="diloco-wan-") as tmp:
         try:
             result = run_wan(

@@ -173,7 +173,7 @@ def build_side(cfg: TrainConfig, data: Data, init: dict[str, torch.Tensor] | Non
     return OuterSide(
         initial_model(cfg, init),
         cfg.num_workers,
-        update=_async_rule(cfg) if cfg.method == "async" else _outer_opt(cfg),
+        update=_async_rule(cfg) if cfg.method == "async" else outer_opt(cfg),
         codec=codec_for(cfg),
         download=build_codec(cfg.download_codec),
         weights=None if cfg.method == "async" else data.weights,
@@ -232,7 +232,7 @@ def streaming_schedule(cfg: TrainConfig) -> Schedule | None:
     return Schedule(cfg.inner_steps, cfg.fragments, cfg.overlap_steps, cfg.mix_alpha)
 
 
-def _outer_opt(cfg: TrainConfig) -> OuterOpt:
+def outer_opt(cfg: TrainConfig) -> OuterOpt:
     """The sync outer optimizer: one, or one per fragment for Streaming DiLoCo."""
     if streaming_schedule(cfg) is None:
         return build_outer_opt(cfg.outer)

@@ -76,6 +76,43 @@ def test_async_stop_after_and_resume_ends_bit_identical(tmp_path, capsys, extra)
     ]  # --keep-checkpoints 3: round 0 is gone
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--codec", "fp4", "--error-feedback"],
+        ["--codec", "topk", "--topk-fraction", "0.2", "--error-feedback", "--download-codec", "bf16"],
+        [
+            "--fragments",
+            "2",
+            "--overlap-steps",
+            "1",
+            "--codec",
+            "int8",
+            "--error-feedback",
+            "--speeds",
+            "1,2",
+        ],
+        ["--fragments", "2", "--codec", "fp4", "--error-feedback", "--procs", "2", "--bandwidth-mbps", "1"],
+    ],
+    ids=["fp4-ef", "topk-ef-bf16-download", "streaming-overlap-int8", "streaming-two-procs"],
+)
+def test_codec_state_and_streaming_stop_and_resume_bit_identical(tmp_path, capsys, extra):
+    """What error feedback kept, each fragment's outer optimizer and the workers' own clocks
+    are in the checkpoint: a stopped and resumed run ends as the straight one."""
+    flags = [*_config(tmp_path), "--workers", "2", "--rounds", "4", *extra]
+    flags += [] if "--procs" in extra else ["--procs", "1"]
+    assert main(["train", *flags, "--out", str(tmp_path / "straight")]) == 0
+    stop = ["--checkpoint-every", "1", "--stop-after", "2", "--out", str(tmp_path / "r")]
+    assert main(["train", *flags, *stop]) == 0
+    assert main(["train", "--resume", str(tmp_path / "r")]) == 0
+    assert _equal(_params(tmp_path / "straight"), _params(tmp_path / "r"))
+    a, b = _summary(tmp_path / "straight"), _summary(tmp_path / "r")
+    for key in ("val_loss", "outer_updates", "sim_time_s", "bytes_sent", "bytes_received"):
+        assert a[key] == b[key], key
+    capsys.readouterr()
+
+
 @pytest.mark.timeout(60)
 def test_an_async_checkpoint_of_an_older_diloco_is_refused_with_one_sentence(tmp_path, capsys):
     flags = [*_config(tmp_path), *ASYNC, "--workers", "2", "--checkpoint-every", "1", "--stop-after", "1"]

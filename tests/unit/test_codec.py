@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diloco import config
-from diloco.codec import CODECS, DOWNLOAD_CODECS, BLOCK, Encoded, build_codec
+from diloco.codec import BLOCK, CODECS, DOWNLOAD_CODECS, Encoded, build_codec
 from diloco.errors import UserError
 
 LOSSY = ("bf16", "int8", "fp4", "topk")
@@ -67,7 +67,9 @@ def test_int8_scales_each_block_by_its_absmax_by_hand():
     # huge magnitudes scale too, and an all-zero block decodes to zeros
     big = torch.tensor([3e38, -1.5e38, 0.0])
     assert torch.allclose(build_codec("int8").decode(build_codec("int8").encode([big]))[0], big, rtol=1e-2)
-    assert torch.equal(build_codec("int8").decode(build_codec("int8").encode([torch.zeros(5)]))[0], torch.zeros(5))
+    assert torch.equal(
+        build_codec("int8").decode(build_codec("int8").encode([torch.zeros(5)]))[0], torch.zeros(5)
+    )
 
 
 @pytest.mark.timeout(10)

@@ -120,9 +120,7 @@ def _reference(P, tau, alpha, rounds):
     glob = _model()
     groups = fragment_groups(glob, P)
     params = list(glob.parameters())
-    outer = [
-        torch.optim.SGD([params[i] for i in g], lr=0.7, momentum=0.9, nesterov=True) for g in groups
-    ]
+    outer = [torch.optim.SGD([params[i] for i in g], lr=0.7, momentum=0.9, nesterov=True) for g in groups]
     replicas = [_model() for _ in range(K)]
     for r in replicas:
         r.load_state_dict(glob.state_dict())

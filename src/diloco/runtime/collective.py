@@ -30,11 +30,11 @@ from diloco import faults
 from diloco.codec import Encoded, build_codec, codec_for
 from diloco.config import TrainConfig
 from diloco.errors import ReplicaMismatch, RunFailed, WorkerDied
-from diloco.outer import build_outer_opt
 from diloco.outer_side import OuterSide
 from diloco.runtime import is_main_process
 from diloco.runtime.sim import RoundStats
 from diloco.runtime.torchrun import world_from_env
+from diloco.streaming import fragment_groups
 
 
 def param_hash(params: list[torch.Tensor]) -> int:
@@ -134,7 +134,7 @@ class CollectiveDiLoCo:
             else None
             for w in range(self.k)
         ]
-        from diloco.build import initial_model
+        from diloco.build import initial_model, outer_opt, streaming_schedule
 
         # the global parameters: the same on every rank by construction (seed, or --init-from)
         model = initial_model(cfg, init)
@@ -156,7 +156,7 @@ class CollectiveDiLoCo:
         self.side = OuterSide(
             model,
             self.k,
-            update=build_outer_opt(cfg.outer),
+            update=outer_opt(cfg),
             codec=codec_for(cfg),
             download=build_codec(cfg.download_codec),
             weights=weights,
@@ -166,6 +166,11 @@ class CollectiveDiLoCo:
         )
         faults.wrap_side(self.side, self.rank)
         self.params = self.side.params
+        self.schedule = streaming_schedule(cfg)  # Streaming DiLoCo, or None
+        if self.schedule is not None:
+            self.groups = fragment_groups(model, self.schedule.fragments)
+            self._anchored = False  # this worker knows the global θ it measures outer_grads from
+            self._blob_len: dict[int, int] = {}  # fragment -> its encoded message's length
         self.rank_bytes = [0, 0]  # this rank's own payload bytes (sent, received)
         self.bytes_per_rank = [[0, 0] for _ in range(self.world)]  # every rank's, cumulative
         with self._collective("the first replica check"):
@@ -239,6 +244,8 @@ class CollectiveDiLoCo:
         return [Encoded.from_bytes(b) if b else None for b in gathered[:n]]
 
     def round(self, *, active: int | None = None) -> RoundStats:
+        if self.schedule is not None:
+            return self._streaming_round()
         side, H, w = self.side, self.cfg.inner_steps, self.worker_id
         t0 = time.perf_counter()
         starts = side.begin_round(active)
@@ -264,6 +271,13 @@ class CollectiveDiLoCo:
                 summed = side.reduce(self._gather_messages(message, n))
             side.end_round(summed, H)
         comm_s = time.perf_counter() - t0 - compute_s
+        return self._finish_round(loss, lr, compute_s, comm_s, before, n)
+
+    def _finish_round(
+        self, loss: float, lr: float, compute_s: float, comm_s: float, before: list[int], n: int
+    ) -> RoundStats:
+        """Check the replicas, then let every rank learn every worker's loss, time and traffic."""
+        side = self.side
         with self._collective("the replica check"):
             self._check_replicas(side.rounds_done - 1)
             # Everyone learns every worker's loss and traffic (a few numbers per rank).
@@ -287,6 +301,101 @@ class CollectiveDiLoCo:
             list(side.bytes_received),
             timing,
         )
+
+    # -- Streaming DiLoCo (streaming.py) --------------------------------------------------------
+    def _streaming_round(self) -> RoundStats:
+        """The schedule's segments on this rank's worker. A fragment's exchange starts as an
+        asynchronous collective (`async_op=True`) when its segment ends and is waited for at its
+        merge, τ inner steps later; only that wait counts as communication time."""
+        side, sched, H, k = self.side, self.schedule, self.cfg.inner_steps, self.k
+        t0 = time.perf_counter()
+        before = list(self.rank_bytes)
+        comm_s, total_loss, lr = 0.0, 0.0, 0.0
+        in_flight: dict[int, tuple] = {}
+        for n, seg in enumerate(sched.segments()):
+            kwargs: dict[str, Any] = {}
+            if n == 0 and not self._anchored:
+                kwargs["anchor"] = side.downloaded()
+                if side.rounds_done == 0:  # the first pull; after a resume workers hold their own θ
+                    kwargs["start"] = [side.pull(i) for i in range(k)][self.worker_id]
+            self._anchored = True
+            if seg.merge is not None:
+                waited = time.perf_counter()
+                with self._collective("a fragment's exchange"):
+                    fragment = self._land(seg.merge, *in_flight.pop(seg.merge))
+                comm_s += time.perf_counter() - waited
+                kwargs["merge"] = (self.groups[seg.merge], fragment, sched.alpha)
+            if seg.send is not None:
+                kwargs["send"] = (seg.send, self.groups[seg.send])
+            result = self.worker.segment(seg.steps, **kwargs)
+            total_loss += result.mean_loss * seg.steps
+            lr = result.last_lr if seg.steps else lr
+            if seg.send is not None:
+                started = time.perf_counter()
+                with self._collective("starting a fragment's exchange"):
+                    in_flight[seg.send] = self._launch(seg.send, result)
+                comm_s += time.perf_counter() - started
+        side.end_streaming_round(H)
+        compute_s = time.perf_counter() - t0 - comm_s
+        return self._finish_round(total_loss / H, lr, compute_s, comm_s, before, k)
+
+    def _launch(self, p: int, result) -> tuple:
+        """Start fragment p's exchange among the worker leaders: an all-reduce of this worker's
+        float32 contribution (summable codecs) or an all-gather of its encoded message, plus an
+        all-reduce of every worker's message size and finiteness. Returns the pending work."""
+        side, group, w, k = self.side, self.groups[p], self.worker_id, self.k
+        info = torch.zeros(2 * k, dtype=torch.int64)
+        info[w], info[k + w] = result.message.nbytes, int(not result.finite)
+        if side.codec.summable:
+            payload = torch.cat([t.reshape(-1) for t in side.fragment_contribution(w, result.message, group)])
+            buffers = [payload]
+        else:
+            blob = result.message.to_bytes()
+            if p not in self._blob_len:  # the same for every worker: same shapes, same codec
+                zeros = [torch.zeros_like(self.params[i]) for i in group]
+                self._blob_len[p] = len(side.codec.encode(zeros, None).to_bytes())
+            if len(blob) != self._blob_len[p]:
+                raise RuntimeError(f"fragment {p}'s message has {len(blob)} bytes, not {self._blob_len[p]}")
+            payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            buffers = [torch.empty_like(payload) for _ in range(k)]
+        works = []
+        if self.local == 0:
+            if side.codec.summable:
+                works.append(
+                    dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=self.leaders, async_op=True)
+                )
+                nbytes = payload.numel() * payload.element_size()
+                self.rank_bytes[0] += nbytes
+                self.rank_bytes[1] += nbytes
+            else:
+                works.append(dist.all_gather(buffers, payload, group=self.leaders, async_op=True))
+                self.rank_bytes[0] += payload.numel()
+                self.rank_bytes[1] += payload.numel() * k
+            works.append(dist.all_reduce(info, op=dist.ReduceOp.SUM, group=self.leaders, async_op=True))
+        return works, buffers, info
+
+    def _land(
+        self, p: int, works: list, buffers: list[torch.Tensor], info: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """Wait for fragment p's exchange, share it inside the worker, take the fragment's outer
+        step; returns the fragment as this worker merges it."""
+        side, group, k = self.side, self.groups[p], self.k
+        for work in works:
+            work.wait()
+        for t in (*buffers, info):
+            self._share_in_worker(t, t.numel() * t.element_size())
+        for i in range(k):
+            side.sent_fragment(i, int(info[i]), not bool(info[k + i]))
+        if side.codec.summable:
+            summed, offset = [], 0
+            for i in group:
+                n = self.params[i].numel()
+                summed.append(buffers[0][offset : offset + n].view_as(self.params[i]))
+                offset += n
+        else:
+            messages = [Encoded.from_bytes(b.numpy().tobytes()) for b in buffers]
+            summed = side.reduce_fragment(messages, group)
+        return side.end_fragment(p, group, summed)
 
     @contextmanager
     def _collective(self, what: str):
@@ -363,6 +472,8 @@ class CollectiveDiLoCo:
         self.worker.step = int(worker["step"])
         self.worker.codec_state = dict(worker.get("codec", {}))
         self.worker.batches.load_state_dict(worker["batches"])
+        if self.schedule is not None:
+            self._anchored = False  # the worker holds its own θ; the global one is its anchor
 
     def after_checkpoint(self) -> None:
         pass
