@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test test-all lint bench bench-async bench-server browser clean
+.PHONY: setup run test test-all lint bench bench-async bench-server bench-communication browser clean
 
 setup: $(VENV)/.installed
 
@@ -48,6 +48,11 @@ bench-server: setup
 	$(PY) benchmarks/server_transport.py
 	$(PY) benchmarks/server_load.py
 	$(PY) benchmarks/server_async_vs_sync.py
+
+# Communication: a real shaped link (root; ~10 minutes) and bytes to quality (~40 minutes).
+bench-communication: setup
+	$(PY) benchmarks/wan.py
+	$(PY) benchmarks/bytes_to_loss.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -64,7 +64,7 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 # --quick: the tests' tiny model (tests/conftest.py), small enough that a round takes ~0.1 s.
 QUICK_TOML = "[model]\nn_layer = 2\nn_head = 2\nd_model = 32\n[inner]\nwarmup_steps = 2\n"
-QUICK_FLAGS = ["--seq-len", "32", "--batch-size", "4", "--eval-every", "0"]
+QUICK_FLAGS = ["--seq-len", "32", "--batch-size", "4"]
 QUEUE_MS = 100  # tbf's latency: the queue holds rate × 100 ms (+ burst)
 MIN_BURST_BYTES = 4000  # 32 kbit
 HZ = 250
@@ -391,9 +391,12 @@ def run_wan(
     def train(link: Link, name: str, flags: list[str], n_rounds: int) -> dict:
         # generous: a round is ~2 H steps at the calibrated rate, plus start-up and evals
         budget = 300 + 10 * n_rounds * inner_steps * (step_s or 1.0)
+        # one evaluation, at the end: rank 0 evaluating between rounds would count as the other
+        # rank's communication time (it waits for rank 0 in the next exchange)
+        evals = ["--eval-every", str(n_rounds * inner_steps)]
         row = run_config(
             link,
-            [*base, "--rounds", str(n_rounds), *flags],
+            [*base, "--rounds", str(n_rounds), *evals, *flags],
             run_dir=root / name,
             port=next(ports),
             timeout_s=budget,

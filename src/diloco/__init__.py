@@ -7,10 +7,13 @@ Library use, around your own model and data (see README.md for a runnable exampl
                      loss_fn=my_loss, outer_opt=Nesterov(lr=0.7, momentum=0.9))
     for _ in range(rounds):
         trainer.round()          # trainer.model holds the global parameters
+
+Compressed outer_grads and Streaming DiLoCo (docs/communication.md): pass
+`codec=build_codec("fp4", error_feedback=True)` and `fragments=4, overlap_steps=5` to DiLoCo.
 """
 
 from diloco.async_rules import AsyncRule, DelayedNesterov, build_async_rule
-from diloco.codec import Codec, Fp32Codec
+from diloco.codec import Codec, Fp32Codec, build_codec
 from diloco.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, TrainConfig
 from diloco.errors import UserError
 from diloco.inner import InnerResult, Worker
@@ -32,6 +35,7 @@ __all__ = [
     "DelayedNesterov",
     "InlinePool",
     "build_async_rule",
+    "build_codec",
     "make_worker",
     "SGD",
     "Adam",
