@@ -221,17 +221,19 @@ def _num_blocks(n: int) -> int:
     return -(-n // BLOCK)
 
 
-def _shapes(message: Encoded, parts: int) -> list[list[int]]:
+def _per_tensor(message: Encoded) -> list[tuple[list[int], int, torch.Tensor, torch.Tensor]]:
+    """(shape, numel, first part, second part) of each tensor of a message whose payload holds
+    two parts per tensor and whose meta holds the shapes (fp4, topk)."""
     shapes = message.meta["shapes"]
-    if not isinstance(shapes, list) or len(shapes) * parts != len(message.payload):
+    if not isinstance(shapes, list) or 2 * len(shapes) != len(message.payload):
         raise ValueError(f"{len(message.payload)} tensors for {len(shapes)} shapes")
-    return [[int(d) for d in s] for s in shapes]
-
-
-def _numel(shape: list[int]) -> int:
-    if any(d < 0 for d in shape):
-        raise ValueError(f"shape {shape} has a negative size")
-    return math.prod(shape)
+    out = []
+    for shape, a, b in zip(shapes, message.payload[0::2], message.payload[1::2], strict=True):
+        shape = [int(d) for d in shape]
+        if any(d < 0 for d in shape):
+            raise ValueError(f"shape {shape} has a negative size")
+        out.append((shape, math.prod(shape), a, b))
+    return out
 
 
 class Int8Codec(Codec):
@@ -289,9 +291,7 @@ class Fp4Codec(Codec):
 
     def _decode(self, message: Encoded) -> list[torch.Tensor]:
         out = []
-        shapes = _shapes(message, 2)
-        for shape, packed, scale in zip(shapes, message.payload[0::2], message.payload[1::2], strict=True):
-            n = _numel(shape)
+        for shape, n, packed, scale in _per_tensor(message):
             if packed.dtype != torch.uint8 or packed.numel() != -(-n // 2) or scale.dtype != torch.float32:
                 raise ValueError(f"a tensor of shape {shape} needs {-(-n // 2)} bytes of uint8 codes")
             if scale.numel() != _num_blocks(n):
@@ -331,9 +331,7 @@ class TopKCodec(Codec):
 
     def _decode(self, message: Encoded) -> list[torch.Tensor]:
         out = []
-        shapes = _shapes(message, 2)
-        for shape, values, index in zip(shapes, message.payload[0::2], message.payload[1::2], strict=True):
-            n = _numel(shape)
+        for shape, n, values, index in _per_tensor(message):
             if values.dtype != torch.float32 or index.dtype != torch.int32 or values.shape != index.shape:
                 raise ValueError("values must be float32 with as many int32 indices")
             index = index.long()

@@ -351,6 +351,10 @@ def label(path: str) -> str:
     return settings.label(TrainConfig, path)
 
 
+# settings that simulate faults of sync DiLoCo: (setting, what it simulates)
+SIMULATED_FAULTS = (("drop_prob", "lost outer_grads"), ("workers_schedule", "workers coming and going"))
+
+
 def validate(cfg: TrainConfig) -> None:
     """Reject every setting that cannot run, naming the field and the fix: types and choices first
     (from the declarations), then ranges, then settings that do not apply to this run."""
@@ -413,10 +417,7 @@ def validate(cfg: TrainConfig) -> None:
                 f"the parameter server runs --method diloco or async, not {cfg.method}; use diloco train "
                 "for the baselines."
             )
-        for key, what in (
-            ("drop_prob", "lost outer_grads"),
-            ("workers_schedule", "workers coming and going"),
-        ):
+        for key, what in SIMULATED_FAULTS:
             if settings.changed(cfg, key):
                 raise UserError(
                     f"{label(key)} simulates {what}, which the parameter server has for real (timeouts, "
@@ -486,10 +487,7 @@ def _validate_communication(cfg: TrainConfig) -> None:
             f"overlap_steps (--overlap-steps) {tau} must be below inner_steps / fragments = {H // P} (each "
             "fragment's exchange must finish before the next one starts): lower it, or raise --inner-steps."
         )
-    for key, why in (
-        ("drop_prob", "lost outer_grads"),
-        ("workers_schedule", "workers coming and going"),
-    ):
+    for key, why in SIMULATED_FAULTS:
         if settings.changed(cfg, key):
             raise UserError(
                 f"Streaming DiLoCo (--fragments, --overlap-steps) does not simulate {why}: drop {label(key)}."
