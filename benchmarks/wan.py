@@ -1,16 +1,28 @@
-"""Collective DiLoCo over a shaped link: 2 ranks in 2 network namespaces joined by one veth pair,
-each direction limited by a token bucket (`tc qdisc ... tbf`), the rate chosen so that one fp32
-exchange of the model takes about as long as H inner steps. Then the same run with
-`--codec fp32` (plain DiLoCo), `--codec fp4 --error-feedback`, and streaming (fp4 with error
-feedback, `--fragments P --overlap-steps TAU`), each reporting the compute utilisation the run
-measured (summary.json's `compute_utilisation`: compute ÷ (compute + communication) of the
-slowest rank, summed over rounds) and its final validation loss (`val_loss`, the whole split).
+"""DiLoCo over shaped links: the collective runtime (2 ranks in 2 network namespaces joined by one
+veth pair) and the parameter server (a hub namespace for `diloco serve`, one namespace per
+`diloco worker`, each joined to the hub by its own veth pair), every veth end limited by a token
+bucket (`tc qdisc ... tbf`) to one rate, chosen so that one fp32 exchange of the model takes
+about as long as H inner steps. Rows (`--configs`, comma-separated; collective rows run first):
+
+- `fp32` (plain DiLoCo), `fp4` (`--codec fp4 --error-feedback`), `streaming` (fp4 with error
+  feedback, `--fragments P --overlap-steps TAU`): `diloco train --runtime collective`;
+  `utilisation_<row>` is summary.json's `compute_utilisation`, compute ÷ (compute +
+  communication) of the slowest rank, summed over rounds;
+- `server_fp32` (`--codec fp32`) and `server_fp4` (`--codec fp4 --error-feedback
+  --download-codec bf16`): `diloco serve --method diloco --workers 2` and two `diloco worker`s;
+  `utilisation_<row>` is the mean over workers of summary.json's `workers[i].compute_utilisation`
+  (compute ÷ time registered, which includes the first job's start-up and the server's final
+  evaluation); the row also has the server's per-round figure (`round_compute_utilisation`,
+  compute ÷ round wall time) and the bytes each worker sent and received, payload and wire.
+
+Each row reports its final validation loss (`final_loss_<row>`: `val_loss`, the whole split,
+evaluated once at the end: `--eval-every` R × H).
 
 How, step by step:
-1. two namespaces `diloco-wan-<pid>-0` and `-1`, veth ends `dw<pid>-0` (10.77.0.1/24) and
-   `dw<pid>-1` (10.77.0.2/24), `lo` up in each; nothing outside them is touched, and they are
-   deleted on every way out (finally, atexit, SIGTERM/SIGHUP/SIGINT; those of a SIGKILLed run
-   by the next run);
+1. the collective link: namespaces `diloco-wan-<pid>-0` and `-1`, veth ends `dw<pid>-0`
+   (10.77.0.1/24) and `dw<pid>-1` (10.77.0.2/24), `lo` up in each; nothing outside them is
+   touched (the veths are made inside them), and they are deleted on every way out (finally,
+   atexit, SIGTERM/SIGHUP/SIGINT; those of a SIGKILLed run by the next run);
 2. calibration, link unshaped: fp32 for 2 rounds; `step_s` = its compute_s ÷ (2 H), measured
    with both ranks computing at once (one thread each), as they do in the timed runs;
    `model_bytes` = its parameter count × 4. Its utilisation (`calibration` in the JSON) is the
@@ -23,9 +35,22 @@ How, step by step:
 4. the shaping is checked: a TCP transfer of ~2 s of data each way between the namespaces
    (`measured_link_mbps`, the slower direction; payload bytes, so a few % under the rate for
    the TCP/IP headers);
-5. each configuration: `ip netns exec NS python -m diloco train --runtime collective` for rank 0
-   and rank 1 without torchrun (RANK, WORLD_SIZE=2, MASTER_ADDR = rank 0's veth address, ...).
-   A flag the CLI refuses (exit 2) makes that row {"error": <its message>}.
+5. each collective row: `ip netns exec NS python -m diloco train --runtime collective` for rank
+   0 and rank 1 without torchrun (RANK, WORLD_SIZE=2, MASTER_ADDR = rank 0's veth address, ...);
+6. the star, for the server rows, at the same rate: a hub namespace and two worker namespaces,
+   worker w joined to the hub by its own pair (a /24 each, 10.77.<s>.1 at the hub, .2 at the
+   worker), both ends shaped, each worker routing through its pair, so it reaches the server's
+   address (the hub end of the first pair) over its own link: the workers share no bandwidth,
+   as machines on separate WAN links would not. Checked like the link (`measured_star_mbps`:
+   worker 1 pushing to the server's address, the hub sending to worker 2);
+7. each server row: `diloco serve ... --host <hub address> --http-port -1 --checkpoint-every R`
+   in the hub; once it has written RUN_DIR/server.json, `diloco worker --server ADDRESS
+   --threads 1` in each worker namespace; DILOCO_TOKEN (random) in all their environments. A
+   sync round moves the model twice over each worker's link, one after the other: the download
+   of θ (fp32 or bf16) and the push of the outer_grad, so an fp32 round costs ~2 H steps of
+   communication where the all-reduce, sending both ways at once, costs ~1 H.
+A flag the CLI refuses (exit 2) makes that row {"error": <its message>}, as does any other
+failure ({"error": "<rank, server or worker> exited N: <its last line>"}).
 
 tbf's settings: `burst` = max(rate ÷ 250, 32 kbit): a token bucket refilled by a timer of HZ
 ticks must hold a tick's worth of bytes to reach its rate (250 is a common CONFIG_HZ; on a
@@ -36,15 +61,24 @@ least a few MTU-sized packets. `latency` 100 ms: the longest a packet may wait i
 Gloo across namespaces: the hostname resolves to 127.0.0.1 here (and on most machines to a
 loopback or a host address), which gloo would advertise to its peer; GLOO_SOCKET_IFNAME (and
 TP_SOCKET_IFNAME) name each rank's veth so gloo binds and advertises that address instead.
+gRPC: proxy variables are dropped from the server's and workers' environments (a proxy outside
+the namespaces cannot be reached from them).
 
-Needs root, `ip` and `tc` (exits 2 otherwise). Prints one JSON object and saves it under
-benchmarks/results/ (wan.json).
+Needs root, `ip` and `tc` (exits 2 otherwise). Prints one JSON object; a full run also saves
+it as benchmarks/results/wan.json (`--out FILE` elsewhere; a --quick run saves nothing unless
+given --out).
 
-    python benchmarks/wan.py                         # nano, H=50, 6 rounds each: ~5 minutes on 2 cores
-    python benchmarks/wan.py --quick                 # a tiny model, H=4, 2 rounds: ~20 s (a smoke test)
-    python benchmarks/wan.py --link-mbps 8           # skip the calibration
+    python benchmarks/wan.py                    # nano, H=50, 6 rounds per row (see below)
+    python benchmarks/wan.py --quick            # a tiny model, H=4, 2 rounds: ~1.5 min (a smoke test)
+    python benchmarks/wan.py --link-mbps 8      # skip the calibration
+    python benchmarks/wan.py --configs fp32,server_fp32    # some rows only
 
-tests/integration/test_wan.py checks the namespaces, the shaping and the cleanup (no training).
+A full run on 2 cores: ~5 minutes for the calibration and the collective rows; the server rows
+(3 H steps a round at the calibrated rate, where the collective fp32 takes 2) add about as much
+again (estimated, not timed).
+
+tests/integration/test_wan.py checks the namespaces, the star, the shaping and the cleanup (no
+training).
 """
 
 from __future__ import annotations
@@ -53,6 +87,7 @@ import argparse
 import atexit
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -60,6 +95,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 RESULTS = Path(__file__).parent / "results"
 # --quick: the tests' tiny model (tests/conftest.py), small enough that a round takes ~0.1 s.
@@ -96,11 +132,19 @@ def _sh(*cmd: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The link: two namespaces, one veth pair, tbf on both ends; every one made is deleted on exit.
+# The links: a hub namespace and one namespace per worker, each worker joined to the hub by its
+# own veth pair, tbf on both ends of every pair (`Star`); `Link` is the star with one worker, two
+# namespaces and one pair. Every one made is deleted on exit.
 
-_LIVE: list[Link] = []
+_LIVE: list[Star] = []
 _CHILDREN: list[subprocess.Popen] = []
-_SEQ = [0]
+_SEQ = {"ns": 0, "dev": 0, "subnet": 0}  # this process's namespaces, veth ends and /24s so far
+
+
+def _take(kind: str, n: int) -> range:
+    start = _SEQ[kind]
+    _SEQ[kind] += n
+    return range(start, start + n)
 
 
 def cleanup_all() -> None:
@@ -153,35 +197,64 @@ def _spawn(cmd: list[str], **kw) -> subprocess.Popen:
     return p
 
 
-class Link:
-    """Namespaces `diloco-wan-<pid>-<2s>` and `-<2s+1>` (s: this process's link count) joined by
-    veth ends `dw<pid>-<2s>`/`-<2s+1>` with addresses 10.77.<s>.1 and .2. The addresses exist only
-    inside the two namespaces. `with Link(rate_mbps) as link:` deletes them whatever happens."""
+class Pair(NamedTuple):
+    """One veth pair: side 0 in the hub namespace, side 1 in a worker's; addresses 10.77.<s>.1
+    (hub) and .2 (worker)."""
 
-    def __init__(self, rate_mbps: float | None = None):
-        seq = _SEQ[0]
-        _SEQ[0] += 1
+    ns: tuple[str, str]
+    dev: tuple[str, str]
+    addr: tuple[str, str]
+
+
+class Star:
+    """A hub namespace `ns[0]` and worker namespaces `ns[1..n]` (`diloco-wan-<pid>-<i>`, i counting
+    this process's namespaces), worker w joined to the hub by `pairs[w-1]`: veth ends
+    `dw<pid>-<j>` (j counting its veth ends), hub side 10.77.<s>.1, worker side 10.77.<s>.2 (s
+    counting its pairs, a /24 each). Each worker namespace routes everything else through its
+    pair, so every worker reaches `hub_addr` (the hub side of the first pair, where a server
+    listens) over its own link. The hub does not forward between workers. `rate_mbps` shapes
+    both ends of every pair alike. The addresses exist only inside the namespaces, which are
+    created empty (the veths are made in them: nothing outside is touched).
+    `with Star(2, rate_mbps) as star:` deletes them whatever happens."""
+
+    def __init__(self, workers: int = 2, rate_mbps: float | None = None):
+        if workers < 1:
+            raise ValueError("a star needs at least one worker")
         pid = os.getpid()
-        self.ns = [f"diloco-wan-{pid}-{2 * seq + i}" for i in (0, 1)]
-        self.dev = [f"dw{pid}-{2 * seq + i}" for i in (0, 1)]
-        self.addr = [f"10.77.{seq % 256}.{i + 1}" for i in (0, 1)]
+        self.ns = [f"diloco-wan-{pid}-{i}" for i in _take("ns", workers + 1)]
+        devs = [f"dw{pid}-{j}" for j in _take("dev", 2 * workers)]
+        self.pairs = [
+            Pair(
+                ns=(self.ns[0], self.ns[w + 1]),
+                dev=(devs[2 * w], devs[2 * w + 1]),
+                addr=(f"10.77.{s % 256}.1", f"10.77.{s % 256}.2"),
+            )
+            for w, s in enumerate(_take("subnet", workers))
+        ]
+        self.hub_addr = self.pairs[0].addr[0]
         self.rate_mbps: float | None = None
         self.burst_bytes: int | None = None
         self._open = False
         self._initial_rate = rate_mbps
 
-    def open(self) -> Link:
+    @property
+    def workers(self) -> int:
+        return len(self.pairs)
+
+    def open(self) -> Star:
         _LIVE.append(self)
         self._open = True
         try:
             for ns in self.ns:
                 _sh("ip", "netns", "add", ns)
-            _sh("ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
-            for i in (0, 1):
-                _sh("ip", "link", "set", self.dev[i], "netns", self.ns[i])
-                _sh("ip", "-n", self.ns[i], "addr", "add", f"{self.addr[i]}/24", "dev", self.dev[i])
-                _sh("ip", "-n", self.ns[i], "link", "set", self.dev[i], "up")
-                _sh("ip", "-n", self.ns[i], "link", "set", "lo", "up")
+                _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            for p in self.pairs:
+                _sh("ip", "-n", p.ns[0], "link", "add", p.dev[0], "type", "veth", "peer", "name", p.dev[1],
+                    "netns", p.ns[1])  # fmt: skip
+                for i in (0, 1):
+                    _sh("ip", "-n", p.ns[i], "addr", "add", f"{p.addr[i]}/24", "dev", p.dev[i])
+                    _sh("ip", "-n", p.ns[i], "link", "set", p.dev[i], "up")
+                _sh("ip", "-n", p.ns[1], "route", "add", "default", "via", p.addr[0])
             if self._initial_rate:
                 self.shape(self._initial_rate)
         except BaseException:
@@ -189,52 +262,65 @@ class Link:
             raise
         return self
 
+    def _ends(self):
+        return [(p.ns[i], p.dev[i]) for p in self.pairs for i in (0, 1)]
+
     def shape(self, rate_mbps: float) -> None:
-        """Limit both directions to rate_mbps (Mbit/s, 1e6 bits) with tbf (replaces any limit)."""
+        """Limit both directions of every pair to rate_mbps (Mbit/s, 1e6 bits) with tbf (replaces
+        any limit)."""
         bits = rate_mbps * 1e6
         self.burst_bytes = max(int(bits / HZ / 8), MIN_BURST_BYTES)
-        for i in (0, 1):
+        for ns, dev in self._ends():
             _sh(
-                "tc", "-n", self.ns[i], "qdisc", "replace", "dev", self.dev[i], "root", "tbf",
+                "tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
                 "rate", f"{int(bits)}bit", "burst", str(self.burst_bytes), "latency", f"{QUEUE_MS}ms",
             )  # fmt: skip
         self.rate_mbps = rate_mbps
 
     def unshape(self) -> None:
-        for i in (0, 1):
-            subprocess.run(
-                ["tc", "-n", self.ns[i], "qdisc", "del", "dev", self.dev[i], "root"], capture_output=True
-            )
+        for ns, dev in self._ends():
+            subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
         self.rate_mbps = self.burst_bytes = None
 
     def exec(self, side: int) -> list[str]:
-        """The prefix that runs a command in namespace `side`."""
+        """The prefix that runs a command in namespace `side` (0: the hub, w: worker w)."""
         return ["ip", "netns", "exec", self.ns[side]]
 
     def close(self) -> None:
-        """Delete both namespaces (which deletes the veth pair); safe to call twice."""
+        """Delete every namespace (which deletes the veth pairs); safe to call twice."""
         if not self._open:
             return
         for ns in self.ns:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        # a veth whose namespace failed to be created is still in ours
-        subprocess.run(["ip", "link", "del", self.dev[0]], capture_output=True)
         self._open = False
         if self in _LIVE:
             _LIVE.remove(self)
 
-    def __enter__(self) -> Link:
+    def __enter__(self) -> Star:
         return self.open()
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def measure_mbps(self, nbytes: int, *, sender: int = 1, port: int = 5201, timeout_s: float = 60) -> float:
-        """Send nbytes over TCP from namespace `sender` to the other one; Mbit/s of payload from
-        the first byte received to the last."""
+    def measure_mbps(
+        self,
+        nbytes: int,
+        *,
+        sender: int = 1,
+        worker: int = 1,
+        to: str | None = None,
+        port: int = 5201,
+        timeout_s: float = 60,
+    ) -> float:
+        """Send nbytes over TCP between the hub and worker namespace `worker`, from the worker
+        (sender=1) or from the hub (sender=0), to the other's end of their pair (or to the
+        receiver's address `to`, e.g. `hub_addr`); Mbit/s of payload from the first byte
+        received to the last."""
+        ns = (0, worker)
         receiver = 1 - sender
+        dst = to or self.pairs[worker - 1].addr[receiver]
         recv = _spawn(
-            [*self.exec(receiver), sys.executable, "-c", _RECEIVER, self.addr[receiver], str(port)],
+            [*self.exec(ns[receiver]), sys.executable, "-c", _RECEIVER, dst, str(port)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -243,15 +329,7 @@ class Link:
             if recv.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"the receiver did not start: {recv.stderr.read().strip()}")
             send = _spawn(
-                [
-                    *self.exec(sender),
-                    sys.executable,
-                    "-c",
-                    _SENDER,
-                    self.addr[receiver],
-                    str(port),
-                    str(nbytes),
-                ],
+                [*self.exec(ns[sender]), sys.executable, "-c", _SENDER, dst, str(port), str(nbytes)],
                 stderr=subprocess.PIPE,
                 text=True,
             )
@@ -266,6 +344,17 @@ class Link:
             return got * 8 / seconds / 1e6
         finally:
             _kill(recv)
+
+
+class Link(Star):
+    """The star with one worker: namespaces `ns[0]` and `ns[1]` joined by one veth pair, ends
+    `dev[0]`/`dev[1]` with addresses `addr[0]` (10.77.<s>.1) and `addr[1]` (.2).
+    `with Link(rate_mbps) as link:` deletes them whatever happens."""
+
+    def __init__(self, rate_mbps: float | None = None):
+        super().__init__(1, rate_mbps)
+        self.dev = list(self.pairs[0].dev)
+        self.addr = list(self.pairs[0].addr)
 
 
 _RECEIVER = """
@@ -287,7 +376,8 @@ c.sendall(b"\\0" * int(sys.argv[3])); c.shutdown(socket.SHUT_WR); c.recv(1); c.c
 
 
 # ---------------------------------------------------------------------------------------------
-# One configuration: `diloco train --runtime collective`, rank r in namespace r.
+# One configuration: `diloco train --runtime collective`, rank r in namespace r of a Link; or
+# `diloco serve` in the hub of a Star and `diloco worker` w in its namespace w.
 
 CONFIGS = {
     "fp32": lambda P, tau: ["--codec", "fp32"],
@@ -302,6 +392,48 @@ CONFIGS = {
         str(tau),
     ],  # fmt: skip
 }
+SERVER_CONFIGS = {
+    "server_fp32": ["--codec", "fp32"],
+    "server_fp4": ["--codec", "fp4", "--error-feedback", "--download-codec", "bf16"],
+}
+SERVER_WORKERS = 2
+# gRPC honours these: a proxy outside the namespaces is unreachable from them
+_PROXIES = {"http_proxy", "https_proxy", "all_proxy", "grpc_proxy"}
+
+
+def _supervise(procs: list[subprocess.Popen], t0: float, timeout_s: float) -> None:
+    """Wait for every process; once one has failed, give the others 10 s to end by themselves
+    (a peer that lost its partner) before killing them; kill everything at timeout_s."""
+    failed_at = None
+    try:
+        while any(p.poll() is None for p in procs):
+            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                failed_at = time.perf_counter()
+            if (failed_at and time.perf_counter() - failed_at > 10) or time.perf_counter() - t0 > timeout_s:
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            _kill(p)
+
+
+def _failure(
+    procs: list[subprocess.Popen], names: list[str], logs: list[Path], timeout_s: float, usage: set[int]
+) -> dict | None:
+    """{"error": ...} naming the process that failed by itself (the others may only have been
+    killed by us), None when all exited 0. Exit 2 of a process in `usage` is a flag its CLI
+    refuses (not there yet, or a bad value): the error is its message alone."""
+    codes = [p.returncode for p in procs]
+    if not any(codes):
+        return None
+    i = next((i for i, c in enumerate(codes) if c not in (0, -signal.SIGKILL)), None)
+    how = f"exited {codes[i]}" if i is not None else f"timed out after {timeout_s:.0f} s"
+    i = i or 0
+    lines = [x for x in logs[i].read_text(errors="replace").splitlines() if x.strip()]
+    last = lines[-1] if lines else f"exit code {codes[i]}"
+    if codes[i] == 2 and i in usage:
+        return {"error": last}
+    return {"error": f"{names[i]} {how}: {last}"}
 
 
 def run_config(link: Link, flags: list[str], *, run_dir: Path, port: int, timeout_s: float) -> dict:
@@ -328,29 +460,11 @@ def run_config(link: Link, flags: list[str], *, run_dir: Path, port: int, timeou
         with open(logs[-1], "w") as f:
             procs.append(_spawn(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
     t0 = time.perf_counter()
-    failed_at = None
-    try:
-        while any(p.poll() is None for p in procs):
-            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                failed_at = time.perf_counter()  # give its peer a few seconds to end by itself
-            if (failed_at and time.perf_counter() - failed_at > 10) or time.perf_counter() - t0 > timeout_s:
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            _kill(p)
+    _supervise(procs, t0, timeout_s)
     wall_s = time.perf_counter() - t0
-    codes = [p.returncode for p in procs]
-    if any(codes):
-        # the rank that failed by itself (its peer may only have been killed by us)
-        rank = next((r for r, c in enumerate(codes) if c not in (0, -signal.SIGKILL)), None)
-        how = f"exited {codes[rank]}" if rank is not None else f"timed out after {timeout_s:.0f} s"
-        rank = rank or 0
-        lines = [x for x in logs[rank].read_text(errors="replace").splitlines() if x.strip()]
-        last = lines[-1] if lines else f"exit code {codes[rank]}"
-        if codes[rank] == 2:  # a flag the CLI refuses (not there yet, or a bad value)
-            return {"error": last}
-        return {"error": f"rank {rank} {how}: {last}"}
+    failed = _failure(procs, ["rank 0", "rank 1"], logs, timeout_s, usage={0, 1})
+    if failed:
+        return failed
     s = json.loads((run_dir / "summary.json").read_text())
     return {
         "compute_utilisation": s.get("compute_utilisation"),
@@ -360,6 +474,75 @@ def run_config(link: Link, flags: list[str], *, run_dir: Path, port: int, timeou
         "bytes_sent_per_worker": s["bytes_sent_per_worker"],
         "params": s["params"],
         "rounds": s["outer_updates"],
+        "wall_s": round(wall_s, 2),
+    }
+
+
+def run_server_config(star: Star, flags: list[str], *, run_dir: Path, port: int, timeout_s: float) -> dict:
+    """`diloco serve` with `flags` in the hub, listening on its hub address, and one `diloco
+    worker` in each worker namespace, started once the server listens; summary.json's numbers,
+    or {"error": ...}."""
+    env = {
+        **{k: v for k, v in os.environ.items() if k.lower() not in _PROXIES},
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "DILOCO_TOKEN": secrets.token_urlsafe(24),  # server and workers share it, as deployed
+    }
+    names = ["server", *(f"worker {w}" for w in range(1, star.workers + 1))]
+    logs = [run_dir.parent / f"{run_dir.name}.{n.replace(' ', '')}.log" for n in names]
+    cmd = [
+        *star.exec(0), sys.executable, "-m", "diloco", "serve", "--host", star.hub_addr, "--port", str(port),
+        "--http-port", "-1", "--threads", "1", "--no-progress", "--out", str(run_dir), *flags,
+    ]  # fmt: skip
+    with open(logs[0], "w") as f:
+        procs = [_spawn(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)]
+    t0 = time.perf_counter()
+    address = None
+    # the workers would retry until it listens, but started together they register together
+    while address is None and procs[0].poll() is None and time.perf_counter() - t0 < timeout_s:
+        try:
+            address = json.loads((run_dir / "server.json").read_text())["address"]
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.1)
+    if address is not None:
+        for w in range(1, star.workers + 1):
+            cmd = [
+                *star.exec(w),
+                sys.executable,
+                "-m",
+                "diloco",
+                "worker",
+                "--server",
+                address,
+                "--threads",
+                "1",
+            ]
+            with open(logs[w], "w") as f:
+                procs.append(_spawn(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
+    _supervise(procs, t0, timeout_s)
+    wall_s = time.perf_counter() - t0
+    failed = _failure(procs, names, logs, timeout_s, usage={0})
+    if failed:
+        return failed
+    s = json.loads((run_dir / "summary.json").read_text())
+    ws = s["workers"]
+    each = [w["compute_utilisation"] for w in ws]
+    return {
+        # compute ÷ time registered, per worker (docs/server.md), averaged
+        "compute_utilisation": round(sum(each) / len(each), 4) if None not in each else None,
+        "workers_compute_utilisation": each,
+        # the server's own per-round measure, as the collective rows': compute ÷ round wall time
+        "round_compute_utilisation": s.get("compute_utilisation"),
+        "val_loss": s["val_loss"],
+        "compute_s": s.get("compute_s"),
+        "comm_s": s.get("comm_s"),
+        "bytes_sent_per_worker": s["bytes_sent_per_worker"],
+        "bytes_received": s["bytes_received"],
+        "wire_bytes_sent": [w["wire_bytes_sent"] for w in ws],
+        "wire_bytes_received": [w["wire_bytes_received"] for w in ws],
+        "params": s["params"],
+        "rounds": s["outer_updates"],
+        "eval_time_s": s.get("eval_time_s"),
         "wall_s": round(wall_s, 2),
     }
 
@@ -385,52 +568,89 @@ def run_wan(
         toml = root / "quick.toml"
         toml.write_text(QUICK_TOML)
         base += ["--config", str(toml), *QUICK_FLAGS]
-    ports = iter(range(29401, 29500))  # a fresh store port per run: no TIME_WAIT from the last one
+    ports = iter(range(29401, 29500))  # a fresh port per run: no TIME_WAIT from the last one
     step_s = model_bytes = None
 
+    def budget(n_rounds: int) -> float:
+        # generous: a round is ~2-3 H steps at the calibrated rate, plus start-up and evals
+        return 300 + 10 * n_rounds * inner_steps * (step_s or 1.0)
+
+    def evals(n_rounds: int) -> list[str]:
+        # one evaluation, at the end: rank 0 (the server) evaluating between rounds would count
+        # as the other rank's (the workers') communication time
+        return ["--eval-every", str(n_rounds * inner_steps)]
+
     def train(link: Link, name: str, flags: list[str], n_rounds: int) -> dict:
-        # generous: a round is ~2 H steps at the calibrated rate, plus start-up and evals
-        budget = 300 + 10 * n_rounds * inner_steps * (step_s or 1.0)
-        # one evaluation, at the end: rank 0 evaluating between rounds would count as the other
-        # rank's communication time (it waits for rank 0 in the next exchange)
-        evals = ["--eval-every", str(n_rounds * inner_steps)]
         row = run_config(
             link,
-            [*base, "--rounds", str(n_rounds), *evals, *flags],
+            [*base, "--rounds", str(n_rounds), *evals(n_rounds), *flags],
             run_dir=root / name,
             port=next(ports),
-            timeout_s=budget,
+            timeout_s=budget(n_rounds),
         )
         log(f"{name}: {row}")
         return row
 
-    with Link() as link:
-        log(f"namespaces {link.ns[0]} ({link.addr[0]}) and {link.ns[1]} ({link.addr[1]})")
-        calibration = None
-        if link_mbps is None:
-            log(f"calibration: fp32, {CALIBRATION_ROUNDS} rounds of H={inner_steps}, link unshaped")
-            calibration = train(
-                link, "calibration", CONFIGS["fp32"](fragments, overlap_steps), CALIBRATION_ROUNDS
-            )
-            if "error" in calibration:
-                raise RuntimeError(f"the calibration run failed: {calibration['error']}")
-            step_s = calibration["compute_s"] / (CALIBRATION_ROUNDS * inner_steps)
-            model_bytes = calibration["params"] * 4
-            link_mbps = model_bytes * 8 / (inner_steps * step_s) / 1e6
-            log(f"step {step_s * 1000:.1f} ms, model {model_bytes / 1e6:.3f} MB: link {link_mbps:.2f} Mbit/s")
-        link.shape(link_mbps)
-        burst_bytes = link.burst_bytes
-        nbytes = max(1_000_000, int(link_mbps * 1e6 / 8 * 2))  # ~2 s each way
-        each_way = [round(link.measure_mbps(nbytes, sender=s), 3) for s in (1, 0)]
-        log(f"shaped {link_mbps:.2f} Mbit/s (burst {burst_bytes} B): measured {each_way} Mbit/s")
-        rows = {}
-        for name in configs:
-            flags = CONFIGS[name](fragments, overlap_steps)
-            log(f"{name}: {rounds} rounds of H={inner_steps}, {' '.join(flags)}")
-            rows[name] = {"flags": flags, **train(link, name, flags, rounds)}
-    fp32 = rows.get("fp32", {})
-    if step_s is None and fp32.get("compute_s"):  # --link-mbps: the fp32 run's own step time
-        step_s = fp32["compute_s"] / (rounds * inner_steps)
+    def serve(star: Star, name: str, flags: list[str]) -> dict:
+        run = ["--method", "diloco", "--workers", str(star.workers), "--rounds", str(rounds)]
+        row = run_server_config(
+            star,
+            [*base, *run, "--checkpoint-every", str(rounds), *evals(rounds), *flags],
+            run_dir=root / name,
+            port=next(ports),
+            timeout_s=budget(rounds),
+        )
+        log(f"{name}: {row}")
+        return row
+
+    collective = [c for c in configs if c in CONFIGS]
+    served = [c for c in configs if c in SERVER_CONFIGS]
+    rows: dict[str, dict] = {}
+    calibration = each_way = star_each_way = burst_bytes = None
+    if collective or link_mbps is None:
+        with Link() as link:
+            log(f"namespaces {link.ns[0]} ({link.addr[0]}) and {link.ns[1]} ({link.addr[1]})")
+            if link_mbps is None:
+                log(f"calibration: fp32, {CALIBRATION_ROUNDS} rounds of H={inner_steps}, link unshaped")
+                calibration = train(
+                    link, "calibration", CONFIGS["fp32"](fragments, overlap_steps), CALIBRATION_ROUNDS
+                )
+                if "error" in calibration:
+                    raise RuntimeError(f"the calibration run failed: {calibration['error']}")
+                step_s = calibration["compute_s"] / (CALIBRATION_ROUNDS * inner_steps)
+                model_bytes = calibration["params"] * 4
+                link_mbps = model_bytes * 8 / (inner_steps * step_s) / 1e6
+                mb = model_bytes / 1e6
+                log(f"step {step_s * 1000:.1f} ms, model {mb:.3f} MB: link {link_mbps:.2f} Mbit/s")
+            if collective:
+                link.shape(link_mbps)
+                burst_bytes = link.burst_bytes
+                nbytes = max(1_000_000, int(link_mbps * 1e6 / 8 * 2))  # ~2 s each way
+                each_way = [round(link.measure_mbps(nbytes, sender=s), 3) for s in (1, 0)]
+                log(f"shaped {link_mbps:.2f} Mbit/s (burst {burst_bytes} B): measured {each_way} Mbit/s")
+            for name in collective:
+                flags = CONFIGS[name](fragments, overlap_steps)
+                log(f"{name}: {rounds} rounds of H={inner_steps}, {' '.join(flags)}")
+                rows[name] = {"flags": flags, **train(link, name, flags, rounds)}
+    if served:
+        with Star(SERVER_WORKERS, link_mbps) as star:
+            burst_bytes = star.burst_bytes
+            log(f"hub {star.ns[0]} ({star.hub_addr}), workers {', '.join(star.ns[1:])}")
+            # the two directions a round uses, and both workers' links: worker 1 pushing to the
+            # server's address, the server sending to worker 2
+            nbytes = max(1_000_000, int(link_mbps * 1e6 / 8 * 2))
+            star_each_way = [
+                round(star.measure_mbps(nbytes, worker=1, to=star.hub_addr), 3),
+                round(star.measure_mbps(nbytes, worker=2, sender=0), 3),
+            ]
+            log(f"star shaped {link_mbps:.2f} Mbit/s per link: measured {star_each_way} Mbit/s")
+            for name in served:
+                flags = SERVER_CONFIGS[name]
+                log(f"{name}: {rounds} rounds of H={inner_steps}, {' '.join(flags)}")
+                rows[name] = {"flags": flags, **serve(star, name, flags)}
+    if step_s is None:  # --link-mbps: the fp32 run's own step time
+        fp32 = next((rows[n] for n in ("fp32", "server_fp32") if rows.get(n, {}).get("compute_s")), None)
+        step_s = fp32["compute_s"] / (rounds * inner_steps) if fp32 else None
     if model_bytes is None:
         model_bytes = next((r["params"] * 4 for r in rows.values() if "params" in r), None)
     for row in rows.values():
@@ -440,14 +660,17 @@ def run_wan(
         "benchmark": "wan",
         "model": "tiny (--quick)" if quick else "nano",
         "ranks": 2,
+        "server_workers": SERVER_WORKERS if served else None,
         "threads_per_rank": 1,
         "H": inner_steps,
         "rounds": rounds,
         "step_s": round(step_s, 5) if step_s else None,
         "model_bytes": model_bytes,
         "link_mbps": round(link_mbps, 3),
-        "measured_link_mbps": min(each_way),
+        "measured_link_mbps": min(each_way) if each_way else None,
         "measured_link_mbps_each_way": each_way,
+        "measured_star_mbps": min(star_each_way) if star_each_way else None,
+        "measured_star_mbps_each_way": star_each_way,
         "fp32_exchange_s_expected": round(model_bytes * 8 / (link_mbps * 1e6), 3) if model_bytes else None,
         "tbf": {"burst_bytes": burst_bytes, "latency_ms": QUEUE_MS},
         "fragments": fragments,
@@ -482,8 +705,17 @@ def main() -> None:
     parser.add_argument(
         "--overlap-steps", type=int, default=None, help="streaming: tau (default: a tenth of H, at least 1)"
     )
-    parser.add_argument("--configs", default="fp32,fp4,streaming", help="which rows, comma-separated")
-    parser.add_argument("--out", default=str(RESULTS / "wan.json"))
+    everything = [*CONFIGS, *SERVER_CONFIGS]
+    parser.add_argument(
+        "--configs",
+        default=",".join(everything),
+        help="which rows, comma-separated (collective ones run first; default: all)",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="where to save the JSON (default: benchmarks/results/wan.json; --quick: none)",
+    )
     args = parser.parse_args()
     reason = missing()
     if reason:
@@ -492,9 +724,10 @@ def main() -> None:
     H = args.inner_steps or (4 if args.quick else 50)
     rounds = args.rounds or (2 if args.quick else 6)
     configs = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in configs if c not in CONFIGS]
-    if unknown:
-        parser.error(f"unknown configuration {unknown[0]!r}; use some of {', '.join(CONFIGS)}")
+    unknown = [c for c in configs if c not in everything]
+    if unknown or not configs:
+        parser.error(f"unknown configuration {unknown[0]!r}" if unknown else "no configuration")
+    out = args.out or (None if args.quick else str(RESULTS / "wan.json"))
     install_signal_handlers()
     for name in sweep_stale():
         log(f"deleted {name}, left by a wan.py that was killed")
@@ -517,8 +750,12 @@ def main() -> None:
             print(f"wan.py: {e}", file=sys.stderr)
             sys.exit(1)
     print(json.dumps(result, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+        log(f"saved {out}")
+    else:
+        log("not saved (--quick; --out FILE saves it)")
 
 
 if __name__ == "__main__":
