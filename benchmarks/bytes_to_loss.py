@@ -79,7 +79,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny model and few steps: checks the plumbing")
     ap.add_argument("--out", type=Path, default=RESULTS / "bytes_to_loss.json")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the figure from --out's JSON")
     args = ap.parse_args()
+    if args.plot_only:
+        _plot(json.loads(args.out.read_text()))
+        return
     hs = [int(h) for h in args.hs.split(",")]
     common = ["--workers", str(args.workers), "--seed", str(args.seed)]
     if args.quick:
@@ -175,7 +179,8 @@ def main() -> None:
         args.out.write_text(text + "\n")
 
 
-def _plot(result: dict) -> None:
+def _plot(result: dict, path: Path = FIGURE) -> None:
+    """Loss against bytes sent: data parallel in black, a colour per codec, a line style per H."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -184,21 +189,27 @@ def _plot(result: dict) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     xs, ys = zip(*[(b, v) for b, v in result["dp_curve"] if b > 0], strict=True)
     ax.plot(xs, ys, "k-", lw=2, label="data parallel")
+    colours = {name: f"C{i}" for i, name in enumerate(CODECS)}
+    hs = sorted({r["H"] for r in result["runs"].values()})
+    styles = dict(zip(hs, ["-", "--", ":", "-."], strict=False))
     for r in result["runs"].values():
         pts = [(b, v) for b, v in r["curve"] if b > 0]
         if pts:
             xs, ys = zip(*pts, strict=True)
-            ax.plot(xs, ys, "-", lw=1, label=f"DiLoCo H={r['H']} {r['codec']}")
+            ax.plot(
+                xs, ys, styles[r["H"]], color=colours[r["codec"]], lw=1.2, label=f"H={r['H']} {r['codec']}"
+            )
     ax.axhline(result["dp_final_val_loss"], color="k", ls=":", lw=1)
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent by all workers")
     ax.set_ylabel("validation loss (eval subset)")
-    ax.set_title(f"{result['workers']} workers: loss against bytes sent")
+    ax.set_ylim(top=min(3.2, ax.get_ylim()[1]))
+    ax.set_title(f"{result['workers']} workers: loss against bytes sent (dotted: data parallel's final loss)")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     if not result["quick"]:
-        FIGURE.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(FIGURE, dpi=120)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
