@@ -14,7 +14,7 @@ smallest ratio of any run that reached the target; target ≤ 1/1000); and at eq
 same 2T steps at H = 50) each codec's final loss against fp32 (`loss_gap` per codec;
 `fp4_ef_loss_gap` for fp4 with error feedback, target ≤ 0.005). A figure of loss against bytes
 goes to docs/figures/bytes_to_loss.png. Losses are deterministic for a seed (no timing), so
-the benchmark may share the machine; it takes ~40 minutes on 2 cores with the defaults.
+the benchmark may share the machine; it takes ~55 minutes on 2 cores with the defaults.
 
     python benchmarks/bytes_to_loss.py                 # T = 500, k = 4, H in 50, 100, 250
     python benchmarks/bytes_to_loss.py --quick         # a few minutes, tiny: checks the plumbing
