@@ -142,7 +142,7 @@ class Codec:
         self.check(message)
         try:
             return self._decode(message)
-        except (RuntimeError, ValueError, IndexError, KeyError, TypeError) as e:
+        except (RuntimeError, ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
             raise UserError(
                 f"an outer_grad message of codec {self.name!r} does not decode ({e}); resend it."
             ) from None
@@ -189,8 +189,10 @@ class Fp32Codec(Codec):
 
 
 class Bf16Codec(Codec):
-    """bfloat16 values (round to nearest even), 2 bytes each; decoded to float32 exactly, so
-    float32 sums of decoded messages are exact to all-reduce."""
+    """bfloat16 values (round to nearest even), 2 bytes each, decoded to float32 exactly; the
+    collective runtime all-reduces the weighted float32 contributions (as for fp32: the same
+    numbers as the simulator's sum in worker order bit for bit with 2 workers, within float
+    rounding with more, whose sums gloo orders its own way)."""
 
     name = "bf16"
     summable = True
@@ -230,8 +232,8 @@ def _per_tensor(message: Encoded) -> list[tuple[list[int], int, torch.Tensor, to
     out = []
     for shape, a, b in zip(shapes, message.payload[0::2], message.payload[1::2], strict=True):
         shape = [int(d) for d in shape]
-        if any(d < 0 for d in shape):
-            raise ValueError(f"shape {shape} has a negative size")
+        if any(d < 0 for d in shape) or math.prod(shape) >= 2**31:
+            raise ValueError(f"shape {shape} is negative or too large for int32 indices")
         out.append((shape, math.prod(shape), a, b))
     return out
 

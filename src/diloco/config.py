@@ -464,11 +464,14 @@ def _validate_communication(cfg: TrainConfig) -> None:
         raise UserError(
             f"error_feedback (--error-feedback) needs outer_grads; --method {cfg.method} sends none."
         )
-    if settings.changed(cfg, "codec") and cfg.method in ("single", "dp"):
-        raise UserError(f"codec (--codec) encodes outer_grads; --method {cfg.method} sends none: drop it.")
+    for key in ("codec", "download_codec"):
+        if settings.changed(cfg, key) and cfg.method in ("single", "dp"):
+            raise UserError(
+                f"{label(key)} encodes DiLoCo's messages; --method {cfg.method} sends none of them: drop it."
+            )
     settings.at_least(cfg, "fragments", minimum=1)
     settings.at_least(cfg, "overlap_steps", minimum=0)
-    settings.in_range(cfg, "mix_alpha", lo=0.0, hi=1.0)
+    settings.in_range(cfg, "mix_alpha", lo=0.0, hi=1.0, hi_open=True)  # 1: workers never see θ
     if settings.changed(cfg, "mix_alpha") and not cfg.overlap_steps:
         raise UserError(
             "mix_alpha (--mix-alpha) mixes a fragment that arrives after --overlap-steps steps; without "

@@ -183,7 +183,8 @@ class OuterSide:
     def contribution(self, w: int, message: Encoded | None) -> list[torch.Tensor]:
         """Worker w's weighted share of the round's sum, w_i × decode(message) in float32;
         zeros if it does not count (dropped, or not active this round). Summing contributions in
-        worker order or by an all-reduce (summable codecs) gives the same numbers."""
+        worker order or by an all-reduce (summable codecs) gives the same numbers bit for bit with
+        two workers (a + b in any order), within float rounding with more."""
         weight = self.round_weights()[w]
         if message is None or weight == 0.0:
             return [torch.zeros_like(p) for p in self.params]
@@ -241,11 +242,17 @@ class OuterSide:
     def sent_fragment(self, w: int, nbytes: int, finite: bool) -> None:
         """Worker w sent a fragment's outer_grad of `nbytes`; a non-finite one stops the run."""
         self.bytes_sent[w] += nbytes
+        self.stop_if_nonfinite(w, finite)
+
+    def stop_if_nonfinite(self, w: int, finite: bool, round_: int | None = None) -> None:
+        """Streaming DiLoCo stops on worker w's non-finite loss or outer_grad in round `round_`
+        (default: the one under way) before the round is checkpointed."""
         if not finite:
             raise NonFinite(
                 f"worker {w} produced a non-finite (NaN or Inf) training loss or outer_grad in round "
-                f"{self.rounds_done + 1}; the run stopped before applying it and its last checkpoint is "
-                "intact: --resume it if the cause was passing, or start again with a lower --inner-lr."
+                f"{round_ or self.rounds_done + 1}; the run stopped before applying it and its last "
+                "checkpoint is intact: --resume it if the cause was passing, or start again with a lower "
+                "--inner-lr."
             )
 
     def end_fragment(self, p: int, group: list[int], summed: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -276,3 +276,18 @@ def test_streaming_with_workers_of_two_ranks_matches_the_simulator_at_double_bat
         overlap_steps=1,
     )
     assert _max_rel(real, sim) < 1e-3  # DDP's half-batch gradients, then 4-bit messages
+
+
+@pytest.mark.timeout(120)
+def test_a_nan_after_the_last_send_of_a_round_stops_streaming_before_its_checkpoint(tmp_path):
+    """H = 4, 2 fragments, τ = 1: the round's last inner step sends nothing. A NaN there is in no
+    exchange, yet every rank stops before the round is checkpointed."""
+    from diloco import checkpoint
+
+    out = tmp_path / "c"
+    flags = ["--fragments", "2", "--overlap-steps", "1", "--checkpoint-every", "1", "--out", str(out)]
+    proc = _torchrun(tmp_path, 2, *flags, env={"DILOCO_FAULT": "nan:1:7"}, timeout=110)  # round 2's last
+    assert proc.returncode != 0
+    assert "worker 1 produced a non-finite (NaN or Inf) training loss or outer_grad in round 2" in proc.stderr
+    path, state = checkpoint.latest_valid(out / "checkpoints")
+    assert path.name == "round-000001" and state["round"] == 1

@@ -76,6 +76,16 @@ class Client:
 
 @pytest.fixture
 def server(tmp_path):
+    yield from _serving(tmp_path)
+
+
+@pytest.fixture
+def topk_server(tmp_path):
+    yield from _serving(tmp_path, codec="topk", topk_fraction=0.25)
+
+
+def _serving(tmp_path, **overrides):
+    """An async server with its main loop on a thread, on loopback; `overrides` of its config."""
     cfg = dataclasses.replace(
         __import__("conftest").tiny_config(tmp_path),
         runtime="server",
@@ -87,6 +97,7 @@ def server(tmp_path):
         max_update_norm_ratio=5.0,
         sim=SimConfig(),
         server=ServerConfig(rule="naive", dylu=False, shard_sampling=False, grace_s=0.0),
+        **overrides,
     )
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -267,3 +278,27 @@ def _events(rt) -> list[dict]:
         rt._events.flush()
     with open(rt.run_dir / "events.jsonl") as f:
         return [json.loads(line) for line in f]
+
+
+@pytest.mark.timeout(60)
+def test_a_topk_push_with_bad_indices_is_refused_as_malformed(topk_server):
+    """Shapes, dtypes and meta right, indices out of order or out of range: refused before θ."""
+    rt = topk_server
+    a = Client(rt.address).register()
+    codec = rt.side.codec
+    for damage in ("unsorted", "out of range"):
+        job = a.job()  # a refused push of one's own job gives it back: the next one is new
+        message = codec.encode(update(rt), None)
+        index = message.payload[1]
+        if damage == "unsorted":
+            index[0], index[1] = index[1].clone(), index[0].clone()
+        else:
+            index[-1] = 10**6
+        refused(
+            rt,
+            lambda m=message, j=job: a.push(j, m.to_bytes()),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "malformed",
+        )
+    rejects = [e for e in _events(rt) if e["kind"] == "reject"]
+    assert [e["reason"] for e in rejects] == ["malformed", "malformed"]

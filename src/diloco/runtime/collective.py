@@ -16,6 +16,7 @@ links between workers instead of M, and the broadcast stays on the fast links in
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -337,7 +338,12 @@ class CollectiveDiLoCo:
                 comm_s += time.perf_counter() - started
         side.end_streaming_round(H)
         compute_s = time.perf_counter() - t0 - comm_s
-        return self._finish_round(total_loss / H, lr, compute_s, comm_s, before, k)
+        stats = self._finish_round(total_loss / H, lr, compute_s, comm_s, before, k)
+        # a NaN in steps after the last send is in no exchange: every rank learns it here, from
+        # the gathered losses, and stops before the round's checkpoint
+        for i, loss in enumerate(stats.losses):
+            side.stop_if_nonfinite(i, math.isfinite(loss), round_=side.rounds_done)
+        return stats
 
     def _launch(self, p: int, result) -> tuple:
         """Start fragment p's exchange among the worker leaders: an all-reduce of this worker's

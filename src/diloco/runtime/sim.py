@@ -265,8 +265,8 @@ class DiLoCo(SideView):
                     side.sent_fragment(w, result.message.nbytes, result.finite)
                     messages.append(result.message)
                     arrivals.append(t[w] + clock.transfer_s(result.message.nbytes))
-                elif not math.isfinite(result.mean_loss):
-                    side.sent_fragment(w, 0, False)
+                else:
+                    side.stop_if_nonfinite(w, math.isfinite(result.mean_loss))
             if seg.send is not None:
                 group = self.groups[seg.send]
                 fragment = side.end_fragment(seg.send, group, side.reduce_fragment(messages, group))

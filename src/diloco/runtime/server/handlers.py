@@ -184,7 +184,10 @@ class Handlers(rpc.ParameterServerServicer):
             refuse("shape", f"job {jid}'s outer_grad does not have this model's shapes and dtypes")
         norm = None
         if head.finite:  # an outer_grad flagged non-finite is dropped by the rule (--on-nonfinite drop)
-            grads = rt.side.codec.decode(message)
+            try:
+                grads = rt.side.codec.decode(message)  # e.g. topk indices out of order or range
+            except UserError as e:
+                refuse("malformed", str(e).removesuffix(" resend it.").rstrip(";."))
             # one fused pass: the norm is finite exactly when every value is (or it overflows)
             total = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
             if not math.isfinite(total):
