@@ -221,9 +221,7 @@ def test_messages_that_cannot_be_summed_are_gathered_and_reduced_like_the_simula
 CODED = [
     ["--codec", "bf16"],
     ["--codec", "int8", "--error-feedback", "--download-codec", "bf16"],
-    ["--codec", "fp4", "--error-feedback"],
     ["--codec", "topk", "--topk-fraction", "0.1", "--error-feedback"],
-    ["--fragments", "2"],
     ["--fragments", "2", "--overlap-steps", "1", "--codec", "fp4", "--error-feedback"],
     ["--fragments", "2", "--overlap-steps", "1", "--mix-alpha", "0.3", "--codec", "bf16"],
 ]
