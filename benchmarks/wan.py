@@ -506,17 +506,8 @@ def run_server_config(star: Star, flags: list[str], *, run_dir: Path, port: int,
             time.sleep(0.1)
     if address is not None:
         for w in range(1, star.workers + 1):
-            cmd = [
-                *star.exec(w),
-                sys.executable,
-                "-m",
-                "diloco",
-                "worker",
-                "--server",
-                address,
-                "--threads",
-                "1",
-            ]
+            cmd = [*star.exec(w), sys.executable, "-m", "diloco", "worker", "--server", address]
+            cmd += ["--threads", "1"]
             with open(logs[w], "w") as f:
                 procs.append(_spawn(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
     _supervise(procs, t0, timeout_s)
