@@ -120,13 +120,17 @@ class Worker:
             # On the start's device: the CPU for a GPU worker of the collective runtime.
             outer_grad = [s - p.to(s.device) for s, p in zip(start, self.params, strict=True)]
             finite = math.isfinite(total_loss) and all(bool(torch.isfinite(g).all()) for g in outer_grad)
-        if finite:
-            message = self.codec.encode(outer_grad, self.codec_state)
-        else:
+        if not finite:
             self.optimizer.state.clear()  # fresh moments: the next job starts clean
-            # Reported, never applied: a message of the right size, and the codec's state untouched.
-            message = self.codec.encode([torch.zeros_like(g) for g in outer_grad], None)
+        message = self._encode(outer_grad, finite, self.codec_state)
         return InnerResult(outer_grad, steps, total_loss / steps, lr, finite, message)
+
+    def _encode(self, outer_grad: list[torch.Tensor], finite: bool, state: dict[str, Any]) -> Encoded:
+        """The outer_grad's message. A non-finite one is reported, never applied: a message of
+        the right size, and the codec's state (error feedback) untouched."""
+        if finite:
+            return self.codec.encode(outer_grad, state)
+        return self.codec.encode([torch.zeros_like(g) for g in outer_grad], None)
 
     @torch.no_grad()
     def segment(
@@ -167,10 +171,7 @@ class Worker:
         p, indices = send
         outer_grad = [self.anchor[i] - self.params[i].detach().to(self.anchor[i].device) for i in indices]
         finite = math.isfinite(total_loss) and all(bool(torch.isfinite(g).all()) for g in outer_grad)
-        state = self.codec_state.setdefault(f"fragment{p}", {})
-        message = self.codec.encode(
-            outer_grad if finite else [torch.zeros_like(g) for g in outer_grad], state if finite else None
-        )
+        message = self._encode(outer_grad, finite, self.codec_state.setdefault(f"fragment{p}", {}))
         return InnerResult(outer_grad, steps, total_loss / max(1, steps), lr, finite, message)
 
     def state_dict(self) -> dict[str, Any]:

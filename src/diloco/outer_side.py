@@ -110,8 +110,12 @@ class OuterSide:
         if not self.download.lossy:
             return self.params
         if self._downloaded is None or self._downloaded[0] != self.version:
-            self._downloaded = (self.version, self.download.decode(self.download.encode(self.params)))
+            self._downloaded = (self.version, self._through_download(self.params))
         return self._downloaded[1]
+
+    def _through_download(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`tensors` as a worker receives them through the download codec."""
+        return self.download.decode(self.download.encode(tensors)) if self.download.lossy else tensors
 
     def pull(self, w: int) -> list[torch.Tensor]:
         """Worker w downloads the global parameters (counted); the caller must copy them."""
@@ -188,23 +192,22 @@ class OuterSide:
         weight = self.round_weights()[w]
         if message is None or weight == 0.0:
             return [torch.zeros_like(p) for p in self.params]
+        return self._weighted(message, weight, range(len(self.params)))
+
+    def _weighted(self, message: Encoded, weight: float, indices) -> list[torch.Tensor]:
+        """weight × decode(message) in float32, for the parameters at `indices`."""
+        decoded = self.codec.decode(message)
+        if len(decoded) != len(indices):
+            raise ValueError(f"a message of {len(decoded)} tensors for {len(indices)} parameters")
         return [
-            torch.zeros_like(p).add_(t, alpha=weight)
-            for p, t in zip(self.params, self.codec.decode(message), strict=True)
+            torch.zeros_like(self.params[i]).add_(t, alpha=weight)
+            for i, t in zip(indices, decoded, strict=True)
         ]
 
     def reduce(self, messages: Sequence[Encoded | None]) -> list[torch.Tensor]:
         """The sum of every active worker's contribution in worker order (the simulator's
         all-reduce)."""
-        total = None
-        for w, message in enumerate(messages):
-            part = self.contribution(w, message)
-            if total is None:
-                total = part
-            else:
-                for acc, t in zip(total, part, strict=True):
-                    acc.add_(t)
-        return total if total is not None else [torch.zeros_like(p) for p in self.params]
+        return _sum_in_order([self.contribution(w, m) for w, m in enumerate(messages)], self.params)
 
     def end_round(self, summed: list[torch.Tensor], inner_steps: int) -> bool:
         """Apply the outer step on the summed contributions (if any outer_grad counted); every
@@ -222,22 +225,12 @@ class OuterSide:
     # -- Streaming DiLoCo (streaming.py): one fragment at a time, every worker, no drops --------
     def fragment_contribution(self, w: int, message: Encoded, group: list[int]) -> list[torch.Tensor]:
         """Worker w's weighted share of fragment `group`'s sum (float32), as `contribution`."""
-        decoded = self.codec.decode(message)
-        if len(decoded) != len(group):
-            raise ValueError(f"a fragment of {len(group)} tensors got a message of {len(decoded)}")
-        weight = self.weights[w]
-        return [
-            torch.zeros_like(self.params[i]).add_(t, alpha=weight)
-            for i, t in zip(group, decoded, strict=True)
-        ]
+        return self._weighted(message, self.weights[w], group)
 
     def reduce_fragment(self, messages: Sequence[Encoded], group: list[int]) -> list[torch.Tensor]:
         """Σ_w w_i × decode(message_w) over every worker, in worker order (as `reduce`)."""
-        total = [torch.zeros_like(self.params[i]) for i in group]
-        for w, message in enumerate(messages):
-            for acc, t in zip(total, self.fragment_contribution(w, message, group), strict=True):
-                acc.add_(t)
-        return total
+        parts = [self.fragment_contribution(w, m, group) for w, m in enumerate(messages)]
+        return _sum_in_order(parts, [self.params[i] for i in group])
 
     def sent_fragment(self, w: int, nbytes: int, finite: bool) -> None:
         """Worker w sent a fragment's outer_grad of `nbytes`; a non-finite one stops the run."""
@@ -258,10 +251,9 @@ class OuterSide:
     def end_fragment(self, p: int, group: list[int], summed: list[torch.Tensor]) -> list[torch.Tensor]:
         """Fragment p's outer step on the summed contributions; returns the fragment as workers
         download it (through the download codec), counting each worker's download."""
-        self.update.step_part(p, [self.params[i] for i in group], summed)
         fragment = [self.params[i] for i in group]
-        if self.download.lossy:
-            fragment = self.download.decode(self.download.encode(fragment))
+        self.update.step_part(p, fragment, summed)
+        fragment = self._through_download(fragment)
         nbytes = self.download.message_bytes(fragment)
         for w in range(self.num_workers):
             self.bytes_received[w] += nbytes
@@ -337,3 +329,14 @@ class OuterSide:
         self.own_start = [bool(x) for x in state["own_start"]]
         self.bytes_sent = [int(b) for b in state["bytes_sent"]]
         self.bytes_received = [int(b) for b in state["bytes_received"]]
+
+
+def _sum_in_order(parts: list[list[torch.Tensor]], like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Σ parts in the given (worker) order, on the first part; zeros like `like` for none."""
+    if not parts:
+        return [torch.zeros_like(t) for t in like]
+    total = parts[0]
+    for part in parts[1:]:
+        for acc, t in zip(total, part, strict=True):
+            acc.add_(t)
+    return total

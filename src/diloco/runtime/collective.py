@@ -48,6 +48,15 @@ def param_hash(params: list[torch.Tensor]) -> int:
     return int(total)
 
 
+def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `flat` shaped like each of `like`, in order."""
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
+
+
 class _Slice:
     """This rank's rows of its worker's batch: the worker batch is M × B rows, rank j takes
     rows [jB, (j+1)B), so M ranks together compute the gradient of the whole worker batch."""
@@ -216,11 +225,7 @@ class CollectiveDiLoCo:
                 self.rank_bytes[0] += nbytes
                 self.rank_bytes[1] += nbytes
             self._share_in_worker(bucket, nbytes)
-        out, offset = [], 0
-        for t in tensors:
-            out.append(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-        return out
+        return _unflatten(flat, tensors)
 
     def _share_in_worker(self, tensor: torch.Tensor, nbytes: int) -> None:
         if self.M > 1:
@@ -393,11 +398,7 @@ class CollectiveDiLoCo:
         for i in range(k):
             side.sent_fragment(i, int(info[i]), not bool(info[k + i]))
         if side.codec.summable:
-            summed, offset = [], 0
-            for i in group:
-                n = self.params[i].numel()
-                summed.append(buffers[0][offset : offset + n].view_as(self.params[i]))
-                offset += n
+            summed = _unflatten(buffers[0], [self.params[i] for i in group])
         else:
             messages = [Encoded.from_bytes(b.numpy().tobytes()) for b in buffers]
             summed = side.reduce_fragment(messages, group)

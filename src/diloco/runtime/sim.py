@@ -162,12 +162,12 @@ class DiLoCo(SideView):
         self.side, self.pool, self.clock, self.inner_steps = side, pool, clock, inner_steps
         self._sim_time_s = 0.0
         self.schedule = schedule  # Streaming DiLoCo, or None
+        self._worker_s: list[float] | None = None  # streaming: each worker's simulated time
         if schedule is not None:
             if schedule.inner_steps != inner_steps or not isinstance(side.update, Fragmented):
                 raise ValueError("a streaming run needs its schedule's H and a Fragmented outer optimizer")
             self.groups = fragment_groups(side.model, schedule.fragments)
             self._anchored = False  # workers know the global θ they measure outer_grads from
-            self._worker_s: list[float] | None = None  # each worker's simulated time
 
     # more of the outer side's state, under the names a library user reads (and SideView's)
     own_start = property(lambda self: self.side.own_start)
@@ -266,7 +266,7 @@ class DiLoCo(SideView):
                     messages.append(result.message)
                     arrivals.append(t[w] + clock.transfer_s(result.message.nbytes))
                 else:
-                    side.stop_if_nonfinite(w, math.isfinite(result.mean_loss))
+                    side.stop_if_nonfinite(w, result.finite)
             if seg.send is not None:
                 group = self.groups[seg.send]
                 fragment = side.end_fragment(seg.send, group, side.reduce_fragment(messages, group))
@@ -295,11 +295,8 @@ class DiLoCo(SideView):
         return {
             "outer": self.side.state_dict(),
             "workers": self.pool.state_dict(),
-            "runtime": {"sim": {"sim_time_s": self._sim_time_s, "worker_s": self._streaming_clock()}},
+            "runtime": {"sim": {"sim_time_s": self._sim_time_s, "worker_s": self._worker_s}},
         }
-
-    def _streaming_clock(self) -> list[float] | None:
-        return getattr(self, "_worker_s", None)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.side.load_state_dict(state["outer"])
