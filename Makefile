@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test test-all lint bench bench-async bench-server bench-communication browser clean
+.PHONY: setup run test test-all lint bench bench-async bench-server bench-communication bench-data browser clean
 
 setup: $(VENV)/.installed
 
@@ -53,6 +53,10 @@ bench-server: setup
 bench-communication: setup
 	$(PY) benchmarks/wan.py
 	$(PY) benchmarks/bytes_to_loss.py
+
+# Your own text (--data): tokenisation, the cache, training speed and memory on 100 MB (~6 minutes).
+bench-data: setup
+	$(PY) benchmarks/data_pipeline.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

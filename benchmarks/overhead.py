@@ -14,6 +14,7 @@ outer_grad, encoding it and the outer Nesterov step, once every H steps.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -23,8 +24,9 @@ from pathlib import Path
 
 import torch
 
+from diloco.build import prepare_data
 from diloco.config import TrainConfig
-from diloco.data import ShardSampler, load_corpus, make_shards
+from diloco.data import ShardSampler
 from diloco.model import GPT
 from diloco.runtime.sim import DiLoCo
 from diloco.schedule import warmup_cosine
@@ -36,7 +38,7 @@ H = 50
 
 
 def _setup(cfg: TrainConfig):
-    shard = make_shards(load_corpus(), 1, kind="iid", val_fraction=0.05, seed=0)[0][0]
+    shard = prepare_data(dataclasses.replace(cfg, method="single")).shards[0]
     sampler = partial(ShardSampler, shard, batch_size=cfg.data.batch_size, seq_len=cfg.model.seq_len, seed=1)
     i = cfg.inner
     schedule = partial(

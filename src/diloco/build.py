@@ -8,11 +8,14 @@ print(len(prepare_data(TrainConfig()).shards))"
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -20,7 +23,20 @@ from diloco import faults
 from diloco.async_rules import build_async_rule
 from diloco.codec import build_codec, codec_for
 from diloco.config import InnerConfig, TrainConfig
-from diloco.data import ShardSampler, ShardSet, eval_windows, load_corpus, make_shards, validation_tokens
+from diloco.data import (
+    ShardSampler,
+    ShardSet,
+    Text,
+    Windows,
+    bundled_text,
+    eval_corpus,
+    eval_windows,
+    load_tokenizer,
+    make_shards,
+    tokenised,
+    training_pieces,
+    user_text,
+)
 from diloco.errors import UserError
 from diloco.inner import Worker
 from diloco.model import GPT
@@ -32,34 +48,75 @@ from diloco.runtime.pool import InlinePool, ProcessPool, balanced_assignment
 from diloco.runtime.sim import DataParallel, DiLoCo, make_worker
 from diloco.schedule import warmup_cosine
 from diloco.streaming import Schedule
+from diloco.tokenizer import Tokenizer
+from diloco.tokens import Corpus, View
 
 
 @dataclass
 class Data:
-    shards: list[torch.Tensor]
+    shards: list[View]
     weights: list[float]
-    eval_subset: torch.Tensor  # (N, T+1) fixed windows for periodic evals
-    eval_full: torch.Tensor  # (M, T+1) the whole validation split
+    eval_subset: Windows  # fixed windows for periodic evals
+    eval_full: Windows  # the whole validation split
+    tokenizer: Tokenizer
+    corpus: Corpus  # the training text, tokenised
 
 
-def prepare_data(cfg: TrainConfig) -> Data:
-    works = load_corpus()
+def prepare_data(cfg: TrainConfig, *, run_dir: Path | None = None, progress: bool | None = None) -> Data:
+    """The run's tokenizer (from `run_dir` when it holds one), tokens (cached), shards and
+    validation windows."""
+    d = cfg.data
+    text = training_text(cfg)
+    train = training_pieces(text, d.val_fraction, separate_val=bool(d.val_data))
+    tokenizer = load_tokenizer(d, text, train, run_dir)
+    corpus = training_corpus(cfg, tokenizer, progress, text=text)
     k = 1 if cfg.method == "single" else cfg.num_workers
-    shards, weights = make_shards(
-        works, k, kind=cfg.data.shards, val_fraction=cfg.data.val_fraction, seed=cfg.seed
-    )
+    texts = lambda: (doc.text for doc in text.documents())  # noqa: E731 (kmeans reads them again)
+    shards, weights = make_shards(corpus, k, kind=d.shards, seed=cfg.seed, texts=texts)
     for i in range(k):
         sampler(cfg, shards, i)  # a shard too small for one batch is a UserError now, not later
-    val = validation_tokens(works, cfg.data.val_fraction)
+    val = validation(cfg, tokenizer, progress, corpus=corpus)
     return Data(
         shards,
         weights,
-        eval_windows(val, cfg.model.seq_len, cfg.data.eval_windows),
+        eval_windows(val, cfg.model.seq_len, d.eval_windows),
         eval_windows(val, cfg.model.seq_len),
+        tokenizer,
+        corpus,
     )
 
 
-def sampler(cfg: TrainConfig, shards: list[torch.Tensor], i: int, batch_multiple: int = 1) -> ShardSampler:
+def training_text(cfg: TrainConfig) -> Text:
+    d = cfg.data
+    return (
+        user_text(d.paths, text_field=d.text_field, source_field=d.source_field)
+        if d.paths
+        else bundled_text()
+    )
+
+
+def training_corpus(
+    cfg: TrainConfig, tokenizer: Tokenizer, progress: bool | None, *, text: Text | None = None
+) -> Corpus:
+    d = cfg.data
+    text = text or training_text(cfg)
+    train = training_pieces(text, d.val_fraction, separate_val=bool(d.val_data))
+    split = {"val_fraction": d.val_fraction, "separate_val": bool(d.val_data)}
+    return tokenised(text, train, tokenizer, split, d, progress)
+
+
+def validation(
+    cfg: TrainConfig, tokenizer: Tokenizer, progress: bool | None, *, corpus: Corpus | None = None
+) -> View:
+    """The run's validation tokens: --val-data, or what its training text holds out."""
+    d = cfg.data
+    if d.val_data:
+        val_text = user_text(d.val_data, text_field=d.text_field, source_field=d.source_field)
+        return eval_corpus(val_text, tokenizer, d, progress).split(True)
+    return (corpus or training_corpus(cfg, tokenizer, progress)).split(True)
+
+
+def sampler(cfg: TrainConfig, shards: list[View], i: int, batch_multiple: int = 1) -> ShardSampler:
     return ShardSampler(
         shards[i],
         batch_size=cfg.data.batch_size * batch_multiple,
@@ -85,12 +142,12 @@ def lr_schedule(cfg: TrainConfig):
     )
 
 
-def build_worker(w: int, cfg: TrainConfig, shards: list[torch.Tensor], batch_multiple: int = 1) -> Worker:
+def build_worker(w: int, cfg: TrainConfig, shards: list[View], batch_multiple: int = 1) -> Worker:
     """Worker w of a CLI run (module-level, so worker processes can build it). A worker made of
     M ranks (collective runtime) draws batches of M × batch_size rows and splits them."""
     batches = ShardSet([sampler(cfg, shards, i, batch_multiple) for i in range(len(shards))], current=w)
     worker = make_worker(
-        partial(GPT, cfg.model),
+        partial(build_model, cfg),
         partial(adamw, inner=cfg.inner),
         batches,
         lr_schedule=lr_schedule(cfg),
@@ -126,42 +183,107 @@ def build_clock(cfg: TrainConfig, k: int) -> Clock:
     )
 
 
+def fit_model(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
+    """`cfg` with a model that fits the tokenizer: diloco's GPT gets at least its vocabulary; a
+    Hugging Face config must already have it, and positions for --seq-len."""
+    vocab = tokenizer.vocab_size
+    if not cfg.model.hf_config:
+        return dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, vocab))
+        )
+    spec = json.loads(cfg.model.hf_config)
+    if spec.get("vocab_size", vocab) < vocab:
+        raise UserError(
+            f"the model config's vocab_size is {spec['vocab_size']} but the tokenizer "
+            f"({cfg.data.tokenizer}) has {vocab} tokens; raise vocab_size in the config to at least {vocab}, "
+            "or use a smaller tokenizer."
+        )
+    positions = spec.get("max_position_embeddings", spec.get("n_positions"))
+    if positions is not None and positions < cfg.model.seq_len:
+        raise UserError(
+            f"the model config allows {positions} positions but --seq-len is {cfg.model.seq_len}; "
+            f"use --seq-len {positions} or less."
+        )
+    blocks = spec.get("num_hidden_layers", spec.get("n_layer"))
+    if blocks is not None and cfg.fragments > blocks:
+        raise UserError(
+            f"fragments (--fragments) is {cfg.fragments} but the model has {blocks} blocks; "
+            f"use at most {blocks}."
+        )
+    return cfg
+
+
+def build_model(cfg: TrainConfig) -> nn.Module:
+    """The run's model, untrained: diloco's GPT, or the Hugging Face causal LM of --model-config."""
+    if cfg.model.hf_config:
+        from diloco.hf import HFCausalLM
+
+        return HFCausalLM(json.loads(cfg.model.hf_config))
+    return GPT(cfg.model)
+
+
 def load_init(cfg: TrainConfig) -> dict[str, torch.Tensor] | None:
-    """The parameters `--init-from` names (a run directory's model.safetensors, or that file),
-    checked against the model `cfg` builds; None without --init-from."""
+    """The parameters `--init-from` names (a run directory's model.safetensors, that file, or a
+    directory saved by save_pretrained), checked against the model `cfg` builds; None without it."""
     if not cfg.init_from:
         return None
+    from diloco import hf
+
     path = Path(cfg.init_from)
-    fix = "give a finished run directory or a model.safetensors file of the same model"
-    if path.is_dir():
-        if not (path / "model.safetensors").is_file():
-            raise UserError(f"--init-from {path} has no model.safetensors (has that run finished?); {fix}.")
-        path = path / "model.safetensors"
-    if not path.is_file():
-        raise UserError(f"--init-from {path} does not exist; {fix}.")
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"--init-from {path} is not a readable safetensors file ({e}); {fix}.") from None
+    fix = (
+        "give a finished run directory, a model.safetensors file, or a save_pretrained directory "
+        "of the same model"
+    )
+    if hf.is_pretrained_dir(path):
+        if not cfg.model.hf_config:
+            raise UserError(
+                f"--init-from {path} holds a Hugging Face model; give its config.json to --model-config too."
+            )
+        tensors = {f"model.{k}": v for k, v in hf.load_pretrained(path)[1].items()}
+    else:
+        if path.is_dir():
+            if not (path / "model.safetensors").is_file():
+                raise UserError(
+                    f"--init-from {path} has no model.safetensors (has that run finished?); {fix}."
+                )
+            path = path / "model.safetensors"
+        if not path.is_file():
+            raise UserError(f"--init-from {path} does not exist; {fix}.")
+        try:
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"--init-from {path} is not a readable safetensors file ({e}); {fix}.") from None
     with torch.device("meta"):  # shapes only: nothing allocated
-        want = {k: v.shape for k, v in GPT(cfg.model).state_dict().items()}
+        want = {k: v.shape for k, v in build_model(cfg).state_dict().items()}
     got = {k: v.shape for k, v in tensors.items()}
+    vocab = (
+        cfg.model.vocab_size if not cfg.model.hf_config else json.loads(cfg.model.hf_config).get("vocab_size")
+    )
+    for name in sorted(want.keys() & got.keys()):  # a vocabulary of another size: the likely cause
+        there, here = got[name], want[name]
+        if there != here and there[1:] == here[1:] and here[0] == vocab:
+            raise UserError(
+                f"--init-from {path} has a vocabulary of {there[0]} ({name}) but this run's tokenizer "
+                f"and model have {here[0]}; use the tokenizer (--tokenizer) of the run it came from."
+            )
     for name in sorted(want.keys() | got.keys()):
         if want.get(name) != got.get(name):
-            there = tuple(got[name]) if name in got else "missing"
-            here = tuple(want[name]) if name in want else "absent"
-            shapes = f"{there} there, {here} here"
+            there, here = got.get(name), want.get(name)
+            shapes = (
+                f"{tuple(there) if there is not None else 'missing'} there, "
+                f"{tuple(here) if here is not None else 'absent'} here"
+            )
             raise UserError(
                 f"--init-from {path} does not fit this model: {name} is {shapes}; "
-                "use the model settings (--model, [model]) of the run it came from."
+                "use the model settings (--model, --model-config) of the run it came from."
             )
     return tensors
 
 
-def initial_model(cfg: TrainConfig, init: dict[str, torch.Tensor] | None) -> GPT:
+def initial_model(cfg: TrainConfig, init: dict[str, torch.Tensor] | None) -> nn.Module:
     """The global model at the start: from `cfg.seed`, then `init`'s parameters if given."""
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model)
+    model = build_model(cfg)
     if init is not None:
         model.load_state_dict(init)
     return model

@@ -59,8 +59,8 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
             kw["action"] = argparse.BooleanOptionalAction if s.default else "store_true"
         elif s.meta.parse is not None:
             kw.update(type=_flag_type(s.meta.parse, s.flag), metavar=metavar)
-        elif settings.is_list(s.type):  # repeatable: each use adds one item
-            kw.update(action="append", type=typing.get_args(s.type)[0], metavar=metavar)
+        elif settings.is_list(s.type):  # one or more items, and repeatable: each use adds
+            kw.update(action="extend", nargs="+", type=typing.get_args(s.type)[0], metavar=metavar)
         else:
             kw.update(type=s.type, metavar=metavar)
         groups[section].add_argument(s.flag, **kw)
@@ -189,6 +189,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("run", type=Path, metavar="RUN_DIR")
     replay.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    ev = sub.add_parser("eval", help="loss and perplexity of a finished run's model on any text")
+    ev.add_argument("run", type=Path, metavar="RUN_DIR")
+    ev.add_argument(
+        "--data",
+        nargs="+",
+        action="extend",
+        metavar="PATH",
+        help="text to evaluate on, in any form that diloco train --data reads "
+        "(default: the run's validation split)",
+    )
+    ev.add_argument("--text-field", help="the text column of jsonl, json, parquet, csv (default: the run's)")
+    ev.add_argument("--json", action="store_true", help="print one JSON object: val_loss, val_ppl, tokens")
+    ev.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    gen = sub.add_parser("generate", help="sample text from a finished run's model")
+    gen.add_argument("run", type=Path, metavar="RUN_DIR")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens to add (default 200)")
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="softmax temperature; 0: always the most likely (default 0.8)",
+    )
+    gen.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k most likely tokens; 0: all (default 0)"
+    )
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    export = sub.add_parser(
+        "export", help="write a finished run's model and tokenizer for Hugging Face transformers"
+    )
+    export.add_argument("run", type=Path, metavar="RUN_DIR")
+    export.add_argument("out", type=Path, metavar="OUT_DIR", help="a new (or empty) folder")
     plot = sub.add_parser("plot", help="validation loss of several runs on one figure")
     plot.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
     plot.add_argument(
@@ -212,6 +244,37 @@ def _plot(args: argparse.Namespace) -> int:
 
     labels = args.labels.split(",") if args.labels else None
     print(plot_runs(args.runs, x=args.x, out=args.out, labels=labels, title=args.title, ymax=args.ymax))
+    return 0
+
+
+def _use(args: argparse.Namespace) -> int:
+    """diloco eval, generate and export (use.py)."""
+    import json
+
+    from diloco import use
+    from diloco.train import set_threads
+
+    set_threads(len(os.sched_getaffinity(0)))
+    if args.command == "eval":
+        result = use.evaluate_run(args.run, args.data, text_field=args.text_field, progress=args.progress)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            loss, ppl, tokens = result["val_loss"], result["val_ppl"], result["tokens"]
+            print(f"val_loss {loss:.4f}   val_ppl {ppl:.3f}   tokens {tokens:,}")
+    elif args.command == "generate":
+        print(
+            use.generate(
+                args.run,
+                args.prompt,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                seed=args.seed,
+            )
+        )
+    else:
+        print(f"exported to {use.export(args.run, args.out)}")
     return 0
 
 
@@ -409,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
             return _worker(args)
         if args.command == "replay":
             return _replay(args)
+        if args.command in ("eval", "generate", "export"):
+            return _use(args)
     except UserError as e:
         print(f"diloco: error: {e}", file=sys.stderr)
         return 2

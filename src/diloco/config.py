@@ -13,6 +13,7 @@ Adding a setting touches its field here, its range check in `validate` and the c
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -30,12 +31,18 @@ METHODS = ("diloco", "async", "single", "dp")
 RUNTIMES = ("sim", "collective", "server")  # server: `diloco serve` (docs/server.md)
 ASYNC_RULES = ("dn", "naive", "buffer", "poly", "polythres", "delaycomp")
 HETEROGENEITY = ("none", "slight", "moderate", "very")
-SHARDINGS = ("iid", "genre", "kmeans")
+SHARDINGS = ("iid", "genre", "kmeans", "by-source")
 OUTER_OPTS = ("nesterov", "sgd", "adam")
 CODECS = ("fp32", "bf16", "int8", "fp4", "topk")  # codec.CODECS, checked by tests
 DOWNLOAD_CODECS = ("fp32", "bf16")  # codec.DOWNLOAD_CODECS
 ON_NONFINITE = ("stop", "drop")
-PRESETS = ("nano", "micro", "20m")  # the keys of MODEL_PRESETS (below), which needs ModelConfig
+PRESETS = (
+    "nano",
+    "micro",
+    "20m",
+    "60m",
+    "150m",
+)  # the keys of MODEL_PRESETS (below), which needs ModelConfig
 # `needs` of settings that apply to one runtime or method only (the simulator's clock: not real time)
 ON_SIM, ON_COLLECTIVE, ON_SERVER = ("runtime", "sim"), ("runtime", "collective"), ("runtime", "server")
 ON_ASYNC, ON_DILOCO = ("method", "async"), ("method", "diloco")
@@ -60,14 +67,24 @@ def _speeds(text: str) -> tuple[float, ...]:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A small GPT: pre-norm blocks, causal attention, GELU MLP, tied embeddings."""
+    """diloco's GPT (pre-norm blocks, causal attention, GELU MLP), or a Hugging Face causal LM."""
 
-    name: str = setting("nano", flag="--model", choices=PRESETS, help="model preset")
-    vocab_size: int = setting(256, help="byte-level tokenizer by default")
+    name: str = setting("nano", flag="--model", choices=PRESETS, help="model preset of diloco's GPT")
+    # at least the tokenizer's vocabulary: a larger tokenizer (bpe:N, a file) makes it larger
+    vocab_size: int = setting(256, help="vocabulary rows of diloco's GPT (at least the tokenizer's)")
     n_layer: int = 4
     n_head: int = 4
     d_model: int = 96
     seq_len: int = setting(128, flag="--seq-len", help="tokens per sequence", default_help="the preset's")
+    # the config's JSON text itself (from_dict reads the file), so a run directory, a resumed run
+    # and a parameter server's workers all carry the model with them
+    hf_config: str = setting(
+        "",
+        flag="--model-config",
+        default_help="diloco's GPT",
+        help="a Hugging Face causal-LM config.json (Llama, GPT-2, Qwen, ...), built untrained with "
+        "transformers; the preset's sizes then do not apply",
+    )
 
 
 # Presets are named after what they were checked on. `20m` is the async paper's 20M model
@@ -78,18 +95,55 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "nano": ModelConfig(name="nano", n_layer=4, n_head=4, d_model=96, seq_len=128),
     "micro": ModelConfig(name="micro", n_layer=6, n_head=6, d_model=192, seq_len=128),
     "20m": ModelConfig(name="20m", vocab_size=32_000, n_layer=6, n_head=4, d_model=256, seq_len=256),
+    # the papers' 60M and 150M models (DiLoCo's table of architectures): for GPU users
+    "60m": ModelConfig(name="60m", vocab_size=32_000, n_layer=3, n_head=16, d_model=896, seq_len=256),
+    "150m": ModelConfig(name="150m", vocab_size=32_000, n_layer=12, n_head=16, d_model=896, seq_len=256),
 }
 assert tuple(MODEL_PRESETS) == PRESETS
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    """The bundled corpus, its validation split and how it is cut into worker shards."""
+    """The training text (the bundled corpus, or --data), its tokenizer, validation and shards."""
 
-    # genre and kmeans (TF-IDF) are non-i.i.d.
+    paths: tuple[str, ...] = setting(
+        (),
+        flag="--data",
+        default_help="the bundled Shakespeare",
+        help="your text: files, folders, .jsonl/.json/.parquet/.csv, or a datasets save_to_disk folder",
+    )
+    text_field: str = setting(
+        "text", flag="--text-field", help="the text column of jsonl, json, parquet, csv, datasets"
+    )
+    source_field: str = setting(
+        "",
+        flag="--source-field",
+        default_help="the file",
+        help="the column whose value is a row's source (by-source shards)",
+    )
+    val_data: tuple[str, ...] = setting(
+        (),
+        flag="--val-data",
+        default_help="held out of --data",
+        help="validation text instead of --val-fraction",
+    )
+    tokenizer: str = setting(
+        "byte", flag="--tokenizer", help="byte, bpe:N (trained on the training split), or a tokenizer.json"
+    )
+    cache_dir: str = setting(
+        "",
+        flag="--cache-dir",
+        default_help="$DILOCO_CACHE or ~/.cache/diloco",
+        help="where tokenised data is cached",
+    )
+    # genre, kmeans (TF-IDF) and by-source are non-i.i.d.
     shards: str = setting("iid", flag="--shards", choices=SHARDINGS, help="how workers' shards are cut")
     batch_size: int = setting(16, flag="--batch-size", help="sequences per inner step, per worker")
-    val_fraction: float = setting(0.05, help="the last fraction of every work is held out for validation")
+    val_fraction: float = setting(
+        0.05,
+        flag="--val-fraction",
+        help="held out for validation: the end of every work, or whole documents of --data",
+    )
     eval_windows: int = setting(64, help="windows in the fixed validation subset used by periodic evals")
 
 
@@ -404,6 +458,7 @@ def validate(cfg: TrainConfig) -> None:
                 f"'0:4,0.5:8', starting at 0, fractions rising below 1, 1 to num_workers "
                 f"({cfg.num_workers}) workers, got {cfg.workers_schedule!r}; fix it."
             ) from None
+    _validate_data(cfg)
     if cfg.on_nonfinite == "drop" and cfg.method in ("single", "dp"):
         raise UserError(
             f"on_nonfinite (--on-nonfinite) drop needs outer_grads to drop; --method {cfg.method} has one "
@@ -480,7 +535,7 @@ def _validate_communication(cfg: TrainConfig) -> None:
     if cfg.fragments == 1 and not cfg.overlap_steps:
         return
     P, H, tau = cfg.fragments, cfg.inner_steps, cfg.overlap_steps
-    if P > cfg.model.n_layer:
+    if P > cfg.model.n_layer and not cfg.model.hf_config:  # a Hugging Face model's blocks: at build
         raise UserError(
             f"fragments (--fragments) is {P} but the model has {cfg.model.n_layer} blocks to split; "
             f"use at most {cfg.model.n_layer}."
@@ -539,6 +594,31 @@ def _validate_sim(cfg: TrainConfig) -> None:
         settings.check(ok, label("sim.slowdowns"), text, want)
 
 
+def _validate_data(cfg: TrainConfig) -> None:
+    from diloco.tokenizer import parse_spec
+
+    d = cfg.data
+    if not d.paths:
+        for key in ("data.text_field", "data.source_field", "data.val_data"):
+            if settings.changed(cfg, key):
+                raise UserError(f"{label(key)} applies to your own text only; add --data PATH or drop it.")
+    elif d.shards == "genre":
+        raise UserError(
+            "genre shards are the bundled corpus's genres; with --data use --shards by-source "
+            "(each file, or each value of --source-field, a source)."
+        )
+    if d.val_data and settings.changed(cfg, "data.val_fraction"):
+        raise UserError("--val-data and --val-fraction both choose the validation text; give one of them.")
+    for key in ("data.paths", "data.val_data"):
+        if any(not p for p in settings.get(cfg, key)):
+            raise UserError(f"{label(key)} has an empty path; give the files or folders of your text.")
+    parse_spec(d.tokenizer)  # bpe:N with a bad N is refused here
+    if cfg.model.hf_config and cfg.model.name != ModelConfig().name:
+        raise UserError(
+            f"--model {cfg.model.name} and --model-config both choose the model; give one of them."
+        )
+
+
 def _validate_server(cfg: TrainConfig) -> None:
     v = cfg.server
     settings.at_least(cfg, "server.buffer", minimum=0)
@@ -555,12 +635,29 @@ def _validate_server(cfg: TrainConfig) -> None:
 _SECTIONS = settings.sections(TrainConfig)
 
 
+def _inline_model(values: dict[str, Any]) -> dict[str, Any]:
+    """`model.hf_config` as the JSON text of the config it names; with `--init-from` a directory
+    saved by save_pretrained and no model config, that directory's config (the model it holds)."""
+    from diloco import hf
+
+    model = values.get("model")
+    model = dict(model) if isinstance(model, dict) else {}
+    given = model.get("hf_config")
+    init = values.get("init_from")
+    if not given and isinstance(init, str) and init and hf.is_pretrained_dir(init):
+        given = str(Path(init) / "config.json")
+    if isinstance(given, str) and given and not given.lstrip().startswith("{"):
+        model["hf_config"] = json.dumps(hf.load_model_config(given), sort_keys=True)
+        values = {**values, "model": model}
+    return values
+
+
 def from_dict(values: dict[str, Any], where: str = "the config") -> TrainConfig:
     """Build a config from nested dicts (a parsed TOML file, config.json, or CLI overrides).
 
     `model.name` picks a preset; the other model keys then override it.
     """
-    values = settings.lists_to_tuples(TrainConfig, values)
+    values = _inline_model(settings.lists_to_tuples(TrainConfig, values))
     sections = {}
     for key, cls in _SECTIONS.items():
         sub = values.pop(key, {}) or {}

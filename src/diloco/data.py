@@ -1,13 +1,21 @@
-"""The bundled Shakespeare corpus, a byte tokenizer, the validation split and worker shards.
+"""A run's text: the bundled Shakespeare or the user's --data, its validation split, worker
+shards, and the samplers that read batches from them.
 
-Validation is the last `val_fraction` (5%) of every work, so every genre is represented and no
-worker ever trains on it. Training text is the rest of each work. Shards (one per worker):
+Text is read as documents (sources.py), split into training and validation pieces, tokenised
+once into a memory-mapped cache (tokens.py), and cut into shards that are views of that file.
 
-- `iid`: the training stream cut into 4 KiB blocks, shuffled with the seed, dealt out in equal
-  counts; worker weights are 1/k.
-- `genre`: non-i.i.d.; whole works grouped by genre (see `genre_groups`).
-- `kmeans`: non-i.i.d.; works clustered into k groups by TF-IDF features with scikit-learn, as
-  the DiLoCo paper clustered its documents.
+Validation:
+- the bundled corpus: the last `val_fraction` (5%) of every work, so every genre is represented;
+- --data: whole documents, every ⌊1/val_fraction⌋-th (evenly spread), or the end of every
+  document when there are fewer than 1/val_fraction of them; or all of --val-data.
+No worker ever trains on it. Shards (one per worker), of the training pieces:
+
+- `iid`: the training stream cut into 4096-token blocks, shuffled with the seed, dealt out in
+  equal counts; worker weights are 1/k.
+- `genre` / `by-source`: non-i.i.d.; whole documents grouped by source: a bundled work's genre,
+  a --data file, or the value of --source-field (see `source_groups`).
+- `kmeans`: non-i.i.d.; documents clustered into k groups by TF-IDF features with scikit-learn,
+  as the DiLoCo paper clustered its documents.
 
 Non-i.i.d. shards weight each worker's outer_grad by its shard's token count (ALGORITHMS.md §1).
 
@@ -16,20 +24,31 @@ Non-i.i.d. shards weight each worker's outer_grad by its shard's token count (AL
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import lzma
+import os
+import shutil
 import tarfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from diloco.errors import UserError
+from diloco.sources import Document
+from diloco.tokens import Corpus, Piece, View, cache_root, digest, locked, pieces, tokenise
 
-IID_BLOCK_BYTES = 4096
+if TYPE_CHECKING:
+    from diloco.config import DataConfig
+
+IID_BLOCK_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -42,8 +61,6 @@ class Work:
 @cache
 def load_corpus() -> tuple[Work, ...]:
     """The 42 works shipped inside the package, in manifest order, checksums verified."""
-    import hashlib
-
     blob = resources.files("diloco.corpus").joinpath("shakespeare.tar.xz").read_bytes()
     with tarfile.open(fileobj=io.BytesIO(lzma.decompress(blob))) as tar:
         files = {m.name.removeprefix("./"): tar.extractfile(m).read() for m in tar if m.isfile()}
@@ -57,50 +74,38 @@ def load_corpus() -> tuple[Work, ...]:
     return tuple(works)
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, lossless, no training."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).long()
-
-    def decode(self, ids: torch.Tensor) -> str:
-        return bytes(ids.to(torch.uint8).tolist()).decode(errors="replace")
+def bundled_documents() -> Iterator[Document]:
+    """The bundled works as documents, their genre as source (what `genre` shards group by)."""
+    for w in load_corpus():
+        yield Document(w.text.decode(), w.genre)
 
 
-def split_work(text: bytes, val_fraction: float) -> tuple[bytes, bytes]:
-    """(train, validation): validation is the last `val_fraction` of the work."""
-    cut = len(text) - int(len(text) * val_fraction)
-    return text[:cut], text[cut:]
+def bundled_fingerprint() -> str:
+    return hashlib.sha256(
+        resources.files("diloco.corpus").joinpath("shakespeare.tar.xz").read_bytes()
+    ).hexdigest()
 
 
-def _tokens(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+def source_groups(sizes: list[int], labels: list[str], k: int) -> list[list[int]]:
+    """Document indices per worker, each worker reading only a few sources (genres, files).
+    Deterministic.
 
-
-def validation_tokens(works: tuple[Work, ...], val_fraction: float) -> torch.Tensor:
-    return _tokens(b"".join(split_work(w.text, val_fraction)[1] for w in works))
-
-
-def genre_groups(works: tuple[Work, ...], k: int) -> list[list[int]]:
-    """Work indices per worker, each worker reading only a few genres. Deterministic.
-
-    k <= number of genres: genres, largest first, go to the worker with the fewest bytes so far.
-    k > number of genres: each genre gets workers in proportion to its size (at least one, by
-    largest remainder), and its works go, largest first, to the lightest of its workers.
+    k <= number of sources: sources, largest first, go to the worker with the fewest tokens so
+    far. k > number of sources: each source gets workers in proportion to its size (at least
+    one, by largest remainder), and its documents go, largest first, to the lightest of its
+    workers.
     """
-    genres: dict[str, list[int]] = {}
-    for i, w in enumerate(works):
-        genres.setdefault(w.genre, []).append(i)
-    size = {g: sum(len(works[i].text) for i in idx) for g, idx in genres.items()}
-    order = sorted(genres, key=lambda g: (-size[g], g))
+    by_label: dict[str, list[int]] = {}
+    for i, label in enumerate(labels):
+        by_label.setdefault(label, []).append(i)
+    size = {g: sum(sizes[i] for i in idx) for g, idx in by_label.items()}
+    order = sorted(by_label, key=lambda g: (-size[g], g))
     if k <= len(order):
         groups: list[list[int]] = [[] for _ in range(k)]
         load = [0] * k
         for g in order:
             j = min(range(k), key=lambda j: (load[j], j))
-            groups[j] += genres[g]
+            groups[j] += by_label[g]
             load[j] += size[g]
         return [sorted(g) for g in groups]
     total = sum(size.values())
@@ -110,55 +115,185 @@ def genre_groups(works: tuple[Work, ...], k: int) -> list[list[int]]:
         for g in by_remainder:
             if sum(quota.values()) < k:
                 quota[g] += 1
-    while sum(quota.values()) > k:  # only when many tiny genres each took their minimum one
+    while sum(quota.values()) > k:  # only when many tiny sources each took their minimum one
         g = max((g for g in order if quota[g] > 1), key=lambda g: (quota[g], g))
         quota[g] -= 1
     groups = []
     for g in order:
         sub: list[list[int]] = [[] for _ in range(quota[g])]
         load = [0] * quota[g]
-        for i in sorted(genres[g], key=lambda i: (-len(works[i].text), i)):
+        for i in sorted(by_label[g], key=lambda i: (-sizes[i], i)):
             j = min(range(quota[g]), key=lambda j: (load[j], j))
             sub[j].append(i)
-            load[j] += len(works[i].text)
+            load[j] += sizes[i]
         groups += [sorted(s) for s in sub]
     return groups
 
 
-def kmeans_groups(works: tuple[Work, ...], k: int, seed: int) -> list[list[int]]:
-    """Work indices per worker: k-means (scikit-learn) over TF-IDF features of each work."""
+def genre_groups(works: tuple[Work, ...], k: int) -> list[list[int]]:
+    """Work indices per worker for `genre` shards of the bundled corpus (see `source_groups`)."""
+    return source_groups([len(w.text) for w in works], [w.genre for w in works], k)
+
+
+def kmeans_groups(texts: Iterable[str], k: int, seed: int) -> list[list[int]]:
+    """Document indices per worker: k-means (scikit-learn) over TF-IDF features of each
+    document, as the DiLoCo paper clustered its documents."""
     from sklearn.cluster import KMeans
     from sklearn.feature_extraction.text import TfidfVectorizer
 
-    docs = [w.text.decode("utf-8", errors="replace") for w in works]
-    features = TfidfVectorizer(max_features=4096, sublinear_tf=True).fit_transform(docs)
+    features = TfidfVectorizer(max_features=4096, sublinear_tf=True).fit_transform(texts)
     labels = KMeans(n_clusters=k, n_init=10, random_state=seed).fit_predict(features)
     return [sorted(np.flatnonzero(labels == c).tolist()) for c in range(k)]
 
 
 def make_shards(
-    works: tuple[Work, ...], k: int, *, kind: str, val_fraction: float, seed: int
-) -> tuple[list[torch.Tensor], list[float]]:
-    """Token shards (uint8 tensors), one per worker, and the outer_grad weights w_i."""
-    train = [split_work(w.text, val_fraction)[0] for w in works]
+    corpus: Corpus, k: int, *, kind: str, seed: int, texts: Callable[[], Iterable[str]] | None = None
+) -> tuple[list[View], list[float]]:
+    """Token shards (views of the corpus's training pieces), one per worker, and the outer_grad
+    weights w_i. `texts` gives the documents' texts again, for `kmeans`."""
+    train = np.flatnonzero(~corpus.val)
     if kind == "iid":
-        stream = b"".join(train)
-        n_blocks = len(stream) // IID_BLOCK_BYTES // k * k
+        stream = corpus.view(train)  # the training pieces as one sequence, cut into blocks
+        n_blocks = len(stream) // IID_BLOCK_TOKENS // k * k
         if n_blocks == 0:
             raise UserError(f"the corpus is too small for {k} i.i.d. shards; use fewer --workers.")
         perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-        blocks = [stream[b * IID_BLOCK_BYTES : (b + 1) * IID_BLOCK_BYTES] for b in perm]
-        shards = [_tokens(b"".join(blocks[i::k])) for i in range(k)]
+        shards = [_blocks(stream, perm[i::k]) for i in range(k)]
         return shards, [1.0 / k] * k
-    if k > len(works):
+    n_docs = corpus.meta["documents"]
+    unit = "works" if kind == "genre" else "documents"
+    if k > n_docs:
         raise UserError(
-            f"{kind} shards need at least one whole work per worker, but there are {len(works)} "
-            f"works for {k} workers; use --workers {len(works)} or fewer, or --shards iid."
+            f"{kind} shards need at least one whole document per worker, but there are {n_docs} "
+            f"{unit} for {k} workers; use --workers {n_docs} or fewer, or --shards iid."
         )
-    groups = genre_groups(works, k) if kind == "genre" else kmeans_groups(works, k, seed)
-    shards = [_tokens(b"".join(train[i] for i in g)) for g in groups]
+    if kind == "kmeans":
+        assert texts is not None, "kmeans shards need the documents' texts"
+        groups = kmeans_groups(texts(), k, seed)
+    else:
+        labels = [corpus.sources[s] for s in corpus.doc_sources()]
+        groups = source_groups(corpus.doc_sizes().tolist(), labels, k)
+    of_doc = {d: [] for d in range(n_docs)}
+    for p in train:
+        of_doc[int(corpus.doc[p])].append(p)
+    shards = [corpus.view([p for d in g for p in of_doc[d]]) for g in groups]
+    if empty := [i for i, s in enumerate(shards) if len(s) == 0]:
+        raise UserError(
+            f"{kind} shards leave worker {empty[0]} without training text at --workers {k}; "
+            f"use fewer --workers or --shards iid."
+        )
     total = sum(len(s) for s in shards)
     return shards, [len(s) / total for s in shards]
+
+
+def _blocks(stream: View, blocks: list[int]) -> View:
+    """The view of `stream` made of these IID_BLOCK_TOKENS-token blocks, in this order."""
+    starts, lengths = [], []
+    for b in blocks:
+        lo, hi = b * IID_BLOCK_TOKENS, (b + 1) * IID_BLOCK_TOKENS
+        first = int(np.searchsorted(stream.offsets, lo, side="right")) - 1
+        while lo < hi:
+            take = min(hi, int(stream.offsets[first + 1])) - lo
+            starts.append(int(stream.starts[first]) + lo - int(stream.offsets[first]))
+            lengths.append(take)
+            lo += take
+            first += 1
+    return View(stream.file, starts, lengths)
+
+
+# --- a run's text: where it comes from, its tokenizer, its tokens --------------------------------
+
+TOKENIZER_FILE = "tokenizer.json"  # a run's tokenizer (bpe:N or a file), saved in its directory
+
+
+@dataclass(frozen=True)
+class Text:
+    """Where text comes from: its documents (read again on every call), their fingerprint and
+    size in bytes (for progress bars)."""
+
+    documents: Callable[[], Iterator[Document]]
+    fingerprint: str
+    size: int
+    bundled: bool = False
+
+
+def bundled_text() -> Text:
+    return Text(
+        bundled_documents, bundled_fingerprint(), sum(len(w.text) for w in load_corpus()), bundled=True
+    )
+
+
+def user_text(paths: Iterable[str], *, text_field: str, source_field: str) -> Text:
+    from diloco import sources
+
+    files = sources.expand(list(paths))
+    size = sum(f.stat().st_size if f.is_file() else _folder_size(f) for f in files)
+    read = partial(sources.read_documents, files, text_field=text_field, source_field=source_field)
+    return Text(read, sources.fingerprint(files, text_field=text_field, source_field=source_field), size)
+
+
+def _folder_size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def training_pieces(text: Text, val_fraction: float, *, separate_val: bool) -> Callable[[], Iterator[Piece]]:
+    """The pieces of a run's training text: the bundled corpus holds out the tail of every work;
+    user data holds out whole documents (`is_val_document`), or the tail of each one when there
+    are fewer than 1/val_fraction documents; with a separate validation text, none."""
+    whole: list[bool] = []
+
+    def make() -> Iterator[Piece]:
+        if separate_val:
+            return pieces(text.documents(), val_fraction=0.0, whole=True)
+        if text.bundled:
+            return pieces(text.documents(), val_fraction=val_fraction, whole=False)
+        if not whole:  # counted once, on the first call
+            whole.append(sum(1 for _ in text.documents()) * val_fraction >= 1)
+        return pieces(text.documents(), val_fraction=val_fraction, whole=whole[0])
+
+    return make
+
+
+def load_tokenizer(cfg: DataConfig, text: Text, train: Callable[[], Iterator[Piece]], run_dir: Path | None):
+    """A run's tokenizer: the one saved in its directory (resume, eval, generate), else what
+    `--tokenizer` says; a BPE trained on the training pieces is cached like tokens are."""
+    from diloco import tokenizer as tk
+
+    if run_dir is not None and (run_dir / TOKENIZER_FILE).is_file():
+        return tk.load_tokenizer_file(run_dir / TOKENIZER_FILE)
+    kind, arg = tk.parse_spec(cfg.tokenizer)
+    if kind != "bpe":
+        return tk.build_tokenizer(cfg.tokenizer, lambda: ())
+    root = cache_root(cfg.cache_dir)
+    name = "bpe-" + digest(text.fingerprint, cfg.val_fraction, bool(cfg.val_data), arg)
+    path = root / f"{name}.json"
+    with locked(root, name):
+        if not path.is_file():
+            trained = tk.train_bpe((p.text for p in train() if not p.val), arg)
+            tmp = root / f"{name}.tmp-{os.getpid()}"
+            tmp.mkdir(exist_ok=True)
+            os.replace(trained.save(tmp), path)
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tk.load_tokenizer_file(path)
+
+
+def tokenised(
+    text: Text, make: Callable[[], Iterator[Piece]], tokenizer, key: dict, cfg: DataConfig, progress
+) -> Corpus:
+    return tokenise(
+        make,
+        tokenizer,
+        key={"text": text.fingerprint, **key},
+        cache_dir=cfg.cache_dir,
+        total_chars=text.size,
+        progress=progress,
+    )
+
+
+def eval_corpus(text: Text, tokenizer, cfg: DataConfig, progress: bool | None = None) -> Corpus:
+    """Every document of `text` as validation (`--val-data`, `diloco eval --data`)."""
+    make = partial(pieces, val_fraction=1.0, whole=True, all_val=True)
+    return tokenised(text, lambda: make(text.documents()), tokenizer, {"all": "val"}, cfg, progress)
 
 
 class ShardSampler:
@@ -228,12 +363,34 @@ class ShardSet:
             sampler.step = int(step)
 
 
-def eval_windows(tokens: torch.Tensor, seq_len: int, limit: int | None = None) -> torch.Tensor:
+class Windows:
+    """Evaluation windows: (seq_len + 1)-token windows of a token sequence, read when indexed
+    (an int or a slice gives tensors), so a large validation split is never all in memory."""
+
+    def __init__(self, tokens, starts: torch.Tensor, seq_len: int):
+        self.tokens, self.starts, self.seq_len = tokens, starts, seq_len
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self.starts), self.seq_len + 1)
+
+    def __getitem__(self, i: int | slice) -> torch.Tensor:
+        if isinstance(i, int):
+            return self[slice(i, i + 1 if i != -1 else None)][0]
+        return self.tokens[self.starts[i, None] + torch.arange(self.seq_len + 1)].long()
+
+    def tokens_predicted(self) -> int:
+        return len(self) * self.seq_len
+
+
+def eval_windows(tokens, seq_len: int, limit: int | None = None) -> Windows:
     """Non-overlapping (seq_len + 1)-token windows of the validation stream, evenly spaced when
     `limit` picks a subset, so every method and runtime evaluates on the same windows."""
     n = (len(tokens) - 1) // seq_len
     if n == 0:
         raise UserError("the validation split is shorter than one window; use a shorter --seq-len.")
     idx = torch.arange(n) if limit is None or limit >= n else torch.linspace(0, n - 1, limit).long()
-    offsets = idx[:, None] * seq_len + torch.arange(seq_len + 1)
-    return tokens[offsets].long()
+    return Windows(tokens, idx * seq_len, seq_len)

@@ -72,7 +72,7 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    def logits(self, idx_BT: torch.Tensor) -> torch.Tensor:
         B, T = idx_BT.shape
         pos_T = torch.arange(T, device=idx_BT.device)
         x_BTD = self.tok_emb(idx_BT) + self.pos_emb(pos_T)
@@ -80,5 +80,9 @@ class GPT(nn.Module):
             x_BTD = block(x_BTD)
         x_BTD = self.ln_f(x_BTD)
         weight_VD = self.head.weight if self.head is not None else self.tok_emb.weight
-        logits_BTV = x_BTD @ weight_VD.T
+        return x_BTD @ weight_VD.T
+
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        B, T = idx_BT.shape
+        logits_BTV = self.logits(idx_BT)
         return F.cross_entropy(logits_BTV.reshape(B * T, -1), targets_BT.reshape(B * T))

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from diloco import checkpoint, rundir
-from diloco.build import Data, build_trainer, load_init, prepare_data
+from diloco.build import Data, build_trainer, fit_model, load_init, prepare_data
 from diloco.config import TrainConfig
+from diloco.data import TOKENIZER_FILE
 from diloco.errors import Interrupted, RunFailed, UserError
 from diloco.metrics import MetricsWriter, NullWriter, perplexity
 from diloco.runtime import is_main_process
@@ -302,7 +303,8 @@ def train(
     set_threads(threads)
     main = is_main_process(cfg)
     restarted = collective and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    data = prepare_data(cfg)
+    data = prepare_data(cfg, run_dir=resume, progress=progress if main else False)
+    cfg = fit_model(cfg, data.tokenizer)
     init = load_init(cfg) if resume is None else None  # a resumed run's θ is in its checkpoint
     found: dict[str, Any] = {}
 
@@ -315,6 +317,8 @@ def train(
     else:
         run_dir_text, resuming = decide()
     run_dir = Path(run_dir_text)
+    if main and not (run_dir / TOKENIZER_FILE).exists():  # eval, generate, export and --resume read it
+        data.tokenizer.save(run_dir)
     trainer = build_trainer(cfg, data, init, run_dir=run_dir, serve=serve)
     del init  # the model holds its own copy
     clean = False

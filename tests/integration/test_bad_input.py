@@ -291,3 +291,113 @@ def test_bad_server_input_exits_2_with_one_sentence(tmp_path, monkeypatch, capsy
     assert needle in err
     assert err.startswith("diloco: error:") and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def _user_inputs(tmp_path):
+    """Files for the bad inputs of `--data`, `--tokenizer` and `--model-config`."""
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "binary.bin").write_bytes(b"\x7fELF\x00\x01\x02" * 100)
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    (tmp_path / "nofield.jsonl").write_text('{"text": "fine"}\n{"body": "no text here"}\n')
+    (tmp_path / "tok.json").write_text('{"not": "a tokenizer"}')
+    (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 300}))
+    (tmp_path / "small-vocab.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 100}))
+    (tmp_path / "short.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 16}))
+    (tmp_path / "tiny.txt").write_text("A short text. " * 400)
+    (tmp_path / "emptydir").mkdir()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--data", "nowhere.txt"], "nowhere.txt does not exist; check the path given to --data"),
+        (["--data", "emptydir"], "emptydir"),
+        (["--data", "empty.txt"], "empty.txt has no text"),
+        (["--data", "binary.bin"], "binary.bin is a binary file"),
+        (["--data", "latin1.txt"], "latin1.txt is not UTF-8 text (invalid byte at offset 3)"),
+        (["--data", "nofield.jsonl"], "nofield.jsonl:2"),
+        (["--tokenizer", "tok.json"], "tok.json"),
+        (["--tokenizer", "bpe:abc"], "bpe:abc"),
+        (["--model-config", "bert.json"], "not a causal LM"),
+        (["--model-config", "short.json", "--model", "micro"], "give one of them"),
+        (["--model-config", "small-vocab.json"], "vocab_size is 100 but the tokenizer (byte) has 256"),
+        (["--model-config", "short.json", "--seq-len", "32"], "allows 16 positions but --seq-len is 32"),
+        (["--data", "tiny.txt", "--workers", "8"], "too small for 8 i.i.d. shards"),
+        (["--data", "tiny.txt", "--shards", "kmeans", "--workers", "2"], "1 documents for 2 workers"),
+        (["--data", "tiny.txt", "--shards", "genre"], "use --shards by-source"),
+        (["--text-field", "body"], "add --data PATH"),
+        (["--data", "tiny.txt", "--val-data", "tiny.txt", "--val-fraction", "0.1"], "give one of them"),
+    ],
+)
+def test_bad_user_data_tokenizer_or_model_exits_2_and_writes_nothing(
+    tmp_path, monkeypatch, capsys, flags, needle
+):
+    _user_inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    code, err = _run_in_process(capsys, ["train", *flags, "--out", str(out), "--no-progress"])
+    assert code == 2, err
+    assert needle in err
+    assert err.startswith("diloco: error:") and err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(60)
+def test_init_from_a_run_with_another_vocabulary_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.toml").write_text("[model]\nn_layer = 1\nn_head = 2\nd_model = 16\n")
+    small = [
+        "--config",
+        "tiny.toml",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--inner-steps",
+        "2",
+        "--rounds",
+        "1",
+    ]
+    small += ["--workers", "1", "--procs", "1", "--no-progress"]
+    assert main(["train", *small, "--out", "bytes"]) == 0
+    capsys.readouterr()
+    code, err = _run_in_process(
+        capsys, ["train", *small, "--tokenizer", "bpe:300", "--init-from", "bytes", "--out", "x"]
+    )
+    assert code == 2 and "has a vocabulary of 256" in err and "have 300" in err and "--tokenizer" in err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.timeout(60)
+def test_eval_generate_and_export_refuse_bad_input(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.toml").write_text("[model]\nn_layer = 1\nn_head = 2\nd_model = 16\n")
+    small = [
+        "--config",
+        "tiny.toml",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--inner-steps",
+        "2",
+        "--rounds",
+        "2",
+    ]
+    small += ["--workers", "1", "--procs", "1", "--no-progress", "--checkpoint-every", "1"]
+    assert main(["train", *small, "--out", "run", "--stop-after", "1"]) == 0
+    code, err = _run_in_process(capsys, ["eval", "run"])
+    assert code == 2 and "has not finished" in err and "--resume run" in err
+    assert main(["train", "--resume", "run", "--no-progress"]) == 0
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    code, err = _run_in_process(capsys, ["eval", "run", "--data", "latin1.txt"])
+    assert code == 2 and "latin1.txt is not UTF-8" in err
+    code, err = _run_in_process(capsys, ["generate", "run", "--prompt", "x", "--temperature", "-1"])
+    assert code == 2 and "must not be negative" in err
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep").write_text("mine")
+    code, err = _run_in_process(capsys, ["export", "run", "taken"])
+    assert code == 2 and "not empty" in err and (tmp_path / "taken" / "keep").read_text() == "mine"
+    code, err = _run_in_process(capsys, ["eval", "nowhere"])
+    assert code == 2 and "nowhere does not exist" in err

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import user_files
 from safetensors.torch import load_file
 
 from diloco.train import train
@@ -289,3 +290,24 @@ def test_a_nan_after_the_last_send_of_a_round_stops_streaming_before_its_checkpo
     assert "worker 1 produced a non-finite (NaN or Inf) training loss or outer_grad in round 2" in proc.stderr
     path, state = checkpoint.latest_valid(out / "checkpoints")
     assert path.name == "round-000001" and state["round"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_user_data_bpe_and_a_hugging_face_model_equal_the_simulator(tmp_path, monkeypatch):
+    """Both ranks read the same files, share one tokenisation through the cache, and train a
+    tiny Llama built by transformers: bit for bit the simulator's run."""
+    from diloco.cli import main
+
+    data, llama = user_files(tmp_path)
+    flags = ["--data", data, "--tokenizer", "bpe:280", "--model-config", llama]
+    proc = _torchrun(tmp_path, 2, *flags, "--out", str(tmp_path / "c"), timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    sim = ["train", "--config", "tiny.toml", *TINY, *flags, "--workers", "2", "--procs", "1", "--out", "s"]
+    assert main(sim) == 0
+    real, ref = (
+        load_file(str(tmp_path / "c" / "model.safetensors")),
+        load_file(str(tmp_path / "s" / "model.safetensors")),
+    )
+    assert real.keys() == ref.keys() and all(real[k].equal(ref[k]) for k in ref)
+    assert (tmp_path / "c" / "tokenizer.json").read_text() == (tmp_path / "s" / "tokenizer.json").read_text()

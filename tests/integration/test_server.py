@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import user_files
 
 from diloco.cli import main
 from diloco.runtime.server.replay import replay
@@ -296,3 +297,35 @@ def test_a_worker_whose_server_is_gone_gives_up_with_one_sentence(tmp_path):
     lines = err.strip().splitlines()
     assert lines[-1].startswith("diloco: error: cannot reach the server at 127.0.0.1:")
     assert "Traceback" not in err
+
+
+@pytest.mark.timeout(180)
+def test_user_data_bpe_and_a_hugging_face_model_through_the_server_equal_the_simulator(tmp_path):
+    """The model config travels inside the run's settings; each worker reads the same --data
+    files and tokenises them itself (its own cache), and the run equals the simulator's."""
+    data, llama = user_files(tmp_path)
+    data = ["--data", data, "--tokenizer", "bpe:280"]
+    run = [
+        "--workers",
+        "2",
+        "--inner-steps",
+        "4",
+        "--rounds",
+        "2",
+        *data,
+        "--model-config",
+        str(tmp_path / "llama.json"),
+    ]
+    srv = serve(tmp_path, *run)
+    own_cache = {**ENV, "DILOCO_CACHE": str(tmp_path / "worker-cache")}
+    workers = [worker(address(tmp_path / "run"), env=own_cache) for _ in range(2)]
+    results = finish(srv, *workers)
+    assert [rc for rc, _ in results] == [0, 0, 0], results
+    assert (tmp_path / "worker-cache").is_dir()  # the workers tokenised (and trained the BPE) themselves
+    (tmp_path / "sim.toml").write_text(TINY)
+    cmd = ["train", "--config", str(tmp_path / "sim.toml"), *SMALL, *run, "--procs", "1"]
+    assert main([*cmd, "--out", str(tmp_path / "sim")]) == 0
+    assert (tmp_path / "run" / "model.safetensors").read_bytes() == (
+        tmp_path / "sim" / "model.safetensors"
+    ).read_bytes()
+    assert replay(tmp_path / "run")["bitwise_equal"]

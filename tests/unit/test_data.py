@@ -3,18 +3,21 @@ import json
 import pytest
 import torch
 
-from diloco.data import (
-    ByteTokenizer,
-    ShardSampler,
-    ShardSet,
-    eval_windows,
-    genre_groups,
-    load_corpus,
-    make_shards,
-    split_work,
-    validation_tokens,
-)
+from diloco.build import training_corpus
+from diloco.config import TrainConfig
+from diloco.data import ShardSampler, ShardSet, eval_windows, genre_groups, load_corpus, make_shards
 from diloco.errors import UserError
+from diloco.tokenizer import ByteTokenizer
+from diloco.tokens import tail_cut
+
+
+def _corpus():
+    return training_corpus(TrainConfig(), ByteTokenizer(), False)
+
+
+def _shards(k, kind, seed=0):
+    texts = lambda: (w.text.decode() for w in load_corpus())  # noqa: E731
+    return make_shards(_corpus(), k, kind=kind, seed=seed, texts=texts)
 
 
 def test_corpus_is_bundled_whole():
@@ -26,23 +29,25 @@ def test_corpus_is_bundled_whole():
 
 def test_tokenizer_round_trips():
     tok = ByteTokenizer()
-    assert tok.decode(tok.encode("To be, or not to be")) == "To be, or not to be"
+    assert tok.decode(tok.encode_batch(["To be, or not to be"])[0]) == "To be, or not to be"
 
 
 def test_validation_is_the_last_five_percent_of_every_work_and_never_trained_on():
     works = load_corpus()
-    val = validation_tokens(works, 0.05)
+    val = _corpus().split(True)
+    assert len(val) == sum(int(len(w.text) * 0.05) for w in works)
     for kind in ("genre", "kmeans"):
-        shards, _ = make_shards(works, 4, kind=kind, val_fraction=0.05, seed=0)
+        shards, _ = _shards(4, kind)
         assert sum(len(s) for s in shards) + len(val) == sum(len(w.text) for w in works)
-    train, held = split_work(works[0].text, 0.05)
-    assert train + held == works[0].text
+    train, held = tail_cut(works[0].text.decode(), 0.05)
+    assert (train + held).encode() == works[0].text
     assert len(held) == int(len(works[0].text) * 0.05)
+    assert bytes(val.numpy()[: len(held)].tolist()) == held.encode()  # the first work's tail comes first
 
 
-@pytest.mark.parametrize("kind", ["genre", "kmeans"])
+@pytest.mark.parametrize("kind", ["genre", "kmeans", "by-source"])
 def test_non_iid_weights_follow_shard_tokens_and_sum_to_one(kind):
-    shards, weights = make_shards(load_corpus(), 4, kind=kind, val_fraction=0.05, seed=0)
+    shards, weights = _shards(4, kind)
     total = sum(len(s) for s in shards)
     assert weights == pytest.approx([len(s) / total for s in shards])
     assert sum(weights) == pytest.approx(1.0)
@@ -50,7 +55,7 @@ def test_non_iid_weights_follow_shard_tokens_and_sum_to_one(kind):
 
 
 def test_iid_shards_are_equal_and_weighted_equally():
-    shards, weights = make_shards(load_corpus(), 3, kind="iid", val_fraction=0.05, seed=0)
+    shards, weights = _shards(3, "iid")
     assert len({len(s) for s in shards}) == 1
     assert weights == [1 / 3] * 3
 
@@ -70,9 +75,9 @@ def test_genre_shards_keep_genres_apart_and_are_deterministic():
 
 
 def test_kmeans_shards_partition_the_works_deterministically():
-    a, _ = make_shards(load_corpus(), 4, kind="kmeans", val_fraction=0.05, seed=3)
-    b, _ = make_shards(load_corpus(), 4, kind="kmeans", val_fraction=0.05, seed=3)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    a, _ = _shards(4, "kmeans", seed=3)
+    b, _ = _shards(4, "kmeans", seed=3)
+    assert all((x.numpy() == y.numpy()).all() for x, y in zip(a, b))
     assert all(len(x) > 0 for x in a)
 
 

@@ -5,8 +5,9 @@ from functools import partial
 import pytest
 import torch
 
-from diloco.config import ModelConfig
-from diloco.data import ShardSampler, load_corpus, make_shards
+from diloco.build import prepare_data
+from diloco.config import ModelConfig, TrainConfig
+from diloco.data import ShardSampler
 from diloco.model import GPT
 from diloco.outer import SGD
 from diloco.runtime.sim import DataParallel, DiLoCo
@@ -15,8 +16,7 @@ TINY = ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=32)
 
 
 def _tokens():
-    shards, _ = make_shards(load_corpus(), 1, kind="iid", val_fraction=0.05, seed=0)
-    return shards[0]
+    return prepare_data(TrainConfig(method="single")).shards[0]
 
 
 def _sampler(seed=1):

@@ -247,7 +247,7 @@ def run_worker(
             if [len(s) for s in data.shards] != list(reg.shard_tokens):
                 raise UserError(
                     f"this worker's data shards differ from the server's ({server}); run the same diloco "
-                    "(and bundled corpus) on both."
+                    "on both, with the same --data files (at the same paths) and tokenizer."
                 )
             worker = build_worker(reg.worker, cfg, data.shards)
             if dev.type != "cpu":

@@ -53,7 +53,7 @@ def replay(run_dir: Path, *, progress: bool | None = None) -> dict[str, Any]:
             f"{run_dir / 'events.jsonl'} is damaged (a line is not JSON); it cannot be replayed."
         ) from None
     set_threads(1)
-    data = prepare_data(cfg)
+    data = prepare_data(cfg, run_dir=run_dir)
     coord = Coordinator(cfg, build_side(cfg, data, load_init(cfg)), [len(s) for s in data.shards])
     workers: dict[int, Any] = {}  # slot -> its current worker
     handed: dict[int, tuple] = {}  # job -> (worker object, start, steps, lr_step, shard)
