@@ -69,7 +69,7 @@ def prepare_data(cfg: TrainConfig, *, run_dir: Path | None = None, progress: boo
     text = training_text(cfg)
     train = training_pieces(text, d.val_fraction, separate_val=bool(d.val_data))
     tokenizer = load_tokenizer(d, text, train, run_dir)
-    corpus = training_corpus(cfg, tokenizer, progress, text=text)
+    corpus = training_corpus(cfg, tokenizer, progress, text=text, train=train)
     k = 1 if cfg.method == "single" else cfg.num_workers
     texts = lambda: (doc.text for doc in text.documents())  # noqa: E731 (kmeans reads them again)
     shards, weights = make_shards(corpus, k, kind=d.shards, seed=cfg.seed, texts=texts)
@@ -96,11 +96,13 @@ def training_text(cfg: TrainConfig) -> Text:
 
 
 def training_corpus(
-    cfg: TrainConfig, tokenizer: Tokenizer, progress: bool | None, *, text: Text | None = None
+    cfg: TrainConfig, tokenizer: Tokenizer, progress: bool | None, *, text: Text | None = None, train=None
 ) -> Corpus:
+    """The run's training text, tokenised (from the cache when it is there). `train` (the
+    pieces of `text`, `training_pieces`) is given when the caller already made it."""
     d = cfg.data
     text = text or training_text(cfg)
-    train = training_pieces(text, d.val_fraction, separate_val=bool(d.val_data))
+    train = train or training_pieces(text, d.val_fraction, separate_val=bool(d.val_data))
     split = {"val_fraction": d.val_fraction, "separate_val": bool(d.val_data)}
     return tokenised(text, train, tokenizer, split, d, progress)
 

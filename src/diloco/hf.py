@@ -56,24 +56,24 @@ def load_model_config(text_or_path: str) -> dict:
             text = Path(text_or_path).read_text()
         except OSError as e:
             raise UserError(
-                f"{where} cannot be read ({e.strerror or e}): give the path of a transformers config.json"
+                f"{where} cannot be read ({e.strerror or e}): give the path of a transformers config.json."
             ) from None
     try:
         config = json.loads(text)
     except json.JSONDecodeError as e:
         raise UserError(
-            f"{where} is not valid JSON ({e}): fix it, or give a transformers config.json"
+            f"{where} is not valid JSON ({e}): fix it, or give a transformers config.json."
         ) from None
     if not isinstance(config, dict):
-        raise UserError(f"{where} is not a JSON object: give a transformers config.json, an object")
+        raise UserError(f"{where} is not a JSON object: give a transformers config.json, an object.")
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or not model_type:
-        raise UserError(f'{where} has no \'model_type\': add one, such as "llama", "gpt2" or "qwen2"')
+        raise UserError(f'{where} has no \'model_type\': add one, such as "llama", "gpt2" or "qwen2".')
     _check_causal_lm(config, where)
     try:
         hf_config(config)
     except (ValueError, TypeError, KeyError) as e:
-        raise UserError(f"{where} is not a valid {model_type!r} config ({e}): fix that field") from None
+        raise UserError(f"{where} is not a valid {model_type!r} config ({e}): fix that field.") from None
     return config
 
 
@@ -89,12 +89,12 @@ def _check_causal_lm(config: dict, where: str) -> None:
     if model_type not in CONFIG_MAPPING:
         raise UserError(
             f"{where} has model_type {model_type!r}, which transformers does not know: "
-            'use one of its model types, such as "llama", "gpt2" or "qwen2"'
+            'use one of its model types, such as "llama", "gpt2" or "qwen2".'
         )
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(
             f"{where} has model_type {model_type!r}, which is not a causal LM (AutoModelForCausalLM "
-            'cannot build it): use a decoder-only model type such as "llama", "gpt2" or "qwen2"'
+            'cannot build it): use a decoder-only model type such as "llama", "gpt2" or "qwen2".'
         )
     # An encoder's LM head (BertLMHeadModel, ...) attends to later tokens unless configured as a
     # decoder; the decoder halves of seq2seq models (BartForCausalLM, ...) always are one.
@@ -104,7 +104,7 @@ def _check_causal_lm(config: dict, where: str) -> None:
         if config.get(switch) is not True:
             raise UserError(
                 f"{where} has model_type {model_type!r}, an encoder, which is not a causal LM unless "
-                f'configured as a decoder: set "{switch}": true or use a decoder-only model type'
+                f'configured as a decoder: set "{switch}": true or use a decoder-only model type.'
             )
 
 
@@ -161,7 +161,7 @@ class HFCausalLM(nn.Module):
             first = str(e).strip().splitlines()
             raise UserError(
                 f"the weights do not fit this {self.model.config.model_type!r} model "
-                f"({' '.join(line.strip() for line in first[:3])}): load weights saved with the same config"
+                f"({' '.join(line.strip() for line in first[:3])}): load weights saved with the same config."
             ) from None
 
 
@@ -275,7 +275,7 @@ def load_pretrained(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if not is_pretrained_dir(path):
         raise UserError(
             f"{path} is not a transformers model directory: give one written by save_pretrained "
-            "(a config.json with 'model_type' and model.safetensors)"
+            "(a config.json with 'model_type' and model.safetensors)."
         )
     load_model_config(str(Path(path) / "config.json"))
     from transformers import AutoModelForCausalLM
@@ -285,7 +285,7 @@ def load_pretrained(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
             model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     except Exception as e:  # corrupt or foreign files fail in many ways (OSError, SafetensorError, ...)
         raise UserError(
-            f"{path} cannot be loaded as a transformers causal LM ({e}): check its files"
+            f"{path} cannot be loaded as a transformers causal LM ({e}): check its files."
         ) from None
     config: dict[str, Any] = model.config.to_dict()
     config.pop("_name_or_path", None)  # where it was loaded from, not part of the model

@@ -240,27 +240,29 @@ def run_worker(
                 _log(f"every worker slot at {server} is taken; waiting for one to free up")
                 time.sleep(reg.retry_s)
                 continue
-            if reg.config_json not in built:
-                cfg = from_dict(json.loads(reg.config_json), where=f"the settings sent by {server}")
-                built = {reg.config_json: (cfg, prepare_data(cfg))}
-            cfg, data = built[reg.config_json]
-            if [len(s) for s in data.shards] != list(reg.shard_tokens):
-                raise UserError(
-                    f"this worker's data shards differ from the server's ({server}); run the same diloco "
-                    "on both, with the same --data files (at the same paths) and tokenizer."
-                )
-            worker = build_worker(reg.worker, cfg, data.shards)
-            if dev.type != "cpu":
-                from diloco.runtime.collective import _ToDevice
-
-                worker.model.to(dev)  # before the optimizer's first step, so its state follows
-                worker.batches = _ToDevice(worker.batches, dev)
-            if slowdown != 1.0:
-                _slowed(worker, slowdown)
-            _log(f"joined {server} as worker {reg.worker}")
+            # the lease is kept from here on: tokenising the data (or training a BPE) on a first
+            # join may take longer than --worker-timeout-s
             ref = pb.WorkerRef(worker=reg.worker, run_id=reg.run_id, token=reg.token)
             beat = _Heartbeat(link, ref, reg.heartbeat_s)
             try:
+                if reg.config_json not in built:
+                    cfg = from_dict(json.loads(reg.config_json), where=f"the settings sent by {server}")
+                    built = {reg.config_json: (cfg, prepare_data(cfg))}
+                cfg, data = built[reg.config_json]
+                if [len(s) for s in data.shards] != list(reg.shard_tokens):
+                    raise UserError(
+                        f"this worker's data shards differ from the server's ({server}); run the same "
+                        "diloco on both, with the same --data files (at the same paths) and tokenizer."
+                    )
+                worker = build_worker(reg.worker, cfg, data.shards)
+                if dev.type != "cpu":
+                    from diloco.runtime.collective import _ToDevice
+
+                    worker.model.to(dev)  # before the optimizer's first step, so its state follows
+                    worker.batches = _ToDevice(worker.batches, dev)
+                if slowdown != 1.0:
+                    _slowed(worker, slowdown)
+                _log(f"joined {server} as worker {reg.worker}")
                 if _jobs(link, ref, worker, acked, cfg, len(data.shards), acks):
                     _log(f"the run at {server} is done; {len(acked)} pushes of this worker were acknowledged")
                     return 0
