@@ -18,7 +18,7 @@ from diloco.config import TrainConfig, from_dict, load_toml, merge
 from diloco.errors import Interrupted, RunFailed, UserError
 
 # Settings `--resume DIR` may change: where and how fast the run continues, never its results.
-RESUME_OVERRIDES = ("runtime", "threads", "sim.procs", "timeout_s")
+RESUME_OVERRIDES = ("runtime", "threads", "sim.procs", "timeout_s", "data.cache_dir")
 # ... and those `diloco serve --resume DIR` may change (how long the server waits for workers)
 SERVE_RESUME_OVERRIDES = (
     "threads",

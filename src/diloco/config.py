@@ -95,7 +95,8 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "nano": ModelConfig(name="nano", n_layer=4, n_head=4, d_model=96, seq_len=128),
     "micro": ModelConfig(name="micro", n_layer=6, n_head=6, d_model=192, seq_len=128),
     "20m": ModelConfig(name="20m", vocab_size=32_000, n_layer=6, n_head=4, d_model=256, seq_len=256),
-    # the papers' 60M and 150M models (DiLoCo's table of architectures): for GPU users
+    # the papers' 60M and 150M models (DiLoCo's table of architectures), for GPU users; with the
+    # untied head they hold 87M and 173M parameters (the names count one 32k embedding)
     "60m": ModelConfig(name="60m", vocab_size=32_000, n_layer=3, n_head=16, d_model=896, seq_len=256),
     "150m": ModelConfig(name="150m", vocab_size=32_000, n_layer=12, n_head=16, d_model=896, seq_len=256),
 }

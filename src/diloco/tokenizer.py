@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Sequence
-from functools import cache, lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -118,28 +118,6 @@ def parse_spec(spec: str) -> tuple[str, int | str | None]:
             )
         return "bpe", int(n)
     return "file", spec
-
-
-def spec_vocab_size(spec: str) -> int:
-    """The vocabulary size `spec` gives: 256, N, or the file's (loaded once per modification)."""
-    kind, arg = parse_spec(spec)
-    if kind == "byte":
-        return ByteTokenizer.vocab_size
-    if kind == "bpe":
-        return int(arg)  # type: ignore[arg-type]
-    path = _tokenizer_path(spec)
-    try:
-        stat = path.stat()
-    except OSError:
-        stat = None
-    if stat is None:
-        return load_tokenizer_file(spec).vocab_size  # raises the UserError
-    return _file_vocab_size(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-
-
-@lru_cache(maxsize=16)
-def _file_vocab_size(path: str, mtime_ns: int, size: int) -> int:
-    return load_tokenizer_file(path).vocab_size
 
 
 def _tokenizer_path(path: str | Path) -> Path:

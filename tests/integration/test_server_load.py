@@ -20,6 +20,7 @@ server_load = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(server_load)
 
 
+@pytest.mark.slow  # ~40 s: kept out of the default run for its 10-minute budget (make test-all)
 @pytest.mark.timeout(240)
 def test_eight_workers_two_killed_and_the_server_killed_lose_nothing(tmp_path):
     report = server_load.run_load(

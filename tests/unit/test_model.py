@@ -12,6 +12,17 @@ def test_presets_have_their_advertised_size(name, low, high):
     assert low <= GPT(MODEL_PRESETS[name]).num_params() <= high
 
 
+@pytest.mark.parametrize("name,millions,blocks", [("60m", 86.5, 3), ("150m", 173.3, 12)])
+def test_the_papers_60m_and_150m_shapes(name, millions, blocks):
+    """Counted on the meta device (nothing allocated): 896 wide, 16 heads, 32k vocabulary with an
+    untied head; without that head and the positions, about the names' 60M and 150M."""
+    with torch.device("meta"):
+        model = GPT(MODEL_PRESETS[name])
+    assert round(model.num_params() / 1e6, 1) == millions and len(model.blocks) == blocks
+    untied = model.head.weight.numel() + model.pos_emb.weight.numel()
+    assert abs((model.num_params() - untied) / 1e6 - int(name[:-1])) < 0.05 * int(name[:-1])
+
+
 def test_20m_builds_and_takes_a_step():
     torch.manual_seed(0)
     model = GPT(MODEL_PRESETS["20m"])

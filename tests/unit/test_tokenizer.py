@@ -20,7 +20,6 @@ from diloco.tokenizer import (
     export_tokenizer,
     load_tokenizer_file,
     parse_spec,
-    spec_vocab_size,
     train_bpe,
 )
 
@@ -162,18 +161,6 @@ def test_parse_spec():
     for bad in ("bpe:abc", "bpe:10", "bpe:257", "bpe:-300", "bpe:", "bpe:4096.0", "bpe:1000001"):
         with pytest.raises(UserError, match="bpe:4096"):
             parse_spec(bad)
-
-
-def test_spec_vocab_size_follows_the_file(bpe, tmp_path):
-    assert spec_vocab_size("byte") == 256
-    assert spec_vocab_size("bpe:1024") == 1024
-    path = bpe.save(tmp_path)
-    assert spec_vocab_size(str(path)) == 400
-    assert spec_vocab_size(str(tmp_path)) == 400
-    train_bpe(_corpus(50), 300).save(tmp_path)  # the same path, a new file
-    assert spec_vocab_size(str(path)) == 300
-    with pytest.raises(UserError, match="missing.json"):
-        spec_vocab_size(str(tmp_path / "missing.json"))
 
 
 def test_bad_tokenizer_files_are_named(tmp_path):
