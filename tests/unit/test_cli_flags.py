@@ -265,7 +265,7 @@ def test_resume_may_change_runtime_threads_procs_and_timeout(captured, tiny, tmp
     "argv,needle",
     [
         (["--workers", "3"], "drop the other settings (--workers)"),
-        (["--keep-checkpoints", "9"], "allows only --runtime, --threads, --procs, --timeout-s, --cache-dir besides"),
+        (["--keep-checkpoints", "9"], "allows only --runtime, --threads, --procs, --timeout-s, --cache-dir"),
         (["--config", "x.toml"], "drop the other settings (--config)"),
         (["--runtime", "collective", "--procs", "2"], "sim.procs (--procs) applies only with --runtime sim"),
         (["--timeout-s", "60"], "timeout_s (--timeout-s) applies only with --runtime collective"),
