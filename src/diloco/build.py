@@ -24,6 +24,8 @@ from diloco.async_rules import build_async_rule
 from diloco.codec import build_codec, codec_for
 from diloco.config import InnerConfig, TrainConfig
 from diloco.data import (
+    DATA_FILE,
+    TOKENIZER_FILE,
     ShardSampler,
     ShardSet,
     Text,
@@ -60,6 +62,7 @@ class Data:
     eval_full: Windows  # the whole validation split
     tokenizer: Tokenizer
     corpus: Corpus  # the training text, tokenised
+    record: dict  # fingerprints of the text it came from (RUN_DIR/data.json)
 
 
 def prepare_data(cfg: TrainConfig, *, run_dir: Path | None = None, progress: bool | None = None) -> Data:
@@ -67,6 +70,9 @@ def prepare_data(cfg: TrainConfig, *, run_dir: Path | None = None, progress: boo
     validation windows."""
     d = cfg.data
     text = training_text(cfg)
+    record = data_record(cfg, text)
+    if run_dir is not None:
+        check_data(run_dir, record)
     train = training_pieces(text, d.val_fraction, separate_val=bool(d.val_data))
     tokenizer = load_tokenizer(d, text, train, run_dir)
     corpus = training_corpus(cfg, tokenizer, progress, text=text, train=train)
@@ -83,7 +89,28 @@ def prepare_data(cfg: TrainConfig, *, run_dir: Path | None = None, progress: boo
         eval_windows(val, cfg.model.seq_len),
         tokenizer,
         corpus,
+        record,
     )
+
+
+def data_record(cfg: TrainConfig, text: Text | None = None) -> dict:
+    """Fingerprints of a run's training (and --val-data) text, as RUN_DIR/data.json keeps them."""
+    d = cfg.data
+    record = {"text": (text or training_text(cfg)).fingerprint}
+    if d.val_data:
+        record["val"] = user_text(d.val_data, text_field=d.text_field, source_field="").fingerprint
+    return record
+
+
+def check_data(run_dir: Path, record: dict) -> None:
+    """Refuse to resume or evaluate a run on text other than what it trained on."""
+    path = run_dir / DATA_FILE
+    if path.is_file() and json.loads(path.read_text()) != record:  # (runs before this file: unchecked)
+        raise UserError(
+            f"the text of {run_dir} (its --data or --val-data files) is not what the run trained on: "
+            "a file changed, moved or was added; restore it, or start a new run "
+            f"(--init-from {run_dir} continues from its model)."
+        )
 
 
 def training_text(cfg: TrainConfig) -> Text:
@@ -113,7 +140,7 @@ def validation(
     """The run's validation tokens: --val-data, or what its training text holds out."""
     d = cfg.data
     if d.val_data:
-        val_text = user_text(d.val_data, text_field=d.text_field, source_field=d.source_field)
+        val_text = user_text(d.val_data, text_field=d.text_field, source_field="")
         return eval_corpus(val_text, tokenizer, d, progress).split(True)
     return (corpus or training_corpus(cfg, tokenizer, progress)).split(True)
 
@@ -193,20 +220,22 @@ def fit_model(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
         return dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, vocab))
         )
-    spec = json.loads(cfg.model.hf_config)
-    if spec.get("vocab_size", vocab) < vocab:
+    from diloco.hf import hf_config
+
+    spec = hf_config(json.loads(cfg.model.hf_config)).get_text_config()  # with the model type's defaults
+    if spec.vocab_size < vocab:
         raise UserError(
-            f"the model config's vocab_size is {spec['vocab_size']} but the tokenizer "
+            f"the model config's vocab_size is {spec.vocab_size} but the tokenizer "
             f"({cfg.data.tokenizer}) has {vocab} tokens; raise vocab_size in the config to at least {vocab}, "
             "or use a smaller tokenizer."
         )
-    positions = spec.get("max_position_embeddings", spec.get("n_positions"))
+    positions = getattr(spec, "max_position_embeddings", None)  # GPT-2's n_positions too
     if positions is not None and positions < cfg.model.seq_len:
         raise UserError(
             f"the model config allows {positions} positions but --seq-len is {cfg.model.seq_len}; "
             f"use --seq-len {positions} or less."
         )
-    blocks = spec.get("num_hidden_layers", spec.get("n_layer"))
+    blocks = getattr(spec, "num_hidden_layers", None)
     if blocks is not None and cfg.fragments > blocks:
         raise UserError(
             f"fragments (--fragments) is {cfg.fragments} but the model has {blocks} blocks; "
@@ -224,14 +253,17 @@ def build_model(cfg: TrainConfig) -> nn.Module:
     return GPT(cfg.model)
 
 
-def load_init(cfg: TrainConfig) -> dict[str, torch.Tensor] | None:
+def load_init(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> dict[str, torch.Tensor] | None:
     """The parameters `--init-from` names (a run directory's model.safetensors, that file, or a
-    directory saved by save_pretrained), checked against the model `cfg` builds; None without it."""
+    directory saved by save_pretrained), checked against the model `cfg` builds and, where that
+    directory holds a tokenizer.json, against `tokenizer`; None without --init-from."""
     if not cfg.init_from:
         return None
     from diloco import hf
 
     path = Path(cfg.init_from)
+    if tokenizer is not None:
+        check_init_tokenizer(path if path.is_dir() else path.parent, tokenizer)
     fix = (
         "give a finished run directory, a model.safetensors file, or a save_pretrained directory "
         "of the same model"
@@ -280,6 +312,30 @@ def load_init(cfg: TrainConfig) -> dict[str, torch.Tensor] | None:
                 "use the model settings (--model, --model-config) of the run it came from."
             )
     return tensors
+
+
+def check_init_tokenizer(folder: Path, tokenizer: Tokenizer) -> None:
+    """A model to start from was trained with its folder's tokenizer.json (if any): this run's
+    tokenizer must give the same ids, or the model would read other tokens than it learned."""
+    from diloco.tokenizer import load_tokenizer_file
+
+    if not (folder / TOKENIZER_FILE).is_file():
+        return
+    theirs = load_tokenizer_file(folder / TOKENIZER_FILE)
+    probe = [PROBE_TEXT]
+    if theirs.encode_batch(probe)[0].tolist() != tokenizer.encode_batch(probe)[0].tolist():
+        raise UserError(
+            f"--init-from {folder} was trained with another tokenizer (its {TOKENIZER_FILE} splits text "
+            f"differently); give --tokenizer {folder / TOKENIZER_FILE}."
+        )
+
+
+# text every tokenizer must split the same way to be the same tokenizer (a sample, not a proof)
+PROBE_TEXT = (
+    "ROMEO. But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.\n"
+    "  Tabs\tand   spaces, numbers 0123456789, punctuation !?;:'\"()[]{}<>-_=+*/\\|@#$%^&~`\n"
+    "Unicode: café, naïve, Ærøskøbing, Ελληνικά, русский, 漢字, 日本語, 한국어, emoji 🙂🚀\n"
+)
 
 
 def initial_model(cfg: TrainConfig, init: dict[str, torch.Tensor] | None) -> nn.Module:

@@ -614,9 +614,16 @@ def _validate_data(cfg: TrainConfig) -> None:
         if any(not p for p in settings.get(cfg, key)):
             raise UserError(f"{label(key)} has an empty path; give the files or folders of your text.")
     parse_spec(d.tokenizer)  # bpe:N with a bad N is refused here
-    if cfg.model.hf_config and cfg.model.name != ModelConfig().name:
+    if cfg.model.hf_config:  # diloco's GPT settings would be ignored
+        gpt = [f"model.{k}" for k in ("name", "vocab_size", "n_layer", "n_head", "d_model")]
+        if changed := [k for k in gpt if settings.changed(cfg, k)]:
+            raise UserError(
+                f"{label(changed[0])} is a setting of diloco's GPT, and --model-config chooses another "
+                "model; drop it (set sizes in the model config)."
+            )
+    if d.source_field and d.shards != "by-source":
         raise UserError(
-            f"--model {cfg.model.name} and --model-config both choose the model; give one of them."
+            f"{label('data.source_field')} names the sources of --shards by-source; add that or drop it."
         )
 
 

@@ -6,8 +6,9 @@ once into a memory-mapped cache (tokens.py), and cut into shards that are views 
 
 Validation:
 - the bundled corpus: the last `val_fraction` (5%) of every work, so every genre is represented;
-- --data: whole documents, every ⌊1/val_fraction⌋-th (evenly spread), or the end of every
-  document when there are fewer than 1/val_fraction of them; or all of --val-data.
+- --data: whole documents, about `val_fraction` of them, chosen by a hash of their text (so the
+  choice survives added files), or the end of every document when that picks none or all of
+  them (a handful of books); or all of --val-data.
 No worker ever trains on it. Shards (one per worker), of the training pieces:
 
 - `iid`: the training stream cut into 4096-token blocks, shuffled with the seed, dealt out in
@@ -43,7 +44,7 @@ import torch
 
 from diloco.errors import UserError
 from diloco.sources import Document
-from diloco.tokens import Corpus, Piece, View, cache_root, digest, locked, pieces, tokenise
+from diloco.tokens import Corpus, Piece, View, cache_root, digest, is_val_document, locked, pieces, tokenise
 
 if TYPE_CHECKING:
     from diloco.config import DataConfig
@@ -173,10 +174,8 @@ def make_shards(
     else:
         labels = [corpus.sources[s] for s in corpus.doc_sources()]
         groups = source_groups(corpus.doc_sizes().tolist(), labels, k)
-    of_doc = {d: [] for d in range(n_docs)}
-    for p in train:
-        of_doc[int(corpus.doc[p])].append(p)
-    shards = [corpus.view([p for d in g for p in of_doc[d]]) for g in groups]
+    train_docs = corpus.doc[train]  # pieces are in document order, so each shard is too
+    shards = [corpus.view(train[np.isin(train_docs, g)]) for g in groups]
     if empty := [i for i, s in enumerate(shards) if len(s) == 0]:
         raise UserError(
             f"{kind} shards leave worker {empty[0]} without training text at --workers {k}; "
@@ -204,6 +203,7 @@ def _blocks(stream: View, blocks: list[int]) -> View:
 # --- a run's text: where it comes from, its tokenizer, its tokens --------------------------------
 
 TOKENIZER_FILE = "tokenizer.json"  # a run's tokenizer (bpe:N or a file), saved in its directory
+DATA_FILE = "data.json"  # fingerprints of the text a run trains on (build.check_data)
 
 
 @dataclass(frozen=True)
@@ -238,8 +238,9 @@ def _folder_size(folder: Path) -> int:
 
 def training_pieces(text: Text, val_fraction: float, *, separate_val: bool) -> Callable[[], Iterator[Piece]]:
     """The pieces of a run's training text: the bundled corpus holds out the tail of every work;
-    user data holds out whole documents (`is_val_document`), or the tail of each one when there
-    are fewer than 1/val_fraction documents; with a separate validation text, none."""
+    user data holds out whole documents (`is_val_document`: about `val_fraction` of them), or
+    the tail of each one when that rule picks none or all of them; with a separate validation
+    text, none."""
     whole: list[bool] = []
 
     def make() -> Iterator[Piece]:
@@ -247,8 +248,12 @@ def training_pieces(text: Text, val_fraction: float, *, separate_val: bool) -> C
             return pieces(text.documents(), val_fraction=0.0, whole=True)
         if text.bundled:
             return pieces(text.documents(), val_fraction=val_fraction, whole=False)
-        if not whole:  # counted once, on the first call
-            whole.append(sum(1 for _ in text.documents()) * val_fraction >= 1)
+        if not whole:  # decided once, on the first call
+            n = held = 0
+            for doc in text.documents():
+                n += 1
+                held += is_val_document(doc.text, val_fraction)
+            whole.append(0 < held < n)
         return pieces(text.documents(), val_fraction=val_fraction, whole=whole[0])
 
     return make

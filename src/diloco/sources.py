@@ -164,6 +164,13 @@ def _row_document(
         )
     if not text.strip():
         return None
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:  # a lone surrogate from a "\ud800" escape
+        raise UserError(
+            f'{where}: the "{text_field}" field holds {text[e.start]!r} at character {e.start}, '
+            "which is not a Unicode character (half of a surrogate pair); fix that escape."
+        ) from None
     source = default_source
     if source_field:
         if obj.get(source_field) is None:

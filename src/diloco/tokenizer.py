@@ -82,8 +82,8 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, tok: Any):
         self.tok = tok
-        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         vocab = tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values(), default=-1) + 1  # ids may have gaps: the largest + 1
         self.eos_id = next((vocab[t] for t in EOS_TOKENS if t in vocab), None)
         self._encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch
 

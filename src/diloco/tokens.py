@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,10 +53,11 @@ def digest(*parts: object) -> str:
 
 @contextlib.contextmanager
 def locked(root: Path, name: str):
-    """An exclusive lock on root/name.lock while building one cache entry (other processes wait)."""
+    """An exclusive lock on root/.locks/name.lock while building one cache entry (other processes
+    wait)."""
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        handle = open(root / f"{name}.lock", "w")  # noqa: SIM115 (held for the block)
+        (root / ".locks").mkdir(parents=True, exist_ok=True)
+        handle = open(root / ".locks" / f"{name}.lock", "w")  # noqa: SIM115 (held for the block)
     except OSError as e:
         raise UserError(
             f"cannot write the token cache in {root} ({e.strerror}); give a writable --cache-dir."
@@ -96,7 +98,8 @@ class View:
 
     def __init__(self, file: TokenFile | np.ndarray, starts: Iterable[int], lengths: Iterable[int]):
         self.file = file
-        starts, lengths = np.asarray(list(starts), np.int64), np.asarray(list(lengths), np.int64)
+        starts = np.asarray(starts if isinstance(starts, np.ndarray) else list(starts), np.int64)
+        lengths = np.asarray(lengths if isinstance(lengths, np.ndarray) else list(lengths), np.int64)
         keep = lengths > 0
         starts, lengths = starts[keep], lengths[keep]
         if len(starts) > 1:  # merge spans that continue one another
@@ -186,10 +189,12 @@ def tail_cut(text: str, fraction: float) -> tuple[str, str]:
     return data[:cut].decode(), data[cut:].decode()
 
 
-def is_val_document(i: int, fraction: float) -> bool:
-    """Whole-document rule: document i is validation when ⌊(i+1)f⌋ > ⌊i·f⌋, so ⌊n·f⌋ of n
-    documents are, evenly spread over the corpus (every 20th for f = 0.05)."""
-    return int((i + 1) * fraction) > int(i * fraction)
+def is_val_document(text: str, fraction: float) -> bool:
+    """Whole-document rule: a document is validation when a hash of its text falls in the first
+    `fraction` of the hash range. The choice stays with the document however the corpus grows or
+    is reordered, and copies of a document fall on the same side."""
+    h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+    return h < fraction * 2**64
 
 
 def pieces(
@@ -199,7 +204,7 @@ def pieces(
     document's head and tail (`tail_cut`); with all_val every document is validation."""
     for i, d in enumerate(docs):
         if all_val or whole:
-            yield Piece(d.text, d.source, i, all_val or is_val_document(i, val_fraction), True)
+            yield Piece(d.text, d.source, i, all_val or is_val_document(d.text, val_fraction), True)
         else:
             head, tail = tail_cut(d.text, val_fraction)
             yield Piece(head, d.source, i, False, not tail)
@@ -234,6 +239,9 @@ def tokenise(
         tmp.mkdir(parents=True)
         try:
             _build(tmp, make_pieces(), tokenizer, key=key, total_chars=total_chars, progress=progress)
+            for f in tmp.iterdir():  # on disk before the entry is renamed into place
+                with open(f, "rb") as handle:
+                    os.fsync(handle.fileno())
             shutil.rmtree(folder, ignore_errors=True)  # a damaged earlier entry
             os.rename(tmp, folder)
         finally:
@@ -248,7 +256,7 @@ def _build(folder: Path, items: Iterable[Piece], tokenizer, *, key, total_chars,
 
     dtype = token_dtype(tokenizer.vocab_size)
     eos = tokenizer.eos_id
-    cols: dict[str, list[int]] = {"length": [], "doc": [], "source": [], "val": []}
+    cols = {name: array("q") for name in ("length", "doc", "source", "val")}  # compact, per piece
     source_ids: dict[str, int] = {}
     bar = tqdm(
         total=total_chars,
@@ -266,6 +274,10 @@ def _build(folder: Path, items: Iterable[Piece], tokenizer, *, key, total_chars,
             ids = np.asarray(ids)
             if eos is not None and piece.ends_document:
                 ids = np.append(ids, eos)
+            if len(ids) and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
+                raise ValueError(
+                    f"the tokenizer gave id {ids.max()} outside its vocabulary of {tokenizer.vocab_size}"
+                )
             out.write(ids.astype(dtype).tobytes())
             cols["length"].append(len(ids))
             cols["doc"].append(piece.doc)
@@ -294,7 +306,7 @@ def _build(folder: Path, items: Iterable[Piece], tokenizer, *, key, total_chars,
         length=length,
         doc=doc,
         source=np.asarray(cols["source"], np.int64),
-        val=np.asarray(cols["val"], bool),
+        val=np.asarray(cols["val"], np.int64).astype(bool),
     )
     meta = {
         "format": FORMAT,
@@ -320,6 +332,6 @@ def _load(folder: Path) -> Corpus | None:
             or path.stat().st_size != meta["tokens"] * np.dtype(meta["dtype"]).itemsize
         ):
             return None
-    except (OSError, ValueError, KeyError):
+    except Exception:  # missing, truncated, not a zip, ...: rebuilt
         return None
     return Corpus(TokenFile(str(path), meta["dtype"]), meta=meta, **cols)

@@ -22,7 +22,7 @@ import torch
 from diloco import checkpoint, rundir
 from diloco.build import Data, build_trainer, fit_model, load_init, prepare_data
 from diloco.config import TrainConfig
-from diloco.data import TOKENIZER_FILE
+from diloco.data import DATA_FILE, TOKENIZER_FILE
 from diloco.errors import Interrupted, RunFailed, UserError
 from diloco.metrics import MetricsWriter, NullWriter, perplexity
 from diloco.runtime import is_main_process
@@ -305,7 +305,9 @@ def train(
     restarted = collective and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     data = prepare_data(cfg, run_dir=resume, progress=progress if main else False)
     cfg = fit_model(cfg, data.tokenizer)
-    init = load_init(cfg) if resume is None else None  # a resumed run's θ is in its checkpoint
+    init = (
+        load_init(cfg, data.tokenizer) if resume is None else None
+    )  # a resumed run's θ is in its checkpoint
     found: dict[str, Any] = {}
 
     def decide() -> tuple[str, bool]:  # rank 0's: the checkpoint stays in `found`
@@ -319,6 +321,8 @@ def train(
     run_dir = Path(run_dir_text)
     if main and not (run_dir / TOKENIZER_FILE).exists():  # eval, generate, export and --resume read it
         data.tokenizer.save(run_dir)
+    if main and not (run_dir / DATA_FILE).exists():  # --resume and eval check the text against it
+        checkpoint.atomic_write_json(run_dir / DATA_FILE, data.record)
     trainer = build_trainer(cfg, data, init, run_dir=run_dir, serve=serve)
     del init  # the model holds its own copy
     clean = False

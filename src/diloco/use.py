@@ -19,7 +19,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from diloco.build import build_model, validation
+from diloco.build import build_model, check_data, data_record, validation
 from diloco.config import TrainConfig
 from diloco.data import TOKENIZER_FILE, bundled_text, eval_corpus, eval_windows, load_tokenizer, user_text
 from diloco.errors import UserError
@@ -81,6 +81,7 @@ def evaluate_run(
         text = user_text(paths, text_field=text_field or d.text_field, source_field="")
         tokens = eval_corpus(text, run.tokenizer, d, progress).split(True)
     else:
+        check_data(run_dir, data_record(run.cfg))
         tokens = validation(run.cfg, run.tokenizer, progress)
     windows = eval_windows(tokens, run.cfg.model.seq_len)
     loss = evaluate(run.model, windows)

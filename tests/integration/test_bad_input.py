@@ -303,6 +303,7 @@ def _user_inputs(tmp_path):
     (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 300}))
     (tmp_path / "small-vocab.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 100}))
     (tmp_path / "short.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 16}))
+    (tmp_path / "gpt2.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))  # 1,024 positions
     (tmp_path / "tiny.txt").write_text("A short text. " * 400)
     (tmp_path / "emptydir").mkdir()
 
@@ -320,9 +321,14 @@ def _user_inputs(tmp_path):
         (["--tokenizer", "tok.json"], "tok.json"),
         (["--tokenizer", "bpe:abc"], "bpe:abc"),
         (["--model-config", "bert.json"], "not a causal LM"),
-        (["--model-config", "short.json", "--model", "micro"], "give one of them"),
+        (
+            ["--model-config", "short.json", "--model", "micro"],
+            "model.name (--model) is a setting of diloco's GPT",
+        ),
+        (["--data", "tiny.txt", "--source-field", "genre"], "add that or drop it"),
         (["--model-config", "small-vocab.json"], "vocab_size is 100 but the tokenizer (byte) has 256"),
         (["--model-config", "short.json", "--seq-len", "32"], "allows 16 positions but --seq-len is 32"),
+        (["--model-config", "gpt2.json", "--seq-len", "2048"], "allows 1024 positions but --seq-len is 2048"),
         (["--data", "tiny.txt", "--workers", "8"], "too small for 8 i.i.d. shards"),
         (["--data", "tiny.txt", "--shards", "kmeans", "--workers", "2"], "1 documents for 2 workers"),
         (["--data", "tiny.txt", "--shards", "genre"], "use --shards by-source"),

@@ -17,6 +17,7 @@ from diloco.build import prepare_data
 from diloco.cli import build_parser, main
 from diloco.config import TrainConfig, from_dict
 from diloco.data import load_corpus
+from diloco.tokens import is_val_document
 from diloco.use import open_run, sample
 
 TINY_GPT = "[model]\nn_layer = 2\nn_head = 2\nd_model = 32\n[inner]\nwarmup_steps = 2\n"
@@ -39,8 +40,9 @@ def _jsonl(path: Path, docs: list[dict]) -> Path:
     return path
 
 
-def _train(tmp_path: Path, out: str, *flags: str) -> Path:
-    (tmp_path / "tiny.toml").write_text(TINY_GPT)
+def _train(tmp_path: Path, out: str, *flags: str, gpt_sizes: bool = True) -> Path:
+    """A tiny run; `gpt_sizes` shrinks diloco's GPT further than the presets (a config file)."""
+    (tmp_path / "tiny.toml").write_text(TINY_GPT if gpt_sizes else "[inner]\nwarmup_steps = 2\n")
     run = tmp_path / out
     assert main(["train", "--config", str(tmp_path / "tiny.toml"), *SMALL, *flags, "--out", str(run)]) == 0
     return run
@@ -78,9 +80,10 @@ def test_every_input_kind_trains_and_eval_matches_the_summary(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["val_loss"] == pytest.approx(summary["val_loss"], abs=1e-9)
     assert result["val_ppl"] == pytest.approx(summary["val_ppl"], rel=1e-9)
-    # 150 documents, every 20th held out whole: 7 documents' bytes, cut into 32-token windows
-    held = [d["text"] for i, d in enumerate(docs) if int((i + 1) * 0.05) > int(i * 0.05)]
-    assert len(held) == 7
+    # whole documents held out by the hash of their text, wherever they are: their bytes, cut
+    # into 32-token windows
+    held = [d["text"] for d in docs if is_val_document(d["text"], 0.05)]
+    assert 1 <= len(held) < 20
     assert result["tokens"] == (sum(len(t.encode()) for t in held) - 1) // 32 * 32
     # any other text, with the run's tokenizer
     assert main(["eval", str(run), "--data", str(folder / "a.jsonl"), "--json"]) == 0
@@ -106,12 +109,12 @@ def test_the_token_cache_is_reused_and_a_changed_file_is_tokenised_again(tmp_pat
     data.write_text(data.read_text().replace("the", "thy", 1))  # one word of one document
     prepare_data(cfg)
     assert len(built) == 2
-    entries = sorted(p.name for p in (tmp_path / "cache").iterdir() if p.is_dir())
+    entries = sorted(p.name for p in (tmp_path / "cache").iterdir() if not p.name.startswith("."))
     assert len(entries) == 2 and all(e.startswith("tokens-") for e in entries)
 
 
 @pytest.mark.timeout(90)
-def test_bpe_is_saved_in_the_run_and_a_resumed_run_equals_a_straight_one(tmp_path):
+def test_bpe_is_saved_in_the_run_and_a_resumed_run_equals_a_straight_one(tmp_path, capsys):
     data = _jsonl(tmp_path / "d.jsonl", _docs(80))
     flags = ["--data", str(data), "--tokenizer", "bpe:300", "--cache-dir", str(tmp_path / "cache")]
     straight = _train(tmp_path, "straight", *flags)
@@ -126,9 +129,36 @@ def test_bpe_is_saved_in_the_run_and_a_resumed_run_equals_a_straight_one(tmp_pat
     shutil.rmtree(tmp_path / "cache")  # the resumed run must take the run's tokenizer, not retrain
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "x").write_text("")
+    original = data.read_text()
+    data.write_text(original.replace("the", "thy", 1))  # the text changed under the run: refused
+    assert main(["train", "--resume", str(stopped), "--no-progress"]) == 2
+    assert "is not what the run trained on" in capsys.readouterr().err
+    data.write_text(original)
     assert main(["train", "--resume", str(stopped), "--no-progress"]) == 0
     assert (stopped / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
     assert not list((tmp_path / "cache").glob("bpe-*.json"))  # no BPE was trained on resume
+    assert json.loads((stopped / "data.json").read_text()) == {"text": prepare_data_fingerprint(data)}
+    # a model trained with one BPE cannot start a run whose BPE (same size, other text) differs
+    other = _jsonl(tmp_path / "other.jsonl", _docs(120)[60:])
+    init = ["--data", str(other), "--tokenizer", "bpe:300", "--init-from", str(straight)]
+    (tmp_path / "tiny.toml").write_text(TINY_GPT)
+    code = main(
+        ["train", "--config", str(tmp_path / "tiny.toml"), *SMALL, *init, "--out", str(tmp_path / "x")]
+    )
+    assert code == 2 and "was trained with another tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    # with that run's tokenizer file it starts
+    init[3] = str(straight / "tokenizer.json")
+    assert (
+        main(["train", "--config", str(tmp_path / "tiny.toml"), *SMALL, *init, "--out", str(tmp_path / "y")])
+        == 0
+    )
+
+
+def prepare_data_fingerprint(path: Path) -> str:
+    from diloco import sources
+
+    return sources.fingerprint([path])
 
 
 @pytest.mark.timeout(60)
@@ -142,7 +172,12 @@ def test_validation_rules_and_by_source_shards(tmp_path):
     prepared = prepare_data(cfg)
     corpus = prepared.corpus
     val_docs = sorted(set(corpus.doc[corpus.val].tolist()))
-    assert val_docs == [19, 39, 59, 79, 99]  # whole documents, evenly spread
+    assert val_docs == [i for i, d in enumerate(docs) if is_val_document(d["text"], 0.05)] and val_docs
+    # a document added in front moves no training document into validation
+    grown = _jsonl(tmp_path / "grown.jsonl", [{"text": "A new first document. " * 50, "genre": "new"}, *docs])
+    cfg2 = from_dict({"data": {"paths": [str(grown)], "cache_dir": cache}})
+    held2 = prepare_data(cfg2).corpus
+    assert [i - 1 for i in sorted(set(held2.doc[held2.val].tolist())) if i > 0] == val_docs
     genres = sorted({d["genre"] for d in docs})
     assert len(prepared.shards) == 4 and corpus.sources == sorted(
         corpus.sources, key=[d["genre"] for d in docs].index
@@ -204,7 +239,7 @@ def test_export_loads_in_transformers_with_the_same_logits_and_ids(tmp_path, cap
     if model == "llama":
         (tmp_path / "llama.json").write_text(json.dumps(TINY_LLAMA))
         flags += ["--model-config", str(tmp_path / "llama.json")]
-    run = _train(tmp_path, "run", *flags)
+    run = _train(tmp_path, "run", *flags, gpt_sizes=model == "gpt")
     assert main(["export", str(run), str(tmp_path / "hf")]) == 0
     finished = open_run(run)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -217,9 +252,8 @@ def test_export_loads_in_transformers_with_the_same_logits_and_ids(tmp_path, cap
         assert torch.allclose(hf(x).logits, finished.model.logits(x), atol=1e-5)
     assert tok.decode(ids) == text
     # and back in: --init-from the exported folder trains that model from those weights
-    again = _train(
-        tmp_path, "again", "--data", str(data), "--tokenizer", "bpe:300", "--init-from", str(tmp_path / "hf")
-    )
+    init = ["--init-from", str(tmp_path / "hf")]
+    again = _train(tmp_path, "again", "--data", str(data), "--tokenizer", "bpe:300", *init, gpt_sizes=False)
     cfg = json.loads((again / "config.json").read_text())
     assert json.loads(cfg["model"]["hf_config"])["model_type"] == ("gpt2" if model == "gpt" else "llama")
     first_eval = next(
@@ -234,7 +268,7 @@ def test_a_hugging_face_model_trains_with_every_method(tmp_path, method):
     (tmp_path / "llama.json").write_text(json.dumps(TINY_LLAMA))
     data = _jsonl(tmp_path / "d.jsonl", _docs(60))
     flags = ["--data", str(data), "--tokenizer", "bpe:300", "--model-config", str(tmp_path / "llama.json")]
-    run = _train(tmp_path, "run", *flags, "--method", method, "--rounds", "3")
+    run = _train(tmp_path, "run", *flags, "--method", method, "--rounds", "3", gpt_sizes=False)
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [x["val_loss"] for x in lines if x["kind"] == "eval" and x["split"] == "subset"]
     assert evals[-1] < evals[0]  # it learns

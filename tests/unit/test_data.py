@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,3 +127,13 @@ def test_manifest_matches_shared_copy_if_present():
         pytest.skip("no ../shared beside the checkout")
     titles = [w["title"] for w in json.loads(shared.read_text())["works"]]
     assert titles == [w.title for w in load_corpus()]
+
+
+def test_a_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("DILOCO_CACHE", str(tmp_path))
+    first = _corpus()
+    folder = Path(first.file.path).parent
+    (folder / "pieces.npz").write_bytes(b"not a zip")
+    again = _corpus()  # rebuilt, same tokens
+    assert (again.split(True).numpy() == first.split(True).numpy()).all()
+    assert len(list(tmp_path.glob("tokens-*"))) == 1 and not list(tmp_path.glob("*.tmp-*"))

@@ -347,3 +347,9 @@ def test_fingerprint_covers_every_file_of_a_saved_dataset(tmp_path):
     assert fingerprint([folder]) != base
     with pytest.raises(UserError, match="missing does not exist"):
         fingerprint([tmp_path / "missing"])
+
+
+def test_a_lone_surrogate_escape_is_refused_with_its_line(tmp_path):
+    (tmp_path / "s.jsonl").write_text('{"text": "fine"}\n{"text": "hello \\ud800 world"}\n')
+    with pytest.raises(UserError, match=r"s.jsonl:2.*not a Unicode character"):
+        list(read_documents([tmp_path / "s.jsonl"]))

@@ -214,3 +214,15 @@ def test_importing_the_module_stays_light():
     code = f"import sys, diloco.tokenizer; print(sorted({heavy} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_vocabulary_with_gaps_counts_up_to_its_largest_id(tmp_path):
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    tok = RustTokenizer(models.WordLevel({"a": 0, "[UNK]": 1, "b": 300}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    loaded = load_tokenizer_file(tmp_path / "tokenizer.json")
+    assert loaded.vocab_size == 301  # ids 0..300, not the 3 entries
+    assert loaded.encode_batch(["a b"])[0].tolist() == [0, 300]
