@@ -241,20 +241,17 @@ def training_pieces(text: Text, val_fraction: float, *, separate_val: bool) -> C
     user data holds out whole documents (`is_val_document`: about `val_fraction` of them), or
     the tail of each one when that rule picks none or all of them; with a separate validation
     text, none."""
-    whole: list[bool] = []
+    held = bytearray()  # per document: validation? (decided once, on the first call)
 
     def make() -> Iterator[Piece]:
         if separate_val:
             return pieces(text.documents(), val_fraction=0.0, whole=True)
         if text.bundled:
             return pieces(text.documents(), val_fraction=val_fraction, whole=False)
-        if not whole:  # decided once, on the first call
-            n = held = 0
-            for doc in text.documents():
-                n += 1
-                held += is_val_document(doc.text, val_fraction)
-            whole.append(0 < held < n)
-        return pieces(text.documents(), val_fraction=val_fraction, whole=whole[0])
+        if not held:
+            held.extend(is_val_document(doc.text, val_fraction) for doc in text.documents())
+        whole = 0 < sum(held) < len(held)
+        return pieces(text.documents(), val_fraction=val_fraction, whole=whole, held=held)
 
     return make
 

@@ -165,7 +165,7 @@ def _row_document(
     if not text.strip():
         return None
     try:
-        text.encode()
+        text.isascii() or text.encode()  # (ASCII is valid; the check costs only other text)
     except UnicodeEncodeError as e:  # a lone surrogate from a "\ud800" escape
         raise UserError(
             f'{where}: the "{text_field}" field holds {text[e.start]!r} at character {e.start}, '

@@ -28,7 +28,7 @@ import json
 import os
 import shutil
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,13 +198,20 @@ def is_val_document(text: str, fraction: float) -> bool:
 
 
 def pieces(
-    docs: Iterable[Document], *, val_fraction: float, whole: bool, all_val: bool = False
+    docs: Iterable[Document],
+    *,
+    val_fraction: float,
+    whole: bool,
+    all_val: bool = False,
+    held: Sequence[int] | None = None,
 ) -> Iterator[Piece]:
-    """The pieces of `docs`: whole documents picked by `is_val_document`, or (whole=False) every
-    document's head and tail (`tail_cut`); with all_val every document is validation."""
+    """The pieces of `docs`: whole documents picked by `is_val_document` (or by `held`, its
+    answers computed already), or (whole=False) every document's head and tail (`tail_cut`);
+    with all_val every document is validation."""
     for i, d in enumerate(docs):
         if all_val or whole:
-            yield Piece(d.text, d.source, i, all_val or is_val_document(d.text, val_fraction), True)
+            val = all_val or (held[i] if held is not None else is_val_document(d.text, val_fraction))
+            yield Piece(d.text, d.source, i, bool(val), True)
         else:
             head, tail = tail_cut(d.text, val_fraction)
             yield Piece(head, d.source, i, False, not tail)
