@@ -349,23 +349,17 @@ def test_bad_user_data_tokenizer_or_model_exits_2_and_writes_nothing(
     assert not out.exists() and not (tmp_path / "runs").exists()
 
 
+def _smallest_run(tmp_path, rounds: int) -> list[str]:
+    """Flags of a one-worker run of a one-block GPT that takes well under a second."""
+    (tmp_path / "tiny.toml").write_text("[model]\nn_layer = 1\nn_head = 2\nd_model = 16\n")
+    flags = ["--config", "tiny.toml", "--seq-len", "16", "--batch-size", "2", "--inner-steps", "2"]
+    return [*flags, "--rounds", str(rounds), "--workers", "1", "--procs", "1", "--no-progress"]
+
+
 @pytest.mark.timeout(60)
 def test_init_from_a_run_with_another_vocabulary_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "tiny.toml").write_text("[model]\nn_layer = 1\nn_head = 2\nd_model = 16\n")
-    small = [
-        "--config",
-        "tiny.toml",
-        "--seq-len",
-        "16",
-        "--batch-size",
-        "2",
-        "--inner-steps",
-        "2",
-        "--rounds",
-        "1",
-    ]
-    small += ["--workers", "1", "--procs", "1", "--no-progress"]
+    small = _smallest_run(tmp_path, rounds=1)
     assert main(["train", *small, "--out", "bytes"]) == 0
     capsys.readouterr()
     code, err = _run_in_process(
@@ -378,20 +372,7 @@ def test_init_from_a_run_with_another_vocabulary_is_refused(tmp_path, capsys, mo
 @pytest.mark.timeout(60)
 def test_eval_generate_and_export_refuse_bad_input(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "tiny.toml").write_text("[model]\nn_layer = 1\nn_head = 2\nd_model = 16\n")
-    small = [
-        "--config",
-        "tiny.toml",
-        "--seq-len",
-        "16",
-        "--batch-size",
-        "2",
-        "--inner-steps",
-        "2",
-        "--rounds",
-        "2",
-    ]
-    small += ["--workers", "1", "--procs", "1", "--no-progress", "--checkpoint-every", "1"]
+    small = [*_smallest_run(tmp_path, rounds=2), "--checkpoint-every", "1"]
     assert main(["train", *small, "--out", "run", "--stop-after", "1"]) == 0
     code, err = _run_in_process(capsys, ["eval", "run"])
     assert code == 2 and "has not finished" in err and "--resume run" in err
