@@ -17,10 +17,13 @@ from diloco.train import train
 TINY = ["--model", "nano", "--seq-len", "32", "--batch-size", "4", "--inner-steps", "4", "--rounds", "3"]
 
 
-def _torchrun(tmp_path, nproc, *flags, env=None, max_restarts=0, timeout=60, entry=("-m", "diloco")):
-    # A config file shrinks the model further than the flags can.
+def _torchrun(
+    tmp_path, nproc, *flags, env=None, max_restarts=0, timeout=60, entry=("-m", "diloco"), gpt_sizes=True
+):
+    # A config file shrinks the model further than the flags can (diloco's GPT only).
     cfg = tmp_path / "tiny.toml"
-    cfg.write_text("[model]\nn_layer = 2\nn_head = 2\nd_model = 32\n[inner]\nwarmup_steps = 2\n")
+    sizes = "[model]\nn_layer = 2\nn_head = 2\nd_model = 32\n" if gpt_sizes else ""
+    cfg.write_text(sizes + "[inner]\nwarmup_steps = 2\n")
     cmd = [
         sys.executable,
         "-m",
@@ -300,7 +303,7 @@ def test_user_data_bpe_and_a_hugging_face_model_equal_the_simulator(tmp_path, mo
 
     data, llama = user_files(tmp_path)
     flags = ["--data", data, "--tokenizer", "bpe:280", "--model-config", llama]
-    proc = _torchrun(tmp_path, 2, *flags, "--out", str(tmp_path / "c"), timeout=110)
+    proc = _torchrun(tmp_path, 2, *flags, "--out", str(tmp_path / "c"), timeout=110, gpt_sizes=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     monkeypatch.chdir(tmp_path)
     sim = ["train", "--config", "tiny.toml", *TINY, *flags, "--workers", "2", "--procs", "1", "--out", "s"]

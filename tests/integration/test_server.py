@@ -31,8 +31,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(tmp: Path, *args: str, port: int = 0, out: str = "run", env=None) -> subprocess.Popen:
-    (tmp / "tiny.toml").write_text(TINY)
+def serve(
+    tmp: Path, *args: str, port: int = 0, out: str = "run", env=None, toml: str = TINY
+) -> subprocess.Popen:
+    (tmp / "tiny.toml").write_text(toml)
     cmd = [sys.executable, "-m", "diloco", "serve", "--port", str(port), *args]
     if "--resume" not in args:
         cmd += ["--config", str(tmp / "tiny.toml"), *SMALL, "--out", str(tmp / out)]
@@ -316,13 +318,14 @@ def test_user_data_bpe_and_a_hugging_face_model_through_the_server_equal_the_sim
         "--model-config",
         str(tmp_path / "llama.json"),
     ]
-    srv = serve(tmp_path, *run)
+    no_gpt_sizes = "[inner]\nwarmup_steps = 2\n"  # the model is the Llama config's
+    srv = serve(tmp_path, *run, toml=no_gpt_sizes)
     own_cache = {**ENV, "DILOCO_CACHE": str(tmp_path / "worker-cache")}
     workers = [worker(address(tmp_path / "run"), env=own_cache) for _ in range(2)]
     results = finish(srv, *workers)
     assert [rc for rc, _ in results] == [0, 0, 0], results
     assert (tmp_path / "worker-cache").is_dir()  # the workers tokenised (and trained the BPE) themselves
-    (tmp_path / "sim.toml").write_text(TINY)
+    (tmp_path / "sim.toml").write_text(no_gpt_sizes)
     cmd = ["train", "--config", str(tmp_path / "sim.toml"), *SMALL, *run, "--procs", "1"]
     assert main([*cmd, "--out", str(tmp_path / "sim")]) == 0
     assert (tmp_path / "run" / "model.safetensors").read_bytes() == (
