@@ -1,0 +1,1107 @@
+"""The DiLoCo paper's claims (ALGORITHMS.md §1, issue 13) reproduced at CPU scale.
+
+Every number comes from `diloco train` runs in subprocesses (`--threads 1 --procs 1`,
+OMP_NUM_THREADS=1, `--jobs` of them at once), compared over `--seeds` seeds by the final
+`val_loss` of summary.json (the whole validation split): mean, min and max, and the relative
+difference to the part's baseline ((x − base) / base on the means, and per seed, paired).
+Equal compute throughout: DiLoCo runs k workers × S inner steps each (`--steps` S, default 1000
+= 20 rounds of H = 50); data parallel (`--method dp --workers k`) runs S steps of a k× batch;
+`--method single` runs S steps. H sweeps keep S fixed (rounds = S / H). Unless a part tunes it,
+the outer optimizer is the paper's Nesterov, lr 0.7, momentum 0.9.
+
+Parts (`--part`, repeatable or a comma list; default all):
+
+- `dp`: the headline. DiLoCo vs data parallel, k = 4 and 8, from scratch and warm-started
+  (`--init-from` a `--method single` model pretrained for `--pretrain-steps` P with seed 1000 +
+  seed, once per seed and model; fresh optimizer state, the inner warm-up as configured), with
+  `--method single` for reference. DiLoCo's outer lr is tuned on seed 0 over {0.3, 0.5, 0.7, 1.0}
+  for each (k, start) and the best lr is then run for every seed. Top-level fields (the headline
+  k = 8; the same per k under `per_k`): `dp_final_val_loss` (data parallel, warm-started: the
+  baseline of the warm comparison), `diloco_warm_final_val_loss`, `diloco_warm_vs_dp_gap`
+  ((diloco − dp) / dp), `bytes_ratio_vs_dp` (dp's bytes sent per worker ÷ DiLoCo's), and the
+  from-scratch equivalents `dp_scratch_final_val_loss`, `diloco_scratch_final_val_loss`,
+  `diloco_scratch_vs_dp_gap`.
+- `single`: DiLoCo k = 1 vs plain AdamW (`--method single`) at equal steps.
+- `workers`: DiLoCo k ∈ {1, 2, 4, 8} at equal steps per worker (baseline k = 1).
+- `H`: H ∈ {10, 25, 50, 100, 250}, k = 4, loss and bytes sent (baseline H = 50; data parallel's
+  bytes for reference).
+- `outer`: Nesterov (momentum 0.9) vs SGD with momentum 0 (lr 1 is FedAvg) vs Adam (eps 0.1),
+  k = 4, each at its best lr of a small grid on seed 0 ({0.3, 0.5, 0.7, 1.0}, {0.5, 1.0, 1.5},
+  {0.03, 0.1, 0.3}), then every seed at that lr (baseline Nesterov).
+- `shards`: `--shards genre` and `kmeans` vs `iid`, k = 4.
+- `drop`: `--drop-prob` 0, 0.1, 0.3, 0.5, k = 4 (baseline 0).
+- `schedule`: `--workers-schedule` 0:4,0.5:8 / 0:8,0.5:4 / 0:1,0.5:8 / 0:8,0.5:1, each against a
+  constant number of workers with the same total worker-steps (6 for 4↔8; 4.5 for 1↔8, where
+  no integer matches: the baseline is then interpolated per seed between constant k = 4 and 5,
+  and the JSON says so), and the two shapes of one total against each other.
+- `codec`: outer_grads as int8 and fp4, each with and without `--error-feedback`, vs fp32, k = 4.
+
+Runs are cached: each run's folder under `--workdir` is named by a hash of its full command
+(without `--out`, `--threads`, `--procs`; `--init-from` by the pretraining run's folder name,
+`--config` by its text), and a finished run (summary.json) is reused, so parts can run one at
+a time in separate invocations; a failed run (e.g. a diverged outer lr) keeps its `failed.json`
+and counts as failed (the worst of a grid). The JSON always covers every part from the runs that exist.
+Prints one JSON object and saves it to benchmarks/results/reproduce_diloco.json
+(`--quick`: reproduce_diloco_quick.json); figures go to docs/figures/reproduce_<part>.png
+(`--quick`: the workdir's figures/; `--model micro`: reproduce_<part>_micro.png, its runs
+in results/reproduce_micro_runs/ and its JSON reproduce_diloco_micro.json). Progress: stderr.
+
+    python benchmarks/reproduce_diloco.py --part dp            # the headline
+    python benchmarks/reproduce_diloco.py --part H,codec --seeds 3
+    python benchmarks/reproduce_diloco.py --part dp --model micro
+    python benchmarks/reproduce_diloco.py --report-only        # rebuild the JSON and figures
+    python benchmarks/reproduce_diloco.py --plot-only          # figures only
+    python benchmarks/reproduce_diloco.py --quick              # a tiny model, a few minutes: plumbing
+
+Rough durations, nano, --seeds 3, --jobs 2 on this 2-core machine: an ESTIMATE, not measured end
+to end. One nano run of 100 steps alone (1 thread) took ~117 ms per worker-step (data parallel
+~110 ms per worker's share of its k× batch) plus ~13 s per run (start-up ~3 s, evaluations); the
+worker-steps of each part's runs were scaled by that and halved for two jobs (two jobs at once may
+run somewhat slower). "Alone": the part by itself; "after": in the default order, where runs shared
+with earlier parts (cached) are not run again.
+
+    part       runs  worker-steps   alone    after
+    dp          45      221k        3.7 h    3.7 h   (incl. 3 pretraining runs; 4-lr grid × 4)
+    single       6        6k        0.1 h    0.05 h
+    workers     15       48k        0.8 h    0.1 h
+    H           18       71k        1.2 h    0.8 h
+    outer       16       64k        1.1 h    0.7 h
+    shards       9       36k        0.6 h    0.4 h
+    drop        12       48k        0.8 h    0.6 h
+    schedule    21      108k        1.8 h    1.6 h
+    codec       15       60k        1.0 h    0.8 h
+    all                             ~8.7 h
+
+`--model micro` is ~4× slower per step (~480 ms): its `dp` part alone would take ~15 h.
+`--quick` (tiny model, 40 steps, every part, 3 seeds, 165 runs) took 4.3 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+FIGURES = ROOT / "docs" / "figures"
+sys.path.insert(0, str(ROOT / "src"))
+
+PARTS = ("dp", "single", "workers", "H", "outer", "shards", "drop", "schedule", "codec")
+DP_KS = (4, 8)
+OUTER_LR_GRID = (0.3, 0.5, 0.7, 1.0)
+OUTER_GRIDS = {  # name -> (--outer-opt, --outer-momentum or None, lr grid)
+    "nesterov": ("nesterov", None, OUTER_LR_GRID),
+    "sgd": ("sgd", 0.0, (0.5, 1.0, 1.5)),
+    "adam": ("adam", None, (0.03, 0.1, 0.3)),
+}
+WORKERS = (1, 2, 4, 8)
+HS = (10, 25, 50, 100, 250)
+DROP_PROBS = (0.0, 0.1, 0.3, 0.5)
+SCHEDULES = {"4to8": "0:4,0.5:8", "8to4": "0:8,0.5:4", "1to8": "0:1,0.5:8", "8to1": "0:8,0.5:1"}
+CODECS = {
+    "fp32": [],
+    "int8": ["--codec", "int8"],
+    "int8_ef": ["--codec", "int8", "--error-feedback"],
+    "fp4": ["--codec", "fp4"],
+    "fp4_ef": ["--codec", "fp4", "--error-feedback"],
+}
+K = 4  # workers of the parts that do not vary them
+PRETRAIN_SEED = 1000  # the pretraining run of seed s uses seed 1000 + s (its own batch order)
+QUICK_CONFIG = """\
+# reproduce_diloco.py --quick: a tiny model that checks the plumbing
+[model]
+name = "nano"
+n_layer = 2
+n_head = 2
+d_model = 32
+seq_len = 32
+
+[data]
+batch_size = 4
+"""
+QUICK_STEPS, QUICK_H, QUICK_HS = 40, 10, (5, 10, 20, 40)
+
+
+def _log(text: str) -> None:
+    print(f"[reproduce] {time.strftime('%H:%M:%S')} {text}", file=sys.stderr, flush=True)
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+# -- runs ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Run:
+    """One `diloco train` run: its result-determining flags and the pretraining run it starts from."""
+
+    name: str  # folder under the workdir: a readable slug and the hash of the command
+    label: str
+    seed: int
+    flags: tuple[str, ...]
+    init: Run | None = None
+
+
+@dataclass
+class Tuned:
+    """An outer lr picked on the first seed from a grid (lowest final val_loss), then run on every seed."""
+
+    make: Callable[[float, int], Run]  # (lr, seed) -> run
+    grid: tuple[float, ...]
+    seeds: list[int]
+
+    def grid_runs(self) -> list[Run]:
+        return [self.make(lr, self.seeds[0]) for lr in self.grid]
+
+    def table(self, ctx: Ctx) -> dict[str, float | None]:
+        return {_num(lr): _loss(ctx.result(r)) for lr, r in zip(self.grid, self.grid_runs(), strict=True)}
+
+    def best(self, ctx: Ctx) -> float | None:
+        """The best lr once the whole grid has finished (failed runs count as worst), else None."""
+        runs = self.grid_runs()
+        if not all(ctx.finished(r) for r in runs):
+            return None
+        losses = [_loss(ctx.result(r)) for r in runs]
+        ranked = [(v, lr) for v, lr in zip(losses, self.grid, strict=True) if v is not None]
+        return min(ranked)[1] if ranked else None
+
+    def at_edge(self, ctx: Ctx) -> bool | None:
+        """Whether the best lr is the grid's smallest or largest (the grid may be too narrow)."""
+        lr = self.best(ctx)
+        return None if lr is None else lr in (min(self.grid), max(self.grid))
+
+    def runs(self, ctx: Ctx) -> list[Run]:
+        lr = self.best(ctx)
+        return [] if lr is None else [self.make(lr, s) for s in self.seeds]
+
+
+@dataclass
+class Plan:
+    """What one part runs: fixed runs, and tuned ones whose other seeds wait for the grid."""
+
+    runs: list[Run] = field(default_factory=list)
+    tuned: list[Tuned] = field(default_factory=list)
+
+    def all_runs(self, ctx: Ctx) -> list[Run]:
+        out = list(self.runs)
+        for t in self.tuned:
+            out += t.grid_runs() + t.runs(ctx)
+        out += [r.init for r in out if r.init is not None]
+        return list({r.name: r for r in out}.values())
+
+
+def _loss(res: dict | None) -> float | None:
+    if not res or res.get("failed"):
+        return None
+    v = res.get("val_loss")
+    return v if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+class Ctx:
+    """The settings every run shares, how runs are named, found and started."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.quick = args.quick
+        self.model = args.model
+        self.steps = args.steps
+        self.H = args.H
+        self.hs = args.hs
+        self.seeds = list(range(args.seeds))
+        self.pretrain_steps = args.pretrain_steps
+        self.jobs = args.jobs
+        self.workdir: Path = args.workdir
+        self.config_text = QUICK_CONFIG if self.quick else ""
+        self.config_path = self.workdir / "quick.toml"
+        self._results: dict[str, dict | None] = {}
+
+    # naming and flags
+    def make(self, slug: str, label: str, seed: int, flags: list, init: Run | None = None) -> Run:
+        flags_t = tuple(str(f) for f in flags)
+        payload = json.dumps(
+            {"flags": flags_t, "init": init.name if init else None, "config": self.config_text},
+            sort_keys=True,
+        )
+        digest = hashlib.sha256(payload.encode()).hexdigest()[:12]
+        return Run(f"{slug}-{digest}", label, seed, flags_t, init)
+
+    def common(self, seed: int) -> list:
+        return ["--seed", seed] + ([] if self.quick else ["--model", self.model])
+
+    def eval_every(self, H: int) -> list:
+        """About 20 evaluations on the fixed subset per run, at a multiple of H."""
+        every = H * max(1, (self.steps // 20) // H)
+        return [] if every == H else ["--eval-every", every]
+
+    def pretrain(self, seed: int) -> Run:
+        H = self.H
+        flags = [*self.common(PRETRAIN_SEED + seed), "--method", "single"]
+        flags += ["--inner-steps", H, "--rounds", self.pretrain_steps // H]
+        label = f"pretrain single {self.pretrain_steps} steps seed {PRETRAIN_SEED + seed}"
+        return self.make(f"pretrain-s{seed}", label, seed, flags)
+
+    def _start(self, seed: int, warm: bool) -> tuple[Run | None, str]:
+        return (self.pretrain(seed), " warm") if warm else (None, "")
+
+    def single(self, seed: int, warm: bool = False) -> Run:
+        init, tag = self._start(seed, warm)
+        flags = [*self.common(seed), "--method", "single", "--inner-steps", self.H]
+        flags += ["--rounds", self.steps // self.H, *self.eval_every(self.H)]
+        return self.make(f"single-s{seed}", f"single{tag} s{seed}", seed, flags, init)
+
+    def dp(self, k: int, seed: int, warm: bool = False) -> Run:
+        init, tag = self._start(seed, warm)
+        flags = [*self.common(seed), "--method", "dp", "--workers", k, "--inner-steps", self.H]
+        flags += ["--rounds", self.steps // self.H, *self.eval_every(self.H)]
+        return self.make(f"dp-k{k}-s{seed}", f"dp k={k}{tag} s{seed}", seed, flags, init)
+
+    def diloco(
+        self,
+        seed: int,
+        *,
+        k: int = K,
+        H: int | None = None,
+        lr: float = 0.7,
+        opt: str = "nesterov",
+        momentum: float | None = None,
+        warm: bool = False,
+        extra: tuple = (),
+        note: str = "",
+    ) -> Run:
+        H = H or self.H
+        init, tag = self._start(seed, warm)
+        flags = [*self.common(seed), "--method", "diloco", "--workers", k, "--inner-steps", H]
+        flags += ["--rounds", self.steps // H, "--outer-opt", opt, "--outer-lr", _num(lr)]
+        if momentum is not None:
+            flags += ["--outer-momentum", _num(momentum)]
+        flags += [*self.eval_every(H), *extra]
+        label = f"diloco k={k} H={H} {opt} lr={_num(lr)}" + (
+            f" m={_num(momentum)}" if momentum is not None else ""
+        )
+        return self.make(f"diloco-k{k}-H{H}-s{seed}", f"{label}{note}{tag} s{seed}", seed, flags, init)
+
+    # results
+    def dir(self, run: Run) -> Path:
+        return self.workdir / run.name
+
+    def finished(self, run: Run) -> bool:
+        d = self.dir(run)
+        return (
+            (d / "summary.json").is_file()
+            and (d / "model.safetensors").is_file()
+            or (d / "failed.json").is_file()
+        )
+
+    def result(self, run: Run) -> dict | None:
+        """summary.json plus the measured subprocess time; {"failed": ...} for a failed run."""
+        if run.name in self._results:
+            return self._results[run.name]
+        d = self.dir(run)
+        res: dict | None = None
+        if (d / "failed.json").is_file():
+            res = {"failed": True, **json.loads((d / "failed.json").read_text())}
+        elif (d / "summary.json").is_file():
+            res = json.loads((d / "summary.json").read_text())
+            bench = d / "bench.json"
+            res["elapsed_s"] = json.loads(bench.read_text())["elapsed_s"] if bench.is_file() else None
+        if res is not None:
+            self._results[run.name] = res
+        return res
+
+    def command(self, run: Run) -> list[str]:
+        cmd = [sys.executable, "-m", "diloco", "train"]
+        if self.quick:
+            cmd += ["--config", str(self.config_path)]
+        cmd += list(run.flags)
+        if run.init is not None:
+            cmd += ["--init-from", str(self.dir(run.init))]
+        return cmd + ["--out", str(self.dir(run)), "--threads", "1", "--procs", "1", "--no-progress"]
+
+    def train(self, run: Run) -> tuple[bool, float]:
+        """Run one `diloco train` (in a worker thread); its folder gets bench.json or failed.json."""
+        d = self.dir(run)
+        shutil.rmtree(d, ignore_errors=True)  # an unfinished earlier attempt
+        cmd = self.command(run)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        elapsed = round(time.perf_counter() - t0, 2)
+        d.mkdir(parents=True, exist_ok=True)
+        record = {"label": run.label, "cmd": cmd, "elapsed_s": elapsed, "returncode": proc.returncode}
+        if proc.returncode != 0 or not (d / "summary.json").is_file():
+            record["stderr_tail"] = proc.stderr[-3000:]
+            (d / "failed.json").write_text(json.dumps(record, indent=2) + "\n")
+            self._results.pop(run.name, None)
+            return False, elapsed
+        (d / "bench.json").write_text(json.dumps(record, indent=2) + "\n")
+        self._results.pop(run.name, None)
+        return True, elapsed
+
+
+class Scheduler:
+    """Runs the runs of a part, `jobs` at a time: a warm-started run after its pretraining run,
+    the other seeds of a tuned lr after the first seed's grid."""
+
+    def __init__(self, ctx: Ctx, part: str):
+        self.ctx, self.part = ctx, part
+        self.started = time.perf_counter()
+
+    def execute(self, plan: Plan) -> int:
+        ctx = self.ctx
+        pending: list[Run] = []
+        seen: set[str] = set()
+
+        def add(runs: list[Run]) -> None:
+            for r in runs:
+                for x in ([r.init] if r.init else []) + [r]:  # the pretraining run first
+                    if x.name not in seen:
+                        seen.add(x.name)
+                        if not ctx.finished(x):
+                            pending.append(x)
+
+        add(plan.runs)
+        waiting = list(plan.tuned)
+        for t in waiting:
+            add(t.grid_runs())
+        running: dict[Future, Run] = {}
+        done = 0
+        with ThreadPoolExecutor(max_workers=ctx.jobs) as pool:
+            while pending or running or waiting:
+                for t in list(waiting):
+                    if all(ctx.finished(r) for r in t.grid_runs()):
+                        waiting.remove(t)
+                        add(t.runs(ctx))
+                for r in list(pending):
+                    if len(running) >= ctx.jobs:
+                        break
+                    if r.init is not None and not ctx.finished(r.init):
+                        continue
+                    pending.remove(r)
+                    if r.init is not None and _loss(ctx.result(r.init)) is None:
+                        _log(f"skip {r.label}: its pretraining run failed")
+                        continue
+                    _log(
+                        f"{self.part}: start {r.label} [{r.name}] "
+                        f"({len(pending)} queued{', more after tuning' if waiting else ''})"
+                    )
+                    running[pool.submit(ctx.train, r)] = r
+                if not running:
+                    if pending or waiting:  # only runs whose pretraining run cannot finish
+                        _log(f"{self.part}: {len(pending)} runs cannot start; giving up on them")
+                    break
+                finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    r = running.pop(fut)
+                    ok, elapsed = fut.result()
+                    done += 1
+                    res = ctx.result(r)
+                    what = f"val_loss {res['val_loss']:.4f}" if ok and res else "FAILED (see failed.json)"
+                    _log(
+                        f"{self.part}: done {r.label}: {what}, {elapsed:.0f} s; part elapsed "
+                        f"{time.perf_counter() - self.started:.0f} s, {done} done, "
+                        f"{len(pending) + len(running)} left{' + tuned runs' if waiting else ''}"
+                    )
+        return done
+
+
+# -- statistics ---------------------------------------------------------------------------------
+def _stats(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    return {
+        "mean": round(statistics.fmean(values), 5),
+        "min": round(min(values), 5),
+        "max": round(max(values), 5),
+        "n": len(values),
+    }
+
+
+def entry(ctx: Ctx, runs: list[Run], **meta) -> dict:
+    """A comparison's row: the final val_loss over seeds, bytes, steps and the runs behind it."""
+    per_seed, bytes_, steps, missing, failed = {}, [], [], [], []
+    for r in runs:
+        res = ctx.result(r)
+        v = _loss(res)
+        if res is None:
+            missing.append(r.name)
+        elif v is None:
+            failed.append(r.name)
+        else:
+            per_seed[str(r.seed)] = round(v, 5)
+            bytes_.append(res["bytes_sent_per_worker"])
+            steps.append(res["inner_steps"])
+    out = {
+        **meta,
+        "val_loss": _stats(list(per_seed.values())),
+        "per_seed": per_seed,
+        "bytes_sent_per_worker": round(statistics.fmean(bytes_)) if bytes_ else None,
+        "worker_steps": round(statistics.fmean(steps)) if steps else None,
+        "runs": [r.name for r in runs],
+    }
+    if missing:
+        out["missing"] = missing
+    if failed:
+        out["failed"] = failed
+    return out
+
+
+def mean(e: dict | None) -> float | None:
+    return e["val_loss"]["mean"] if e and e.get("val_loss") else None
+
+
+def versus(e: dict, base: dict | None, key: str = "vs_baseline") -> dict:
+    """Adds the relative difference to `base`: on the means, and per seed (paired)."""
+    m, b = mean(e), mean(base)
+    e[key] = round((m - b) / b, 6) if m is not None and b is not None else None
+    mine, theirs = e.get("per_seed") or {}, (base or {}).get("per_seed") or {}
+    e[f"{key}_paired"] = _stats([(v - theirs[s]) / theirs[s] for s, v in mine.items() if s in theirs])
+    return e
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+# -- the parts: each builds its plan and its report from the same runs ------------------------
+def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
+    plan = Plan()
+    tuned: dict[tuple[int, bool], Tuned] = {}
+    for warm in (False, True):
+        plan.runs += [ctx.single(s, warm) for s in ctx.seeds]
+        for k in DP_KS:
+            plan.runs += [ctx.dp(k, s, warm) for s in ctx.seeds]
+            make = functools.partial(
+                lambda lr, s, k, warm: ctx.diloco(s, k=k, lr=lr, warm=warm), k=k, warm=warm
+            )
+            tuned[k, warm] = Tuned(make, OUTER_LR_GRID, ctx.seeds)
+    plan.tuned = list(tuned.values())
+
+    def report() -> dict:
+        pre = entry(ctx, [ctx.pretrain(s) for s in ctx.seeds], steps=ctx.pretrain_steps)
+        out: dict = {"k": list(DP_KS), "H": ctx.H, "steps": ctx.steps, "pretrain_steps": ctx.pretrain_steps}
+        out["outer_lr_grid"] = list(OUTER_LR_GRID)
+        out["pretrain"] = pre
+        per_k = {}
+        for k in DP_KS:
+            row: dict = {}
+            for warm in (False, True):
+                start = "warm" if warm else "scratch"
+                t = tuned[k, warm]
+                dp = entry(ctx, [ctx.dp(k, s, warm) for s in ctx.seeds])
+                single = versus(entry(ctx, [ctx.single(s, warm) for s in ctx.seeds]), dp, "vs_dp")
+                lr = t.best(ctx)
+                di = entry(ctx, t.runs(ctx), outer_lr=lr) if lr is not None else {"val_loss": None}
+                if lr is not None:
+                    versus(di, dp, "vs_dp")
+                row[start] = {
+                    "single": single,
+                    "dp": dp,
+                    "diloco": di,
+                    "diloco_outer_lr": lr,
+                    "diloco_outer_lr_at_grid_edge": t.at_edge(ctx),
+                    "diloco_lr_grid_seed0": t.table(ctx),
+                }
+                row[f"dp_{start}_final_val_loss"] = mean(dp)
+                row[f"diloco_{start}_final_val_loss"] = mean(di)
+                row[f"single_{start}_final_val_loss"] = mean(single)
+                row[f"diloco_{start}_vs_dp_gap"] = di.get("vs_dp")
+                row[f"diloco_{start}_vs_dp_gap_paired"] = di.get("vs_dp_paired")
+                row[f"bytes_ratio_vs_dp_{start}"] = ratio(
+                    dp["bytes_sent_per_worker"], di.get("bytes_sent_per_worker")
+                )
+            row["dp_final_val_loss"] = row["dp_warm_final_val_loss"]
+            row["bytes_ratio_vs_dp"] = row["bytes_ratio_vs_dp_warm"]
+            gap, br = row["diloco_warm_vs_dp_gap"], row["bytes_ratio_vs_dp"]
+            row["target_warm_within_2pct_at_50x_fewer_bytes"] = (
+                None if gap is None or br is None else bool(gap <= 0.02 and br >= 50)
+            )
+            per_k[str(k)] = row
+        head = str(max(DP_KS))
+        out["headline_k"] = int(head)
+        keys = (
+            "dp_final_val_loss",
+            "diloco_warm_final_val_loss",
+            "diloco_warm_vs_dp_gap",
+            "bytes_ratio_vs_dp",
+            "single_warm_final_val_loss",
+            "dp_scratch_final_val_loss",
+            "diloco_scratch_final_val_loss",
+            "diloco_scratch_vs_dp_gap",
+            "single_scratch_final_val_loss",
+            "target_warm_within_2pct_at_50x_fewer_bytes",
+        )
+        out.update({key: per_k[head][key] for key in keys})
+        out["note"] = (
+            "dp_final_val_loss is data parallel warm-started from the same pretrained model as "
+            "diloco_warm; gaps are (diloco - dp) / dp on the means over seeds (_paired: per seed); "
+            "bytes_ratio_vs_dp = dp bytes sent per worker / DiLoCo's; the outer lr is the best of "
+            "the grid on seed 0 by final val_loss"
+        )
+        out["per_k"] = per_k
+        return out
+
+    return plan, report
+
+
+def part_single(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
+    single = [ctx.single(s) for s in ctx.seeds]
+    k1 = [ctx.diloco(s, k=1) for s in ctx.seeds]
+
+    def report() -> dict:
+        base = entry(ctx, single)
+        return {
+            "baseline": "single",
+            "single": base,
+            "diloco_k1": versus(entry(ctx, k1, outer_lr=0.7), base),
+            "claim": "DiLoCo k=1 beats plain AdamW a little (vs_baseline < 0)",
+        }
+
+    return Plan(single + k1), report
+
+
+def part_workers(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
+    runs = {k: [ctx.diloco(s, k=k) for s in ctx.seeds] for k in WORKERS}
+    single = [ctx.single(s) for s in ctx.seeds]
+
+    def report() -> dict:
+        base = entry(ctx, runs[WORKERS[0]], k=WORKERS[0])
+        rows = {str(k): versus(entry(ctx, r, k=k), base) for k, r in runs.items()}
+        return {
+            "baseline": f"diloco k={WORKERS[0]}",
+            "steps_per_worker": ctx.steps,
+            "outer_lr": 0.7,
+            "by_workers": rows,
+            "single": versus(entry(ctx, single), base),
+        }
+
+    return Plan([*single, *(r for rs in runs.values() for r in rs)]), report
+
+
+def part_H(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
+    runs = {h: [ctx.diloco(s, H=h) for s in ctx.seeds] for h in ctx.hs}
+    dp = [ctx.dp(K, s) for s in ctx.seeds]
+
+    def report() -> dict:
+        base = entry(ctx, runs[ctx.H], H=ctx.H)
+        dp_e = entry(ctx, dp)
+        rows = {}
+        for h, r in runs.items():
+            e = versus(entry(ctx, r, H=h, rounds=ctx.steps // h), base)
+            versus(e, dp_e, "vs_dp")
+            e["bytes_ratio_vs_dp"] = ratio(dp_e["bytes_sent_per_worker"], e["bytes_sent_per_worker"])
+            rows[str(h)] = e
+        return {
+            "baseline": f"H={ctx.H}",
+            "k": K,
+            "steps_per_worker": ctx.steps,
+            "outer_lr": 0.7,
+            "by_H": rows,
+            "dp": dp_e,
+        }
+
+    return Plan([*dp, *(x for r in runs.values() for x in r)]), report
+
+
+def part_outer(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
+    tuned = {}
+    for name, (opt, momentum, grid) in OUTER_GRIDS.items():
+        make = functools.partial(
+            lambda lr, s, opt, m: ctx.diloco(s, lr=lr, opt=opt, momentum=m), opt=opt, m=momentum
+        )
+        tuned[name] = Tuned(make, grid, ctx.seeds)
+
+    def report() -> dict:
+        rows = {}
+        for name, t in tuned.items():
+            lr = t.best(ctx)
+            e = (
+                entry(ctx, t.runs(ctx), outer_lr=lr)
+                if lr is not None
+                else {"val_loss": None, "outer_lr": None}
+            )
+            opt, momentum, grid = OUTER_GRIDS[name]
+            e.update(
+                opt=opt, momentum=momentum, lr_grid_seed0=t.table(ctx), outer_lr_at_grid_edge=t.at_edge(ctx)
+            )
+            rows[name] = e
+        base = rows["nesterov"]
+        for e in rows.values():
+            versus(e, base)
+        return {
+            "baseline": "nesterov",
+            "k": K,
+            "H": ctx.H,
+            "by_optimizer": rows,
+            "fedavg_seed0_val_loss": rows["sgd"]["lr_grid_seed0"].get("1"),
+            "note": "sgd has momentum 0 (lr 1 is FedAvg); adam has eps 0.1; each at its best lr of the "
+            "grid on seed 0",
+        }
+
+    return Plan(tuned=list(tuned.values())), report
+
+
+def part_shards(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
+    kinds = ("iid", "genre", "kmeans")
+
+    def run(kind: str, s: int) -> Run:  # iid is the default: the same run as the other parts' k = 4
+        return ctx.diloco(s) if kind == "iid" else ctx.diloco(s, extra=("--shards", kind), note=f" {kind}")
+
+    runs = {kind: [run(kind, s) for s in ctx.seeds] for kind in kinds}
+
+    def report() -> dict:
+        base = entry(ctx, runs["iid"])
+        return {
+            "baseline": "iid",
+            "k": K,
+            "by_shards": {kind: versus(entry(ctx, r), base) for kind, r in runs.items()},
+        }
+
+    return Plan([x for r in runs.values() for x in r]), report
+
+
+def part_drop(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
+    def run(p: float, s: int) -> Run:
+        extra = ("--drop-prob", _num(p)) if p else ()
+        return ctx.diloco(s, extra=extra, note=f" drop {_num(p)}" if p else "")
+
+    runs = {p: [run(p, s) for s in ctx.seeds] for p in DROP_PROBS}
+
+    def report() -> dict:
+        base = entry(ctx, runs[0.0])
+        return {
+            "baseline": "drop_prob 0",
+            "k": K,
+            "by_drop_prob": {_num(p): versus(entry(ctx, r, drop_prob=p), base) for p, r in runs.items()},
+            "claim": "dropping each outer_grad with probability 0.5 costs ~2% perplexity",
+        }
+
+    return Plan([x for r in runs.values() for x in r]), report
+
+
+def _schedule_average(ctx: Ctx, text: str) -> float:
+    """Mean active workers over the rounds of a schedule (total worker-steps / steps)."""
+    from diloco.schedule import active_workers, parse_workers_schedule
+
+    rounds = ctx.steps // ctx.H
+    sched = parse_workers_schedule(text, 8)
+    return sum(active_workers(sched, r, rounds) for r in range(rounds)) / rounds
+
+
+def part_schedule(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
+    sched_runs = {}
+    averages = {}
+    for name, text in SCHEDULES.items():
+        k_max = max(int(p.split(":")[1]) for p in text.split(","))
+        sched_runs[name] = [
+            ctx.diloco(s, k=k_max, extra=("--workers-schedule", text), note=f" schedule {text}")
+            for s in ctx.seeds
+        ]
+        averages[name] = _schedule_average(ctx, text)
+    constants = sorted({k for a in averages.values() for k in {math.floor(a), math.ceil(a)}})
+    const_runs = {k: [ctx.diloco(s, k=k) for s in ctx.seeds] for k in constants}
+
+    def baseline(avg: float) -> tuple[dict, str]:
+        lo, hi = math.floor(avg), math.ceil(avg)
+        if lo == hi:
+            return entry(ctx, const_runs[lo], k=lo), f"constant k={lo}"
+        a, b = entry(ctx, const_runs[lo]), entry(ctx, const_runs[hi])
+        w = avg - lo
+        per_seed = {
+            s: round((1 - w) * a["per_seed"][s] + w * b["per_seed"][s], 5)
+            for s in a["per_seed"]
+            if s in b["per_seed"]
+        }
+        e = {
+            "k": avg,
+            "val_loss": _stats(list(per_seed.values())),
+            "per_seed": per_seed,
+            "runs": a["runs"] + b["runs"],
+            "interpolated_from": {str(lo): a, str(hi): b},
+        }
+        return e, f"constant k={avg:g}: per seed, linear interpolation between constant k={lo} and k={hi}"
+
+    def report() -> dict:
+        rows = {}
+        for name, runs in sched_runs.items():
+            base, what = baseline(averages[name])
+            e = versus(entry(ctx, runs, schedule=SCHEDULES[name], mean_active_workers=averages[name]), base)
+            e["baseline"] = what
+            e["baseline_val_loss"] = base["val_loss"]
+            e["baseline_per_seed"] = base["per_seed"]
+            rows[name] = e
+        shapes = {}
+        for a, b in (("4to8", "8to4"), ("1to8", "8to1")):
+            shapes[f"{a}_vs_{b}"] = versus(
+                {"per_seed": rows[a]["per_seed"], "val_loss": rows[a]["val_loss"]}, rows[b], "rel_diff"
+            )
+            shapes[f"{a}_vs_{b}"].pop("per_seed")
+            shapes[f"{a}_vs_{b}"].pop("val_loss")
+        return {
+            "steps_per_active_worker": ctx.steps,
+            "compared": "each schedule against constant workers with the same total worker-steps "
+            "(the mean active workers over the rounds); worker_steps is the measured total",
+            "by_schedule": rows,
+            "constant": {str(k): entry(ctx, r, k=k) for k, r in const_runs.items()},
+            "same_total_different_shape": shapes,
+            "claim": "a schedule ends where its total compute says, not where its shape says",
+        }
+
+    runs = [x for r in sched_runs.values() for x in r] + [x for r in const_runs.values() for x in r]
+    return Plan(runs), report
+
+
+def part_codec(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
+    runs = {
+        name: [ctx.diloco(s, extra=tuple(f), note=f" {name}" if f else "") for s in ctx.seeds]
+        for name, f in CODECS.items()
+    }
+
+    def report() -> dict:
+        base = entry(ctx, runs["fp32"])
+        rows = {}
+        for name, r in runs.items():
+            e = versus(entry(ctx, r, codec=name), base)
+            e["bytes_ratio_vs_fp32"] = ratio(base["bytes_sent_per_worker"], e["bytes_sent_per_worker"])
+            rows[name] = e
+        return {"baseline": "fp32", "k": K, "by_codec": rows, "claim": "fp4 outer_grads: no loss regression"}
+
+    return Plan([x for r in runs.values() for x in r]), report
+
+
+BUILDERS = {
+    "dp": part_dp,
+    "single": part_single,
+    "workers": part_workers,
+    "H": part_H,
+    "outer": part_outer,
+    "shards": part_shards,
+    "drop": part_drop,
+    "schedule": part_schedule,
+    "codec": part_codec,
+}
+
+
+# -- figures ------------------------------------------------------------------------------------
+def _curve(ctx: Ctx, name: str) -> tuple[list[int], list[float]]:
+    path = ctx.workdir / name / "metrics.jsonl"
+    if not path.is_file():
+        return [], []
+    evals = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    evals = [e for e in evals if e.get("kind") == "eval" and e.get("split", "subset") == "subset"]
+    return [e["inner_step"] for e in evals], [e["val_loss"] for e in evals]
+
+
+def _bars(ax, labels: list[str], rows: list[dict | None], colours: list[str] | None = None) -> None:
+    """Mean final val_loss with min–max error bars; the y axis zoomed to the values."""
+    xs, ys, lo, hi, cs, names = [], [], [], [], [], []
+    for i, (label, e) in enumerate(zip(labels, rows, strict=True)):
+        if not e or not e.get("val_loss"):
+            continue
+        v = e["val_loss"]
+        xs.append(i)
+        ys.append(v["mean"])
+        lo.append(v["mean"] - v["min"])
+        hi.append(v["max"] - v["mean"])
+        cs.append(colours[i] if colours else f"C{i % 10}")
+        names.append(label)
+    if not xs:
+        return
+    ax.bar(xs, ys, color=cs, yerr=[lo, hi], capsize=4)
+    ax.set_xticks(xs, names, rotation=20, ha="right", fontsize=8)
+    bottom, top = (
+        min(y - d for y, d in zip(ys, lo, strict=True)),
+        max(y + d for y, d in zip(ys, hi, strict=True)),
+    )
+    pad = max(0.02, 0.15 * (top - bottom))
+    ax.set_ylim(bottom - 2 * pad, top + pad)
+    ax.set_ylabel("final val_loss (mean, min–max over seeds)")
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _errline(ax, xs: list[float], rows: list[dict], label: str, **kw) -> None:
+    pts = [(x, e["val_loss"]) for x, e in zip(xs, rows, strict=True) if e and e.get("val_loss")]
+    if not pts:
+        return
+    x, v = zip(*pts, strict=True)
+    y = [s["mean"] for s in v]
+    err = [[s["mean"] - s["min"] for s in v], [s["max"] - s["mean"] for s in v]]
+    ax.errorbar(x, y, yerr=err, marker="o", capsize=4, label=label, **kw)
+
+
+def figures(ctx: Ctx, report: dict, where: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    drawn = []
+    seeds = f"{len(ctx.seeds)} seeds"
+    for part, r in report.items():
+        if part not in PARTS or not isinstance(r, dict) or r.get("status") == "not run":
+            continue
+        if r["wall_time"]["runs_missing"]:  # a part half run would overwrite its figure with less
+            continue
+        fig, axes = (
+            plt.subplots(1, 2, figsize=(12, 4.6)) if part in ("dp", "outer", "single") else (None, None)
+        )
+        if fig is None:
+            fig, ax = plt.subplots(figsize=(7.5, 4.6))
+        if part == "dp":
+            labels, rows, cols = [], [], []
+            for k in r["k"]:
+                for start in ("scratch", "warm"):
+                    row = r["per_k"][str(k)][start]
+                    for j, m in enumerate(("single", "dp", "diloco")):
+                        labels.append(f"{m} k={k} {start}" if m != "single" else f"single {start}")
+                        rows.append(row[m])
+                        cols.append(f"C{j}")
+            _bars(axes[0], labels, rows, cols)
+            axes[0].set_title(f"final val_loss, {seeds} (C0 single, C1 dp, C2 DiLoCo)")
+            k = r["headline_k"]
+            row = r["per_k"][str(k)]["warm"]
+            for m in ("single", "dp", "diloco"):
+                runs = row[m].get("runs") or []
+                if runs:
+                    xs, ys = _curve(ctx, runs[0])
+                    axes[1].plot(xs, ys, marker=".", label=m)
+            axes[1].set_xlabel("inner steps per worker (after pretraining)")
+            axes[1].set_ylabel("val_loss (fixed subset)")
+            axes[1].set_title(f"warm start, k={k}, seed 0")
+            axes[1].legend()
+            axes[1].grid(alpha=0.3)
+        elif part == "single":
+            _bars(axes[0], ["AdamW (single)", "DiLoCo k=1"], [r["single"], r["diloco_k1"]])
+            axes[0].set_title(f"one worker, equal steps, {seeds}")
+            for m, lab in (("single", "AdamW (single)"), ("diloco_k1", "DiLoCo k=1")):
+                runs = r[m].get("runs") or []
+                if runs:
+                    axes[1].plot(*_curve(ctx, runs[0]), marker=".", label=lab)
+            axes[1].set_xlabel("inner steps")
+            axes[1].set_ylabel("val_loss (fixed subset)")
+            axes[1].set_title("seed 0")
+            axes[1].legend()
+            axes[1].grid(alpha=0.3)
+        elif part == "workers":
+            ks = [int(k) for k in r["by_workers"]]
+            _errline(ax, ks, list(r["by_workers"].values()), "DiLoCo")
+            if mean(r["single"]) is not None:
+                ax.axhline(mean(r["single"]), color="k", ls=":", label="single (AdamW)")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ks, [str(k) for k in ks])
+            ax.set_xlabel("workers k (equal steps per worker)")
+            ax.set_ylabel("final val_loss")
+            ax.set_title(f"number of workers, {seeds}")
+            ax.legend()
+            ax.grid(alpha=0.3)
+        elif part == "H":
+            rows = list(r["by_H"].values())
+            xs = [e["bytes_sent_per_worker"] or float("nan") for e in rows]
+            _errline(ax, xs, rows, f"DiLoCo k={r['k']}")
+            for x, e in zip(xs, rows, strict=True):
+                if e.get("val_loss") and math.isfinite(x):
+                    ax.annotate(
+                        f"H={e['H']}", (x, e["val_loss"]["mean"]), textcoords="offset points", xytext=(4, 6)
+                    )
+            dp = r["dp"]
+            if dp.get("val_loss") and dp["bytes_sent_per_worker"]:
+                _errline(ax, [dp["bytes_sent_per_worker"]], [dp], "data parallel", color="k")
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_xlabel("bytes sent per worker")
+            ax.set_ylabel("final val_loss")
+            ax.set_title(f"communication interval H at equal compute, {seeds}")
+            ax.legend()
+            ax.grid(alpha=0.3)
+        elif part == "outer":
+            for name, e in r["by_optimizer"].items():
+                grid = [(float(lr), v) for lr, v in e["lr_grid_seed0"].items() if v is not None]
+                if grid:
+                    axes[0].plot(*zip(*grid, strict=True), marker="o", label=name)
+            axes[0].set_xscale("log")
+            axes[0].set_xlabel("outer lr")
+            axes[0].set_ylabel("final val_loss, seed 0")
+            axes[0].set_title("outer lr grid (seed 0)")
+            axes[0].legend()
+            axes[0].grid(alpha=0.3)
+            names = list(r["by_optimizer"])
+            labels = [f"{n} lr={_num(r['by_optimizer'][n]['outer_lr'] or 0)}" for n in names]
+            _bars(axes[1], labels, [r["by_optimizer"][n] for n in names])
+            axes[1].set_title(f"best lr, {seeds}")
+        elif part == "shards":
+            _bars(ax, list(r["by_shards"]), list(r["by_shards"].values()))
+            ax.set_title(f"shards, k={r['k']}, {seeds}")
+        elif part == "drop":
+            ps = [float(p) for p in r["by_drop_prob"]]
+            _errline(ax, ps, list(r["by_drop_prob"].values()), "DiLoCo")
+            ax.set_xlabel("probability an outer_grad is dropped")
+            ax.set_ylabel("final val_loss")
+            ax.set_title(f"dropped outer_grads, k={r['k']}, {seeds}")
+            ax.grid(alpha=0.3)
+        elif part == "schedule":
+            labels, rows, cols = [], [], []
+            for name, e in r["by_schedule"].items():
+                labels += [name.replace("to", "→"), f"const {e['mean_active_workers']:g}"]
+                rows += [e, {"val_loss": e["baseline_val_loss"]}]
+                cols += ["C0", "C7"]
+            _bars(ax, labels, rows, cols)
+            ax.set_title(f"workers schedules vs constant of the same compute, {seeds}")
+        elif part == "codec":
+            names = list(r["by_codec"])
+            _bars(ax, names, [r["by_codec"][n] for n in names])
+            ax.set_title(f"outer_grad codecs, k={r['k']}, {seeds}")
+        fig.tight_layout()
+        where.mkdir(parents=True, exist_ok=True)
+        path = where / f"reproduce_{part}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        drawn.append(str(path))
+    return drawn
+
+
+# -- main ---------------------------------------------------------------------------------------
+def _parts(values: list[str] | None) -> list[str]:
+    if not values:
+        return list(PARTS)
+    out = []
+    for v in values:
+        for p in v.split(","):
+            p = p.strip()
+            if p and p not in PARTS:
+                raise SystemExit(f"--part {p!r}: choose from {', '.join(PARTS)}")
+            if p and p not in out:
+                out.append(p)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--part", action="append", help=f"{'|'.join(PARTS)}; repeatable or a comma list (default all)"
+    )
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="a tiny model and few steps: checks the plumbing")
+    ap.add_argument("--jobs", type=int, default=2, help="diloco train subprocesses at once (one core each)")
+    ap.add_argument("--steps", type=int, default=1000, help="inner steps per worker S")
+    ap.add_argument("--pretrain-steps", type=int, default=1000, help="steps of the warm start's pretraining")
+    ap.add_argument("--model", default="nano", choices=("nano", "micro"))
+    ap.add_argument(
+        "--workdir",
+        type=Path,
+        help="run folders (default benchmarks/results/reproduce_runs/; --quick: reproduce_quick_runs/)",
+    )
+    ap.add_argument("--out", type=Path, help="the JSON (default benchmarks/results/reproduce_diloco.json)")
+    ap.add_argument(
+        "--report-only", action="store_true", help="no new runs: the JSON and figures from what exists"
+    )
+    ap.add_argument("--plot-only", action="store_true", help="no new runs: the figures only")
+    args = ap.parse_args()
+    parts = _parts(args.part)
+    args.H, args.hs = 50, HS
+    suffix = "" if args.model == "nano" else f"_{args.model}"
+    if args.quick:
+        args.steps, args.H, args.hs = QUICK_STEPS, QUICK_H, QUICK_HS
+        args.pretrain_steps = QUICK_STEPS
+        suffix = "_quick"
+    args.workdir = args.workdir or RESULTS / f"reproduce{suffix}_runs"  # *_runs/ is git-ignored
+    args.out = args.out or RESULTS / f"reproduce_diloco{suffix}.json"
+    where = args.workdir / "figures" if args.quick else FIGURES
+    fig_suffix = "" if args.model == "nano" or args.quick else f"_{args.model}"
+    bad = [h for h in (*args.hs, args.H) if args.steps % h] + (
+        [args.H] if args.pretrain_steps % args.H else []
+    )
+    if bad or args.seeds < 1 or args.jobs < 1:
+        raise SystemExit(
+            f"--steps and --pretrain-steps must be multiples of every H {args.hs}; --seeds, --jobs ≥ 1"
+        )
+    ctx = Ctx(args)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        ctx.config_path.write_text(QUICK_CONFIG)
+    timing_path = args.workdir / "_part_timing.json"
+    timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
+    built = {p: BUILDERS[p](ctx) for p in PARTS}
+    t0 = time.perf_counter()
+    if not (args.report_only or args.plot_only):
+        _log(f"parts {', '.join(parts)}; {args.seeds} seeds; {args.jobs} jobs; runs in {args.workdir}")
+        for p in parts:
+            plan, _ = built[p]
+            started = time.perf_counter()
+            n = Scheduler(ctx, p).execute(plan)
+            elapsed = round(time.perf_counter() - started, 1)
+            _log(
+                f"part {p}: {n} new runs in {elapsed:.0f} s "
+                f"(all parts so far {time.perf_counter() - t0:.0f} s)"
+            )
+            if n:
+                timing[p] = {
+                    "elapsed_s": elapsed,
+                    "new_runs": n,
+                    "jobs": args.jobs,
+                    "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                }
+                timing_path.write_text(json.dumps(timing, indent=2) + "\n")
+    result: dict = {
+        "benchmark": "reproduce_diloco",
+        "quick": args.quick,
+        "model": "tiny (quick.toml)" if args.quick else args.model,
+        "steps_per_worker": args.steps,
+        "inner_steps_H": args.H,  # of every part but H's sweep (the key "H" is that part)
+        "seeds": args.seeds,
+        "pretrain_steps": args.pretrain_steps,
+        "pretrain_seed": f"{PRETRAIN_SEED} + seed",
+        "workdir": str(args.workdir.relative_to(ROOT) if args.workdir.is_relative_to(ROOT) else args.workdir),
+        "parts_run_now": [] if (args.report_only or args.plot_only) else parts,
+    }
+    for p in PARTS:
+        plan, report = built[p]
+        runs = plan.all_runs(ctx)
+        have = [r for r in runs if ctx.result(r) is not None]
+        if not have:
+            result[p] = {"status": "not run", "runs_planned": len(runs)}
+            continue
+        part = report()
+        res = [ctx.result(r) for r in have]
+        part["wall_time"] = {
+            "runs": len(runs),
+            "runs_finished": sum(1 for x in res if not x.get("failed")),
+            "runs_failed": sum(1 for x in res if x.get("failed")),
+            "runs_missing": len(runs) - len(have),
+            "runs_wall_s_sum": round(sum((x.get("elapsed_s") or x.get("wall_time_s") or 0) for x in res), 1),
+            "worker_steps_sum": sum(x.get("inner_steps", 0) for x in res if not x.get("failed")),
+            "elapsed_s": timing.get(p, {}).get("elapsed_s"),
+            "elapsed_note": "the last invocation that ran new runs of this part, with its --jobs; "
+            "runs shared with parts run before it are not counted again",
+            "jobs": timing.get(p, {}).get("jobs"),
+        }
+        result[p] = part
+    drawn = figures(ctx, {p: result[p] for p in PARTS}, where)
+    if fig_suffix:
+        for path in drawn:
+            Path(path).rename(path.replace(".png", f"{fig_suffix}.png"))
+        drawn = [d.replace(".png", f"{fig_suffix}.png") for d in drawn]
+    result["figures"] = [str(Path(d).relative_to(ROOT)) if Path(d).is_relative_to(ROOT) else d for d in drawn]
+    if args.plot_only:
+        _log(f"figures: {', '.join(drawn)}")
+        return
+    text = json.dumps(result, indent=2)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text + "\n")
+    _log(f"saved {args.out}; figures {len(drawn)}; {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
