@@ -98,17 +98,25 @@ class Worker:
             p.copy_(src)
 
     def run(
-        self, start: list[torch.Tensor], steps: int, *, lr_step: int | None = None, shard: int | None = None
+        self,
+        start: list[torch.Tensor],
+        steps: int,
+        *,
+        lr_step: int | None = None,
+        shard: int | None = None,
+        position: int | None = None,
     ) -> InnerResult:
         """θ_local ← start; `steps` inner steps; return outer_grad = start − θ_local. With
         `start` None the worker continues from its own parameters (after a dropped outer_grad).
 
-        `lr_step`, if given, is the schedule step of the first of these steps (a shard's own step
-        count). `shard`, if given, makes the batches come from that shard from position
-        `lr_step` (the batch source must have `seek(shard, step)`, as data.ShardSet does).
+        `lr_step`, if given, is the schedule step of the first of these steps: sync DiLoCo's
+        round (so a worker that joins mid-run takes the run's lr, not a fresh warm-up), async's
+        shard step count. `shard`, if given, makes the batches come from that shard from
+        `position` (default `lr_step`; the batch source must have `seek(shard, step)`, as
+        data.ShardSet does).
         """
         if shard is not None:
-            self.batches.seek(shard, lr_step)
+            self.batches.seek(shard, lr_step if position is None else position)
         if start is None:  # continue from the worker's own parameters
             start = [p.detach().clone() for p in self.params]
         self.load_params(start)

@@ -103,6 +103,27 @@ def test_a_sync_round_without_one_worker_renormalises_the_weights(tiny):
 
 
 @pytest.mark.timeout(60)
+def test_a_worker_joining_a_sync_run_late_takes_the_rounds_lr_and_its_shards_position(tiny):
+    """Worker 1 joins for round 2: its job's lr step is the round's (H, as worker 0's), not a
+    fresh warm-up from 0; its batches start where its shard stands (0)."""
+    coord = make(tiny)
+    log = Log(coord)
+    H = coord.H
+    log({"kind": "join", "worker": 0, "name": "w0", "device": "cpu"})
+    log({"kind": "begin", "round": 1, "members": [0]})
+    log(coord.plan_dispatch(0))
+    push(log, 0, 0, outer_grad(coord, 0.01), steps=H)
+    log({"kind": "close", "round": 1})
+    log({"kind": "join", "worker": 1, "name": "w1", "device": "cpu"})
+    log({"kind": "begin", "round": 2, "members": [0, 1]})
+    for w in (0, 1):
+        log(coord.plan_dispatch(w))
+    jobs = sorted(coord.jobs.values(), key=lambda j: j.worker)
+    assert [(j.lr_step, j.position) for j in jobs] == [(H, H), (H, 0)]
+    assert coord.shard_steps == [2 * H, H]
+
+
+@pytest.mark.timeout(60)
 def test_async_jobs_probe_then_follow_measured_speeds(tiny):
     """A first job is the probe (H/10 steps); then H_w = ⌊fastest/own s per step × H⌋; the budget
     caps the last job; an abandoned job's steps are offered again."""

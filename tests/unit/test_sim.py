@@ -151,6 +151,26 @@ def test_inactive_workers_neither_train_nor_count():
     assert trainer.workers[1].step == 0 and trainer.total_steps == 2 and trainer.bytes_sent[1] == 0
 
 
+def test_a_worker_joining_mid_run_takes_the_runs_lr_not_a_fresh_warm_up():
+    # The round drives every worker's lr schedule: a worker that first trains in round 3 runs
+    # its steps at the run's steps 4 and 5 (warm-up over, cosine half way), as worker 0 does.
+    from diloco.schedule import warmup_cosine
+
+    schedule = partial(warmup_cosine, lr=1e-3, warmup_steps=2, total_steps=8, min_lr_ratio=0.1)
+    torch.manual_seed(0)
+    trainer = DiLoCo(
+        partial(GPT, TINY), _adamw, [_sampler(1), _sampler(2)], inner_steps=2, lr_schedule=schedule
+    )
+    trainer.round(active=1)
+    trainer.round(active=1)
+    assert trainer.workers[1].step == 0
+    trainer.round()
+    lrs = [w.optimizer.param_groups[0]["lr"] for w in trainer.workers]
+    assert lrs == [schedule(5), schedule(5)]  # its own step count would give schedule(1) = 1e-3
+    assert schedule(5) < schedule(1)
+    assert trainer.workers[1].step == 2
+
+
 def test_a_worker_rejoining_after_inactivity_starts_from_the_global_parameters():
     torch.manual_seed(0)
     trainer = DiLoCo(partial(GPT, TINY), _adamw, [_sampler(1), _sampler(2)], inner_steps=2)

@@ -258,7 +258,7 @@ class CollectiveDiLoCo:
         n = len(starts)
         loss, lr, message, finite = float("nan"), 0.0, None, True
         if w < n:
-            result = self.worker.run(side.downloaded() if starts[w] else None, H)
+            result = self.worker.run(side.downloaded() if starts[w] else None, H, lr_step=side.inner_step)
             loss, lr, finite = result.mean_loss, result.last_lr, result.finite
             message = result.message
         compute_s = time.perf_counter() - t0

@@ -211,7 +211,8 @@ class DiLoCo(SideView):
         side, H, start = self.side, self.inner_steps, self._sim_time_s
         starts = side.begin_round(active)
         for w, from_global in enumerate(starts):  # all jobs first: a process pool runs them side by side
-            self.pool.submit(w, side.downloaded() if from_global else None, H)
+            # the round drives the lr: a worker that joins mid-run takes the run's lr
+            self.pool.submit(w, side.downloaded() if from_global else None, H, lr_step=side.inner_step)
         pull_bytes = side.pull_bytes
         messages, losses, lr, end = [], [], 0.0, start
         for w in range(len(starts)):

@@ -282,12 +282,13 @@ def run_worker(
 def _check_job(head: pb.JobChunk, start: list[torch.Tensor], worker: Worker, cfg, shards: int) -> None:
     """A job from the server is checked like any input: steps, shard, position, parameters."""
     limit = 100 * cfg.inner_steps  # DyLU never gives more than H; a job far beyond it is an error
-    ok = 1 <= head.steps <= limit and 0 <= head.shard < shards and head.lr_step >= 0
+    ok = 1 <= head.steps <= limit and 0 <= head.shard < shards and head.lr_step >= 0 and head.position >= 0
     want = [(tuple(p.shape), p.dtype) for p in worker.model.parameters()]
     if not ok or [(tuple(t.shape), t.dtype) for t in start] != want:
         raise UserError(
             f"job {head.job} from the server does not fit this run (steps {head.steps}, shard {head.shard}, "
-            f"position {head.lr_step}, {len(start)} tensors); run the same diloco on server and workers."
+            f"lr step {head.lr_step}, position {head.position}, {len(start)} tensors); run the same "
+            "diloco on server and workers."
         )
 
 
@@ -307,7 +308,7 @@ def _jobs(link: Link, ref: pb.WorkerRef, worker: Worker, acked: set[int], cfg, s
         start = download.decode(Encoded.from_bytes(blob))
         _check_job(head, start, worker, cfg, shards)
         t0 = time.perf_counter()
-        result = worker.run(start, head.steps, lr_step=head.lr_step, shard=head.shard)
+        result = worker.run(start, head.steps, lr_step=head.lr_step, shard=head.shard, position=head.position)
         compute_s = time.perf_counter() - t0
         message = result.message.to_bytes()
         push = pb.PushChunk(

@@ -7,7 +7,7 @@ Every change of the server's state is an event (a small dict, `kind` plus fields
     join     {worker, name, device, nonce}      a worker takes a free slot, as a fresh worker
     leave    {worker, reason}                   it left or its lease ran out; its job is abandoned
     begin    {round, members}                   sync: a round starts with these workers
-    dispatch {job, worker, steps, shard, lr_step, version}   a job is handed out (θ copied now)
+    dispatch {job, worker, steps, shard, lr_step, position, version}   a job is handed out (θ copied now)
     push     {job, worker, steps, loss, lr, compute_s, finite, nbytes, norm}   + the encoded outer_grad
     reject   {job, worker, reason, detail, abandon}   a push refused by validation (handlers.py);
                                                 θ is untouched; with `abandon` the job, the
@@ -57,7 +57,8 @@ class Job:
     worker: int
     steps: int
     shard: int
-    lr_step: int  # the shard's step count at dispatch: data position and lr schedule step
+    lr_step: int  # the lr schedule step of its first step: sync, the round's; async, the shard's
+    position: int  # where in the shard its batches start: the shard's step count at dispatch
     version: int  # the global parameters' version it starts from
     t: float  # when it was handed out (server time, seconds since the epoch)
     pulled: list[torch.Tensor]  # those parameters (what the worker downloads)
@@ -144,7 +145,10 @@ class Coordinator:
             "worker": w,
             "steps": steps,
             "shard": shard,
-            "lr_step": self.shard_steps[shard],
+            # sync: the round drives the lr, so a worker that joins mid-run takes the run's lr;
+            # async: the shard's own step count does (ALGORITHMS.md §2)
+            "lr_step": self.side.inner_step if self.sync else self.shard_steps[shard],
+            "position": self.shard_steps[shard],
             "version": self.side.version,
         }
 
@@ -198,16 +202,16 @@ class Coordinator:
 
     def _on_dispatch(self, e, _):
         w, job = e["worker"], e["job"]
-        if (
-            job != self.next_job
-            or e["version"] != self.side.version
-            or e["lr_step"] != self.shard_steps[e["shard"]]
-        ):
+        position = e.get("position", e["lr_step"])  # logs of protocol 2 had one number for both
+        fits = job == self.next_job and e["version"] == self.side.version
+        if not fits or position != self.shard_steps[e["shard"]]:
             raise ValueError(f"dispatch of job {job} does not fit the state it follows")
         if not self.sync:
             self.side.pull(w)  # counts the download (sync: counted by begin)
         pulled = [p.detach().clone() for p in self.side.downloaded()]
-        self.jobs[job] = Job(job, w, e["steps"], e["shard"], e["lr_step"], e["version"], e["t"], pulled)
+        self.jobs[job] = Job(
+            job, w, e["steps"], e["shard"], e["lr_step"], position, e["version"], e["t"], pulled
+        )
         self.workers[w]["job"] = job
         self.next_job = job + 1
         self.shard_steps[e["shard"]] += e["steps"]
@@ -323,6 +327,7 @@ class Coordinator:
         pulled = {int(v): list(p) for v, p in s["pulled"].items()}
 
         def job(state):
+            state = {"position": state["lr_step"], **state}  # checkpoints of protocol 2: one number
             return Job(**state, pulled=pulled[state["version"]])
 
         self.seq = int(s["seq"])
@@ -343,4 +348,5 @@ class Coordinator:
 
 
 def _job_state(job: Job) -> dict[str, Any]:
-    return {k: getattr(job, k) for k in ("job", "worker", "steps", "shard", "lr_step", "version", "t")}
+    keys = ("job", "worker", "steps", "shard", "lr_step", "position", "version", "t")
+    return {k: getattr(job, k) for k in keys}

@@ -27,7 +27,7 @@ from diloco.runtime.server import diloco_pb2_grpc as rpc
 if TYPE_CHECKING:
     from diloco.runtime.server.service import ServerRuntime
 
-PROTOCOL = 2  # bumped when the messages change meaning
+PROTOCOL = 3  # bumped when the messages change meaning
 CHUNK_BYTES = 1 << 20  # a stream's chunks stay well under gRPC's 4 MB message limit
 LONG_POLL_S = 5.0  # a worker asking for a job waits this long for one before being told to ask again
 
@@ -123,6 +123,7 @@ class Handlers(rpc.ParameterServerServicer):
             steps=job.steps,
             shard=job.shard,
             lr_step=job.lr_step,
+            position=job.position,
             version=job.version,
             total_bytes=len(blob),
         )

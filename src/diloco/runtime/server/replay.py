@@ -56,7 +56,7 @@ def replay(run_dir: Path, *, progress: bool | None = None) -> dict[str, Any]:
     data = prepare_data(cfg, run_dir=run_dir)
     coord = Coordinator(cfg, build_side(cfg, data, load_init(cfg)), [len(s) for s in data.shards])
     workers: dict[int, Any] = {}  # slot -> its current worker
-    handed: dict[int, tuple] = {}  # job -> (worker object, start, steps, lr_step, shard)
+    handed: dict[int, tuple] = {}  # job -> (worker object, start, steps, lr_step, shard, position)
     first_loss_mismatch = None
     for event in tqdm(
         events, desc="replay", unit="event", disable=None if progress is None else not progress
@@ -66,8 +66,8 @@ def replay(run_dir: Path, *, progress: bool | None = None) -> dict[str, Any]:
             workers[event["worker"]] = build_worker(event["worker"], cfg, data.shards)
         elif kind in ("push", "late") or (kind == "reject" and event["abandon"]):
             # the worker ran the job whether its push was applied, came late or was refused
-            worker, start, steps, lr_step, shard = handed.pop(event["job"])
-            result = worker.run(start, steps, lr_step=lr_step, shard=shard)
+            worker, start, steps, lr_step, shard, position = handed.pop(event["job"])
+            result = worker.run(start, steps, lr_step=lr_step, shard=shard, position=position)
             message = result.message
             if kind == "push" and first_loss_mismatch is None and result.mean_loss != event["loss"]:
                 first_loss_mismatch = {
@@ -79,7 +79,14 @@ def replay(run_dir: Path, *, progress: bool | None = None) -> dict[str, Any]:
         coord.apply(event, message)
         if kind == "dispatch":
             job = coord.jobs[event["job"]]
-            handed[job.job] = (workers[job.worker], job.pulled, job.steps, job.lr_step, job.shard)
+            handed[job.job] = (
+                workers[job.worker],
+                job.pulled,
+                job.steps,
+                job.lr_step,
+                job.shard,
+                job.position,
+            )
     if not coord.finished:
         raise UserError(
             f"the event log of {run_dir} stops before the run's end; replay a finished server run."
