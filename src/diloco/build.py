@@ -77,8 +77,7 @@ def prepare_data(cfg: TrainConfig, *, run_dir: Path | None = None, progress: boo
     tokenizer = load_tokenizer(d, text, train, run_dir)
     corpus = training_corpus(cfg, tokenizer, progress, text=text, train=train)
     k = 1 if cfg.method == "single" else cfg.num_workers
-    texts = lambda: (doc.text for doc in text.documents())  # noqa: E731 (kmeans reads them again)
-    shards, weights = make_shards(corpus, k, kind=d.shards, seed=cfg.seed, texts=texts)
+    shards, weights = make_shards(corpus, k, kind=d.shards, seed=cfg.seed, decode=tokenizer.decode)
     for i in range(k):
         sampler(cfg, shards, i)  # a shard too small for one batch is a UserError now, not later
     val = validation(cfg, tokenizer, progress, corpus=corpus)

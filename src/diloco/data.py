@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from diloco.config import DataConfig
 
 IID_BLOCK_TOKENS = 4096
+KMEANS_UNIT_TOKENS = 4096  # what kmeans clusters: documents, long ones cut into parts this long
 
 
 @dataclass(frozen=True)
@@ -137,8 +138,8 @@ def genre_groups(works: tuple[Work, ...], k: int) -> list[list[int]]:
 
 
 def kmeans_groups(texts: Iterable[str], k: int, seed: int) -> list[list[int]]:
-    """Document indices per worker: k-means (scikit-learn) over TF-IDF features of each
-    document, as the DiLoCo paper clustered its documents."""
+    """Text indices per worker: k-means (scikit-learn) over TF-IDF features of each text, as the
+    DiLoCo paper clustered its documents."""
     from sklearn.cluster import KMeans
     from sklearn.feature_extraction.text import TfidfVectorizer
 
@@ -147,11 +148,28 @@ def kmeans_groups(texts: Iterable[str], k: int, seed: int) -> list[list[int]]:
     return [sorted(np.flatnonzero(labels == c).tolist()) for c in range(k)]
 
 
+def kmeans_units(corpus: Corpus) -> tuple[View, list[tuple[int, int]]]:
+    """What `kmeans` clusters: the training text as one sequence and its units, (lo, hi) ranges
+    of it. A unit is a document, or a stretch of about KMEANS_UNIT_TOKENS of one (a long document
+    is cut into equal parts), so a corpus of a few long works (the bundled one: 42) clusters like
+    the paper's many web documents, into shards of comparable size, and not into whole works."""
+    train = np.flatnonzero(~corpus.val)
+    stream = corpus.view(train)  # pieces are in document order
+    sizes = np.bincount(corpus.doc[train], weights=corpus.length[train], minlength=corpus.meta["documents"])
+    units, lo = [], 0
+    for size in sizes.astype(np.int64).tolist():
+        if size:
+            cuts = np.linspace(lo, lo + size, max(1, round(size / KMEANS_UNIT_TOKENS)) + 1).round()
+            units += [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        lo += size
+    return stream, units
+
+
 def make_shards(
-    corpus: Corpus, k: int, *, kind: str, seed: int, texts: Callable[[], Iterable[str]] | None = None
+    corpus: Corpus, k: int, *, kind: str, seed: int, decode: Callable[[np.ndarray], str] | None = None
 ) -> tuple[list[View], list[float]]:
     """Token shards (views of the corpus's training pieces), one per worker, and the outer_grad
-    weights w_i. `texts` gives the documents' texts again, for `kmeans`."""
+    weights w_i. `decode` (the tokenizer's) gives the text of the units `kmeans` clusters."""
     train = np.flatnonzero(~corpus.val)
     if kind == "iid":
         stream = corpus.view(train)  # the training pieces as one sequence, cut into blocks
@@ -159,23 +177,32 @@ def make_shards(
         if n_blocks == 0:
             raise UserError(f"the corpus is too small for {k} i.i.d. shards; use fewer --workers.")
         perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-        shards = [_blocks(stream, perm[i::k]) for i in range(k)]
+        blocks = [(b * IID_BLOCK_TOKENS, (b + 1) * IID_BLOCK_TOKENS) for b in range(n_blocks)]
+        shards = [_ranges(stream, [blocks[b] for b in perm[i::k]]) for i in range(k)]
         return shards, [1.0 / k] * k
-    n_docs = corpus.meta["documents"]
-    unit = "works" if kind == "genre" else "documents"
-    if k > n_docs:
-        raise UserError(
-            f"{kind} shards need at least one whole document per worker, but there are {n_docs} "
-            f"{unit} for {k} workers; use --workers {n_docs} or fewer, or --shards iid."
-        )
     if kind == "kmeans":
-        assert texts is not None, "kmeans shards need the documents' texts"
-        groups = kmeans_groups(texts(), k, seed)
+        assert decode is not None, "kmeans shards need the tokenizer's decode"
+        stream, units = kmeans_units(corpus)
+        if k > len(units):
+            raise UserError(
+                f"kmeans shards need a unit of text per worker (a document, or a ~{KMEANS_UNIT_TOKENS}-token "
+                f"part of a long one), but the training text makes {len(units)} for {k} workers; use "
+                f"--workers {len(units)} or fewer, or --shards iid."
+            )
+        texts = (decode(stream[torch.arange(a, b)].numpy()) for a, b in units)
+        shards = [_ranges(stream, [units[u] for u in g]) for g in kmeans_groups(texts, k, seed)]
     else:
+        n_docs = corpus.meta["documents"]
+        unit = "works" if kind == "genre" else "documents"
+        if k > n_docs:
+            raise UserError(
+                f"{kind} shards need at least one whole document per worker, but there are {n_docs} "
+                f"{unit} for {k} workers; use --workers {n_docs} or fewer, or --shards iid."
+            )
         labels = [corpus.sources[s] for s in corpus.doc_sources()]
         groups = source_groups(corpus.doc_sizes().tolist(), labels, k)
-    train_docs = corpus.doc[train]  # pieces are in document order, so each shard is too
-    shards = [corpus.view(train[np.isin(train_docs, g)]) for g in groups]
+        train_docs = corpus.doc[train]  # pieces are in document order, so each shard is too
+        shards = [corpus.view(train[np.isin(train_docs, g)]) for g in groups]
     if empty := [i for i, s in enumerate(shards) if len(s) == 0]:
         raise UserError(
             f"{kind} shards leave worker {empty[0]} without training text at --workers {k}; "
@@ -185,11 +212,10 @@ def make_shards(
     return shards, [len(s) / total for s in shards]
 
 
-def _blocks(stream: View, blocks: list[int]) -> View:
-    """The view of `stream` made of these IID_BLOCK_TOKENS-token blocks, in this order."""
+def _ranges(stream: View, ranges: list[tuple[int, int]]) -> View:
+    """The view of `stream` made of these (lo, hi) ranges of it, in this order."""
     starts, lengths = [], []
-    for b in blocks:
-        lo, hi = b * IID_BLOCK_TOKENS, (b + 1) * IID_BLOCK_TOKENS
+    for lo, hi in ranges:
         first = int(np.searchsorted(stream.offsets, lo, side="right")) - 1
         while lo < hi:
             take = min(hi, int(stream.offsets[first + 1])) - lo

@@ -330,7 +330,7 @@ def _user_inputs(tmp_path):
         (["--model-config", "short.json", "--seq-len", "32"], "allows 16 positions but --seq-len is 32"),
         (["--model-config", "gpt2.json", "--seq-len", "2048"], "allows 1024 positions but --seq-len is 2048"),
         (["--data", "tiny.txt", "--workers", "8"], "too small for 8 i.i.d. shards"),
-        (["--data", "tiny.txt", "--shards", "kmeans", "--workers", "2"], "1 documents for 2 workers"),
+        (["--data", "tiny.txt", "--shards", "kmeans", "--workers", "2"], "text makes 1 for 2 workers"),
         (["--data", "tiny.txt", "--shards", "genre"], "use --shards by-source"),
         (["--text-field", "body"], "add --data PATH"),
         (["--data", "tiny.txt", "--val-data", "tiny.txt", "--val-fraction", "0.1"], "give one of them"),

@@ -1,12 +1,22 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from diloco.build import training_corpus
 from diloco.config import TrainConfig
-from diloco.data import ShardSampler, ShardSet, eval_windows, genre_groups, load_corpus, make_shards
+from diloco.data import (
+    KMEANS_UNIT_TOKENS,
+    ShardSampler,
+    ShardSet,
+    eval_windows,
+    genre_groups,
+    kmeans_units,
+    load_corpus,
+    make_shards,
+)
 from diloco.errors import UserError
 from diloco.tokenizer import ByteTokenizer
 from diloco.tokens import tail_cut
@@ -17,8 +27,7 @@ def _corpus():
 
 
 def _shards(k, kind, seed=0):
-    texts = lambda: (w.text.decode() for w in load_corpus())  # noqa: E731
-    return make_shards(_corpus(), k, kind=kind, seed=seed, texts=texts)
+    return make_shards(_corpus(), k, kind=kind, seed=seed, decode=ByteTokenizer().decode)
 
 
 def test_corpus_is_bundled_whole():
@@ -75,11 +84,19 @@ def test_genre_shards_keep_genres_apart_and_are_deterministic():
     assert all(len({works[i].genre for i in g}) == 1 for g in genre_groups(works, 8))
 
 
-def test_kmeans_shards_partition_the_works_deterministically():
-    a, _ = _shards(4, "kmeans", seed=3)
-    b, _ = _shards(4, "kmeans", seed=3)
+def test_kmeans_clusters_parts_of_works_into_shards_that_partition_the_training_text():
+    stream, units = kmeans_units(_corpus())
+    assert units[0][0] == 0 and units[-1][1] == len(stream)
+    assert all(u[1] == v[0] for u, v in zip(units, units[1:]))  # they tile the training text
+    assert len(units) > 1000 and max(hi - lo for lo, hi in units) < 1.5 * KMEANS_UNIT_TOKENS
+    a, _ = _shards(4, "kmeans", seed=0)
+    b, _ = _shards(4, "kmeans", seed=0)
     assert all((x.numpy() == y.numpy()).all() for x, y in zip(a, b))
-    assert all(len(x) > 0 for x in a)
+    tokens = np.concatenate([x.numpy() for x in a])
+    assert len(tokens) == len(stream)
+    assert (np.bincount(tokens, minlength=256) == np.bincount(stream.numpy(), minlength=256)).all()
+    # whole works as units gave this seed a shard of one 1,992-token poem, less than one batch
+    assert min(len(x) for x in a) > 0.05 * len(stream)
 
 
 def test_sampler_resumes_exactly_and_rejects_a_tiny_shard():
