@@ -92,6 +92,25 @@ def prepare_data(cfg: TrainConfig, *, run_dir: Path | None = None, progress: boo
     )
 
 
+def small_shards(cfg: TrainConfig, data: Data) -> str | None:
+    """A warning when shards hold fewer tokens than their worker reads in one round (H steps of
+    batch_size × seq_len): those workers see the same text over and over, and their outer_grads
+    get small weights (|D_i| / Σ|D_j|). None when every shard is large enough."""
+    ranks = cfg.procs_per_worker if cfg.runtime == "collective" else 1
+    per_round = cfg.inner_steps * cfg.data.batch_size * cfg.model.seq_len * ranks
+    small = [(i, len(s), w) for i, (s, w) in enumerate(zip(data.shards, data.weights, strict=True))]
+    small = [x for x in small if x[1] < per_round]
+    if not small:
+        return None
+    listed = ", ".join(f"worker {i} {n:,} (weight {w:.4f})" for i, n, w in small[:8])
+    more = f" and {len(small) - 8} more" if len(small) > 8 else ""
+    return (
+        f"{len(small)} of {len(data.shards)} shards hold fewer tokens than their worker reads in a round "
+        f"({per_round:,}): {listed}{more}; they will repeat the same text and their outer_grads count "
+        "little: use fewer --workers, --shards iid, or more text."
+    )
+
+
 def data_record(cfg: TrainConfig, text: Text | None = None) -> dict:
     """Fingerprints of a run's training (and --val-data) text, as RUN_DIR/data.json keeps them."""
     d = cfg.data
@@ -129,7 +148,8 @@ def training_corpus(
     d = cfg.data
     text = text or training_text(cfg)
     train = train or training_pieces(text, d.val_fraction, separate_val=bool(d.val_data))
-    split = {"val_fraction": d.val_fraction, "separate_val": bool(d.val_data)}
+    # "rule" names the way documents are held out: a new rule must not reuse an old cache entry
+    split = {"val_fraction": d.val_fraction, "separate_val": bool(d.val_data), "rule": 2}
     return tokenised(text, train, tokenizer, split, d, progress)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco import settings
-from diloco.config import TrainConfig, from_dict, load_toml, merge
+from diloco.config import FLAG_GROUPS, TrainConfig, from_dict, load_toml, merge
 from diloco.errors import Interrupted, RunFailed, UserError
 
 # Settings `--resume DIR` may change: where and how fast the run continues, never its results.
@@ -41,18 +41,23 @@ def _flag_type(parse, flag: str):
     return convert
 
 
-def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per config field that declares one (config.py), dest = the field's dotted path;
-    a section's flags (model, data, ...) are grouped under its docstring's first line."""
-    groups: dict[str, Any] = {"": parser}
+def _add_setting_flags(parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """--config, then one flag per config field that declares one (config.py), dest = the field's
+    dotted path, in the help groups of config.FLAG_GROUPS (a section's group is titled by its
+    docstring's first line). Returns the groups by name, for the command's other flags."""
     sections = settings.sections(TrainConfig)
-    for s in settings.walk(TrainConfig):
-        if not s.flag:
-            continue
-        section = s.path.rpartition(".")[0]
-        if section not in groups:
-            doc = (sections[section].__doc__ or "").split("\n")[0].rstrip(".")
-            groups[section] = parser.add_argument_group(f"[{section}] {doc}")
+    groups: dict[str, Any] = {}
+    for name, title in FLAG_GROUPS.items():
+        if not title:
+            doc = (sections[name].__doc__ or "").split("\n")[0].rstrip(".")
+            title = f"[{name}] {doc}"
+        groups[name] = parser.add_argument_group(title)
+    groups["run"].add_argument("--config", type=Path, help="TOML file of settings; flags override it")
+    flagged = [s for s in settings.walk(TrainConfig) if s.flag]
+    for s in flagged:
+        if s.group not in groups:
+            raise AssertionError(f"{s.path} has no group of config.FLAG_GROUPS; give it group=...")
+    for s in sorted(flagged, key=lambda s: list(groups).index(s.group)):  # usage in the help's order
         kw: dict[str, Any] = {"dest": s.path, "default": None, "help": settings.help_text(s)}
         metavar = s.flag.lstrip("-").replace("-", "_").upper()
         if s.type is bool:  # on by default: --X and --no-X
@@ -63,7 +68,8 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
             kw.update(action="extend", nargs="+", type=typing.get_args(s.type)[0], metavar=metavar)
         else:
             kw.update(type=s.type, metavar=metavar)
-        groups[section].add_argument(s.flag, **kw)
+        groups[s.group].add_argument(s.flag, **kw)
+    return groups
 
 
 class _Parser(argparse.ArgumentParser):
@@ -77,9 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train", help="train with DiLoCo, asynchronous Local-SGD or a baseline (simulator or torchrun)"
     )
-    train.add_argument("--config", type=Path, help="TOML file of settings; flags override it")
-    _add_setting_flags(train)
-    train.add_argument(
+    output = _add_setting_flags(train)["output"]
+    output.add_argument(
         "--resume",
         type=Path,
         metavar="RUN_DIR",
@@ -87,13 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         + ", ".join(settings.find(TrainConfig, p).flag for p in RESUME_OVERRIDES)
         + " may change",
     )
-    train.add_argument(
+    output.add_argument(
         "--stop-after",
         type=int,
         metavar="ROUND",
         help="save a checkpoint after this round and stop (continue with --resume)",
     )
-    train.add_argument(
+    output.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -102,12 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve", help="run a parameter server (sync or async) that workers join with diloco worker"
     )
-    serve.add_argument("--config", type=Path, help="TOML file of settings; flags override it")
-    _add_setting_flags(serve)
+    groups = _add_setting_flags(serve)
     for action in serve._actions:  # the server always checkpoints: its write-ahead log is cut there
         if action.dest == "checkpoint_every":
             action.help = "rounds between checkpoints, each of which cuts the write-ahead log (default: 1)"
-    serve.add_argument(
+    groups["output"].add_argument(
         "--resume",
         type=Path,
         metavar="RUN_DIR",
@@ -115,15 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
         + ", ".join(settings.find(TrainConfig, p).flag for p in SERVE_RESUME_OVERRIDES)
         + " may change",
     )
-    serve.add_argument(
+    groups["parameter_server"].add_argument(
         "--host",
         default="127.0.0.1",
         help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for workers elsewhere)",
     )
-    serve.add_argument(
+    groups["parameter_server"].add_argument(
         "--port", type=int, default=7000, help="port to listen on (default 7000; 0: any free port)"
     )
-    serve.add_argument(
+    groups["output"].add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None, help="show a progress bar"
     )
     sec = serve.add_argument_group("security and the status page (docs/server.md)")

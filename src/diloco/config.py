@@ -1,8 +1,9 @@
 """Configuration: one frozen dataclass per component, every setting declared once, model presets.
 
 A config comes from defaults, then a TOML file (`--config`), then CLI flags, in that order.
-Each field declares its default, `diloco train` flag, help text, choices and when it applies with
-`setting(...)` (diloco.settings); the CLI's flags and the error messages come from there.
+Each field declares its default, `diloco train` flag, help text, choices, when it applies and its
+group in `--help` with `setting(...)` (diloco.settings); the CLI's flags and the error messages
+come from there.
 The resolved config is saved as `config.json` in the run directory and read back by `--resume`.
 Every check a user can fail raises `UserError` with one sentence naming the field and the fix.
 Adding a setting touches its field here, its range check in `validate` and the code that uses it.
@@ -46,6 +47,23 @@ PRESETS = (
 # `needs` of settings that apply to one runtime or method only (the simulator's clock: not real time)
 ON_SIM, ON_COLLECTIVE, ON_SERVER = ("runtime", "sim"), ("runtime", "collective"), ("runtime", "server")
 ON_ASYNC, ON_DILOCO = ("method", "async"), ("method", "diloco")
+# The groups of `diloco train --help`, in order, by the name a top-level setting gives with `group=`
+# (each must give one: tests/unit/test_cli_flags.py). A section's settings are in the section's
+# group ("" here: titled by the section's docstring) unless they name another.
+FLAG_GROUPS = {
+    "run": "the run (method, workers, rounds, seed, runtime)",
+    "model": "",
+    "data": "",
+    "inner": "",
+    "outer": "",
+    "communication": "compression and Streaming DiLoCo (docs/communication.md)",
+    "server": "",
+    "sim": "",
+    "faults": "faults simulated in sync DiLoCo (the parameter server has real ones)",
+    "collective": "the collective runtime (--runtime collective under torchrun, docs/distributed.md)",
+    "parameter_server": "the parameter server (diloco serve only, docs/server.md)",
+    "output": "checkpoints, evaluation and output",
+}
 
 
 def _grace(text: str) -> float | str:
@@ -150,7 +168,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class InnerConfig:
-    """Each worker's AdamW: linear warm-up then cosine decay over its own step count."""
+    """Each worker's AdamW: linear warm-up then cosine decay (sync: by the round; async: by the shard)."""
 
     # the paper's 4e-4 is for 150M models and 88k steps
     lr: float = setting(1e-3, flag="--inner-lr", help="peak inner AdamW learning rate")
@@ -258,74 +276,112 @@ class TrainConfig:
     """One training run. `diloco train` with no flags runs exactly these defaults."""
 
     # single: one worker, plain AdamW; dp: data parallel
-    method: str = setting("diloco", flag="--method", choices=METHODS, help="training method")
-    num_workers: int = setting(4, flag="--workers", help="number of workers k")
-    inner_steps: int = setting(50, flag="--inner-steps", help="inner steps per round H")
-    rounds: int = setting(6, flag="--rounds", help="outer steps; each worker runs rounds × H inner steps")
-    seed: int = setting(0, flag="--seed", help="seed for initialisation, shards and batches")
+    method: str = setting("diloco", flag="--method", group="run", choices=METHODS, help="training method")
+    num_workers: int = setting(4, flag="--workers", group="run", help="number of workers k")
+    inner_steps: int = setting(50, flag="--inner-steps", group="run", help="inner steps per round H")
+    rounds: int = setting(
+        6, flag="--rounds", group="run", help="outer steps; each worker runs rounds × H inner steps"
+    )
+    seed: int = setting(0, flag="--seed", group="run", help="seed for initialisation, shards and batches")
     # DiLoCo's θ(0) is a pretrained model; the async paper's "matches sync" is measured fine-tuning
     init_from: str = setting(
         "",
         flag="--init-from",
+        group="model",
         default_help="random, from --seed",
         help="start from these parameters: a run directory or a model.safetensors of the same model",
     )
     # benchmarks/overhead.py: on 2 cores 2 threads give 1.7x the tokens/s of 1 (results/overhead.json)
-    threads: int = setting(0, flag="--threads", help="intra-op threads; 0: every core this process may use")
-    eval_every: int = setting(0, flag="--eval-every", help="inner steps between evals; 0: every round")
-    checkpoint_every: int = setting(0, flag="--checkpoint-every", help="rounds between checkpoints; 0: none")
-    keep_checkpoints: int = setting(3, flag="--keep-checkpoints", help="checkpoints kept, oldest removed")
+    threads: int = setting(
+        0, flag="--threads", group="run", help="intra-op threads; 0: every core this process may use"
+    )
+    eval_every: int = setting(
+        0, flag="--eval-every", group="output", help="inner steps between evals; 0: every round"
+    )
+    checkpoint_every: int = setting(
+        0, flag="--checkpoint-every", group="output", help="rounds between checkpoints; 0: none"
+    )
+    keep_checkpoints: int = setting(
+        3, flag="--keep-checkpoints", group="output", help="checkpoints kept, oldest removed"
+    )
     on_nonfinite: str = setting(
         "stop",
         flag="--on-nonfinite",
+        group="run",
         choices=ON_NONFINITE,
         help="on a worker's NaN/Inf loss or outer_grad: stop the run (exit code 3) or drop that outer_grad",
     )
     # what crosses the network (docs/communication.md)
-    codec: str = setting("fp32", flag="--codec", choices=CODECS, help="how workers encode outer_grads")
+    codec: str = setting(
+        "fp32", flag="--codec", group="communication", choices=CODECS, help="how workers encode outer_grads"
+    )
     topk_fraction: float = setting(
         0.01,
         flag="--topk-fraction",
+        group="communication",
         needs=("codec", "topk"),
         help="fraction of each tensor's values topk sends",
     )
     error_feedback: bool = setting(
         False,
         flag="--error-feedback",
+        group="communication",
         help="a worker adds what its earlier messages left out to its next outer_grad (lossy codecs)",
     )
     download_codec: str = setting(
         "fp32",
         flag="--download-codec",
+        group="communication",
         choices=DOWNLOAD_CODECS,
         help="how workers download global parameters",
     )
     # Streaming DiLoCo (ALGORITHMS.md §3)
     fragments: int = setting(
-        1, flag="--fragments", needs=ON_DILOCO, help="strided fragments of blocks, synced at staggered steps"
+        1,
+        flag="--fragments",
+        group="communication",
+        needs=ON_DILOCO,
+        help="strided fragments of blocks, synced at staggered steps",
     )
     overlap_steps: int = setting(
-        0, flag="--overlap-steps", needs=ON_DILOCO, help="inner steps a fragment's exchange runs under"
+        0,
+        flag="--overlap-steps",
+        group="communication",
+        needs=ON_DILOCO,
+        help="inner steps a fragment's exchange runs under",
     )
     mix_alpha: float = setting(
-        0.5, flag="--mix-alpha", help="with overlap, a merged fragment is α·local + (1 − α)·global"
+        0.5,
+        flag="--mix-alpha",
+        group="communication",
+        help="with overlap, a merged fragment is α·local + (1 − α)·global",
     )
-    out: str = setting("", flag="--out", help="run directory", default_help="runs/<method>-k<k>-H<H>-s<seed>")
-    target_loss: float = setting(0.0, flag="--target-loss", help="report reaching this val loss; 0: off")
+    out: str = setting(
+        "", flag="--out", group="output", help="run directory", default_help="runs/<method>-k<k>-H<H>-s<seed>"
+    )
+    target_loss: float = setting(
+        0.0, flag="--target-loss", group="output", help="report reaching this val loss; 0: off"
+    )
     # collective runs under torchrun (docs/distributed.md)
-    runtime: str = setting("sim", flag="--runtime", choices=RUNTIMES, help="where workers run")
+    runtime: str = setting("sim", flag="--runtime", group="run", choices=RUNTIMES, help="where workers run")
     procs_per_worker: int = setting(
-        1, flag="--procs-per-worker", needs=ON_COLLECTIVE, help="ranks per worker, data parallel on its shard"
+        1,
+        flag="--procs-per-worker",
+        group="collective",
+        needs=ON_COLLECTIVE,
+        help="ranks per worker, data parallel on its shard",
     )
     bucket_mb: float = setting(
         25.0,
         flag="--bucket-mb",
+        group="collective",
         needs=ON_COLLECTIVE,
         help="outer_grads are all-reduced in buckets of this many MB",
     )
     timeout_s: float = setting(
         300.0,
         flag="--timeout-s",
+        group="collective",
         needs=ON_COLLECTIVE,
         help="seconds a rank waits in a collective or the store",
     )
@@ -333,33 +389,42 @@ class TrainConfig:
     round_timeout_s: float = setting(
         0.0,
         flag="--round-timeout-s",
+        group="parameter_server",
         needs=ON_SERVER,
         help="sync: seconds after a round starts when it closes without the late workers; 0: wait",
     )
     worker_timeout_s: float = setting(
         30.0,
         flag="--worker-timeout-s",
+        group="parameter_server",
         needs=ON_SERVER,
         help="seconds without a heartbeat after which a worker is gone and its job is re-offered",
     )
     max_update_norm_ratio: float = setting(
         0.0,
         flag="--max-update-norm-ratio",
+        group="parameter_server",
         needs=ON_SERVER,
         help="refuse an outer_grad whose norm per √step exceeds this × the median of recent ones; 0: off",
     )
     max_staleness: int = setting(
         0,
         flag="--max-staleness",
+        group="parameter_server",
         needs=ON_SERVER,
         help="async: refuse an outer_grad pulled more than this many updates ago; 0: no limit",
     )
     drop_prob: float = setting(
-        0.0, flag="--drop-prob", needs=ON_DILOCO, help="probability that an outer_grad is lost, each round"
+        0.0,
+        flag="--drop-prob",
+        group="faults",
+        needs=ON_DILOCO,
+        help="probability that an outer_grad is lost, each round",
     )
     workers_schedule: str = setting(
         "",
         flag="--workers-schedule",
+        group="faults",
         needs=ON_DILOCO,
         default_help="all",
         help="active workers over training as FRACTION:WORKERS pairs, e.g. 0:4,0.5:8",

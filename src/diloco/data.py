@@ -7,8 +7,8 @@ once into a memory-mapped cache (tokens.py), and cut into shards that are views 
 Validation:
 - the bundled corpus: the last `val_fraction` (5%) of every work, so every genre is represented;
 - --data: whole documents, about `val_fraction` of them, chosen by a hash of their text (so the
-  choice survives added files), or the end of every document when that picks none or all of
-  them (a handful of books); or all of --val-data.
+  choice survives added files), or the end of every document when that picks none of the text
+  or more than twice `val_fraction` of it (a handful of books); or all of --val-data.
 No worker ever trains on it. Shards (one per worker), of the training pieces:
 
 - `iid`: the training stream cut into 4096-token blocks, shuffled with the seed, dealt out in
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from diloco.config import DataConfig
 
 IID_BLOCK_TOKENS = 4096
+VAL_SHARE_LIMIT = 2.0  # whole documents are held out only if they make at most 2 × val_fraction
 KMEANS_UNIT_TOKENS = 4096  # what kmeans clusters: documents, long ones cut into parts this long
 
 
@@ -94,8 +95,8 @@ def source_groups(sizes: list[int], labels: list[str], k: int) -> list[list[int]
 
     k <= number of sources: sources, largest first, go to the worker with the fewest tokens so
     far. k > number of sources: each source gets workers in proportion to its size (at least
-    one, by largest remainder), and its documents go, largest first, to the lightest of its
-    workers.
+    one, by largest remainder; at most one per document of it), and its documents go, largest
+    first, to the lightest of its workers, so every worker gets a document (k <= documents).
     """
     by_label: dict[str, list[int]] = {}
     for i, label in enumerate(labels):
@@ -120,6 +121,13 @@ def source_groups(sizes: list[int], labels: list[str], k: int) -> list[list[int]
     while sum(quota.values()) > k:  # only when many tiny sources each took their minimum one
         g = max((g for g in order if quota[g] > 1), key=lambda g: (quota[g], g))
         quota[g] -= 1
+    # A source cannot feed more workers than it has documents: its surplus goes, one at a time,
+    # to the source with the most tokens per worker that has documents to spare (k <= documents).
+    count = {g: len(by_label[g]) for g in order}
+    quota = {g: min(quota[g], count[g]) for g in order}
+    while sum(quota.values()) < k:
+        g = max((g for g in order if quota[g] < count[g]), key=lambda g: (size[g] / quota[g], g))
+        quota[g] += 1
     groups = []
     for g in order:
         sub: list[list[int]] = [[] for _ in range(quota[g])]
@@ -265,9 +273,11 @@ def _folder_size(folder: Path) -> int:
 def training_pieces(text: Text, val_fraction: float, *, separate_val: bool) -> Callable[[], Iterator[Piece]]:
     """The pieces of a run's training text: the bundled corpus holds out the tail of every work;
     user data holds out whole documents (`is_val_document`: about `val_fraction` of them), or
-    the tail of each one when that rule picks none or all of them; with a separate validation
-    text, none."""
+    the tail of each one when that rule picks none of the text or more than VAL_SHARE_LIMIT ×
+    `val_fraction` of it (too few documents for the rule: two books, one held out, would hold
+    out half); with a separate validation text, none."""
     held = bytearray()  # per document: validation? (decided once, on the first call)
+    share = [0.0]  # the held documents' share of the text (characters)
 
     def make() -> Iterator[Piece]:
         if separate_val:
@@ -275,8 +285,12 @@ def training_pieces(text: Text, val_fraction: float, *, separate_val: bool) -> C
         if text.bundled:
             return pieces(text.documents(), val_fraction=val_fraction, whole=False)
         if not held:
-            held.extend(is_val_document(doc.text, val_fraction) for doc in text.documents())
-        whole = 0 < sum(held) < len(held)
+            sizes = []
+            for doc in text.documents():
+                held.append(is_val_document(doc.text, val_fraction))
+                sizes.append(len(doc.text))
+            share[0] = sum(n for n, h in zip(sizes, held, strict=True) if h) / max(1, sum(sizes))
+        whole = 0 < share[0] <= VAL_SHARE_LIMIT * val_fraction
         return pieces(text.documents(), val_fraction=val_fraction, whole=whole, held=held)
 
     return make

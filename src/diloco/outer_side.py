@@ -82,6 +82,8 @@ class OuterSide:
         self.rounds_done = 0  # sync rounds finished (with or without an update)
         self.inner_step = 0  # inner steps each (always active) worker has taken, sync
         self.total_steps = 0  # inner steps summed over workers whose outer_grad arrived
+        self.worker_steps = [0] * k  # inner steps per worker: sync, every round it took part in
+        # (its outer_grad lost or not); async, its jobs that arrived
         self.own_start = [False] * k  # workers that start their next job from their own parameters
         self.bytes_sent = [0] * k  # per worker, cumulative: its encoded outer_grads
         self.bytes_received = [0] * k  # per worker, cumulative: global parameters it pulled
@@ -219,6 +221,8 @@ class OuterSide:
         self.rounds_done += 1
         self.inner_step += inner_steps
         self.total_steps += self._arrived * inner_steps
+        for w in self._active:
+            self.worker_steps[w] += inner_steps
         self._arrived = 0
         return changed
 
@@ -265,6 +269,7 @@ class OuterSide:
         self.rounds_done += 1
         self.inner_step += inner_steps
         self.total_steps += self.num_workers * inner_steps
+        self.worker_steps = [n + inner_steps for n in self.worker_steps]
 
     # -- asynchronous --------------------------------------------------------------------------
     def apply_async(
@@ -280,6 +285,7 @@ class OuterSide:
         """Apply worker w's outer_grad at once with the async rule; returns whether θ changed."""
         self.bytes_sent[w] += message.nbytes
         self.total_steps += steps
+        self.worker_steps[w] += steps
         if not finite:
             if self.on_nonfinite == "stop":
                 raise NonFinite(
@@ -311,6 +317,7 @@ class OuterSide:
             "rounds_done": self.rounds_done,
             "inner_step": self.inner_step,
             "total_steps": self.total_steps,
+            "worker_steps": list(self.worker_steps),
             "own_start": list(self.own_start),
             "bytes_sent": list(self.bytes_sent),
             "bytes_received": list(self.bytes_received),
@@ -329,6 +336,8 @@ class OuterSide:
         self.own_start = [bool(x) for x in state["own_start"]]
         self.bytes_sent = [int(b) for b in state["bytes_sent"]]
         self.bytes_received = [int(b) for b in state["bytes_received"]]
+        # checkpoints from before worker_steps: every worker's share of the steps
+        self.worker_steps = [int(n) for n in state.get("worker_steps", [self.total_steps // k] * k)]
 
 
 def _sum_in_order(parts: list[list[torch.Tensor]], like: list[torch.Tensor]) -> list[torch.Tensor]:

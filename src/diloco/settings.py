@@ -1,6 +1,7 @@
-"""Settings declared once: a config field's default, CLI flag, help text and choices in its metadata.
+"""Settings declared once: a config field's default, CLI flag, help text, choices and help group in
+its metadata.
 
-    num_workers: int = setting(4, flag="--workers", help="number of workers k")
+    num_workers: int = setting(4, flag="--workers", group="run", help="number of workers k")
 
 `walk` lists the settings of a config class (fields of nested sections as dotted paths such as
 `inner.lr`); the CLI builds `diloco train`'s flags from it, `label` names a setting and its flag in
@@ -41,6 +42,9 @@ class Meta:
     # (path from the root config, value): the setting applies only while that one has that value;
     # changed from its default otherwise, it is an error (check_needs)
     needs: tuple[str, Any] | None = None
+    # the group of `diloco train --help` that lists its flag; "": its section's (a top-level
+    # setting must name one)
+    group: str = ""
 
 
 def setting(
@@ -53,9 +57,10 @@ def setting(
     parse: Callable[[str], Any] | None = None,
     default_help: str | None = None,
     needs: tuple[str, Any] | None = None,
+    group: str = "",
 ) -> Any:
-    """A dataclass field with its flag, help, choices and applicability (see `Meta`)."""
-    meta = {_KEY: Meta(flag, help, choices, parse, default_help, needs)}
+    """A dataclass field with its flag, help, choices, applicability and help group (see `Meta`)."""
+    meta = {_KEY: Meta(flag, help, choices, parse, default_help, needs, group)}
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -73,6 +78,16 @@ class Setting:
     @property
     def flag(self) -> str | None:
         return self.meta.flag
+
+    @property
+    def section(self) -> str:
+        """The section it is in ("sim" for "sim.procs"); "" at the top level."""
+        return self.path.rpartition(".")[0]
+
+    @property
+    def group(self) -> str:
+        """The help group of its flag: the declared one, else its section ("" for none)."""
+        return self.meta.group or self.section
 
 
 @functools.cache

@@ -18,9 +18,12 @@ def summarize(cfg: TrainConfig, run, val_loss: float, step: int) -> dict[str, An
     side = trainer.side
     k = trainer.num_workers
     steps_total = side.total_steps
+    # The busiest worker (workers may come and go, or run at different speeds): its steps, its
+    # bytes, and what data parallel would have sent for those steps, a gradient each (with one
+    # worker, nothing).
+    busiest = max(side.worker_steps)
     per_worker = max(side.bytes_sent)
-    # Data parallel sends one gradient per worker per inner step; with one worker, nothing.
-    dp_per_worker = (steps_total // k) * side.param_bytes if k > 1 else 0
+    dp_per_worker = busiest * side.param_bytes if k > 1 else 0
     return {
         "run_dir": cfg.out,
         "method": cfg.method,
@@ -31,7 +34,11 @@ def summarize(cfg: TrainConfig, run, val_loss: float, step: int) -> dict[str, An
         "final_subset_val_loss": run.val_loss,
         "tokens": run.tokens,
         "inner_steps": steps_total,  # summed over workers; data parallel: a gradient per worker per step
-        "inner_steps_per_worker": steps_total // k,
+        "inner_steps_per_worker": busiest,
+        # each worker's shard: its training tokens and its outer_grad weight |D_i| / Σ|D_j|
+        "shards": [
+            {"tokens": len(s), "weight": w} for s, w in zip(run.data.shards, run.data.weights, strict=True)
+        ],
         "outer_updates": side.version,
         "nonfinite_dropped": side.nonfinite_dropped,
         "bytes_sent": sum(side.bytes_sent),

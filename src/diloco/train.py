@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from diloco import checkpoint, rundir
-from diloco.build import Data, build_trainer, fit_model, load_init, prepare_data
+from diloco.build import Data, build_trainer, fit_model, load_init, prepare_data, small_shards
 from diloco.config import TrainConfig
 from diloco.data import DATA_FILE, TOKENIZER_FILE
 from diloco.errors import Interrupted, RunFailed, UserError
@@ -323,6 +324,8 @@ def train(
         data.tokenizer.save(run_dir)
     if main and not (run_dir / DATA_FILE).exists():  # --resume and eval check the text against it
         checkpoint.atomic_write_json(run_dir / DATA_FILE, data.record)
+    if main and (warning := small_shards(cfg, data)):  # the run is set up: it will start
+        print(f"diloco: warning: {warning}", file=sys.stderr, flush=True)
     trainer = build_trainer(cfg, data, init, run_dir=run_dir, serve=serve)
     del init  # the model holds its own copy
     clean = False

@@ -94,6 +94,27 @@ def test_sync_round_ends_when_the_slowest_push_lands(tiny, tmp_path):
     assert summary["sim_time_s"] == pytest.approx(3 * (2 * message_s + 4 * 3.0))
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_continuing_after_a_dropped_outer_grad_is_not_charged_a_download(tiny):
+    """After its outer_grad was lost a worker continues from its own θ and downloads nothing:
+    its next round starts computing at once, by the documented model."""
+    from diloco.schedule import outer_grad_dropped
+
+    speeds = (1.0, 2.0)
+    cfg = tiny(drop_prob=0.5, sim=SimConfig(speeds=speeds, bandwidth_mbps=8.0, latency_ms=100.0, procs=1))
+    summary = train(cfg, progress=False)
+    message_s = summary["params"] * 4 * 8 / 8e6 + 0.1
+    t, own, drops = 0.0, [False, False], 0
+    for r in range(cfg.rounds):
+        t = max(
+            t + (0.0 if own[w] else message_s) + cfg.inner_steps * s + message_s for w, s in enumerate(speeds)
+        )
+        own = [outer_grad_dropped(cfg.seed, r, w, cfg.drop_prob) for w in range(2)]
+        drops += sum(own) if r < cfg.rounds - 1 else 0
+    assert drops > 0  # the seed loses an outer_grad before the last round
+    assert summary["sim_time_s"] == pytest.approx(t)
+
+
 def test_async_only_settings_are_refused_for_sync(tiny):
     from diloco.errors import UserError
 

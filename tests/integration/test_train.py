@@ -126,3 +126,50 @@ def test_non_iid_weights_reach_the_outer_step(tiny):
     assert trainer.weights == pytest.approx([n / sum(sizes) for n in sizes])
     assert len(set(sizes)) > 1
     trainer.close()
+
+
+@pytest.mark.timeout(60)
+def test_with_workers_coming_the_summary_reports_the_busiest_worker(tiny):
+    # 2 workers for rounds 1-2, 4 for rounds 3-4: workers 0 and 1 ran 20 steps, 2 and 3 ran 10.
+    cfg = tiny(num_workers=4, workers_schedule="0:2,0.5:4", inner_steps=5, rounds=4, eval_every=0)
+    summary = train(cfg, progress=False)
+    assert summary["inner_steps_per_worker"] == 20 and summary["inner_steps"] == 60
+    assert summary["dp_bytes_sent_per_worker"] == 20 * summary["params"] * 4
+    assert summary["dp_bytes_ratio"] == pytest.approx(5.0, rel=1e-3)  # H: one message per 5 steps
+
+
+@pytest.mark.timeout(60)
+def test_shard_tokens_and_weights_are_in_the_summary_and_small_shards_are_warned_of(tiny, tmp_path, capsys):
+    from diloco.build import prepare_data
+
+    for name, lines in (("a.txt", 600), ("b.txt", 300)):  # two sources, ~24K and ~12K tokens
+        (tmp_path / name).write_text("".join(f"{name} line {i}: to be or not to be\n" for i in range(lines)))
+    data = dataclasses.replace(
+        tiny().data,
+        paths=(str(tmp_path / "a.txt"), str(tmp_path / "b.txt")),
+        shards="by-source",
+        batch_size=16,
+    )
+    cfg = tiny(data=data, inner_steps=50, rounds=1, eval_every=0)  # a round reads 50 × 16 × 32 tokens
+    summary = train(cfg, progress=False)
+    shards = prepare_data(cfg).shards
+    assert [s["tokens"] for s in summary["shards"]] == [len(s) for s in shards]
+    total = sum(map(len, shards))
+    assert [s["weight"] for s in summary["shards"]] == pytest.approx([len(s) / total for s in shards])
+    assert len(shards[0]) > 1.5 * len(shards[1])
+    err = capsys.readouterr().err
+    assert (
+        "diloco: warning: 2 of 2 shards hold fewer tokens than their worker reads in a round (25,600)" in err
+    )
+    assert f"worker 1 {len(shards[1]):,} (weight {summary['shards'][1]['weight']:.4f})" in err
+    train(tiny(data=dataclasses.replace(data, batch_size=4), out=str(tmp_path / "b")), progress=False)
+    assert "warning" not in capsys.readouterr().err  # a round reads 4 × 4 × 32 tokens
+
+
+@pytest.mark.timeout(60)
+def test_data_parallel_writes_one_inner_line_per_round_for_the_whole_batch(tiny):
+    cfg = tiny(method="dp", num_workers=3)
+    summary = train(cfg, progress=False)
+    inner = [m for m in read_metrics(cfg.out) if m["kind"] == "inner"]
+    assert [(m["inner_step"], m["worker"]) for m in inner] == [(4, 0), (8, 0), (12, 0)]
+    assert inner[-1]["bytes_sent"] == summary["bytes_sent_per_worker"] == 12 * summary["params"] * 4

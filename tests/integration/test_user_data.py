@@ -13,10 +13,11 @@ from conftest import TINY_LLAMA
 from safetensors.torch import load_file
 
 from diloco import tokens
-from diloco.build import prepare_data
+from diloco.build import prepare_data, training_corpus
 from diloco.cli import build_parser, main
 from diloco.config import TrainConfig, from_dict
 from diloco.data import load_corpus
+from diloco.tokenizer import ByteTokenizer
 from diloco.tokens import is_val_document
 from diloco.use import open_run, sample
 
@@ -195,6 +196,13 @@ def test_validation_rules_and_by_source_shards(tmp_path):
     assert corpus.val.sum() == 5 and len(corpus.split(True)) == sum(
         int(len(d["text"]) * 0.05) for d in docs[:5]
     )
+    # two documents, one of which the hash picks: not half the text held out, each one's end
+    pair = [next(d for d in docs if is_val_document(d["text"], 0.05)), docs[0]]
+    assert not is_val_document(docs[0]["text"], 0.05)
+    two = _jsonl(tmp_path / "two.jsonl", pair)
+    cfg = from_dict({"data": {"paths": [str(two)], "cache_dir": cache}, "num_workers": 1})
+    corpus = training_corpus(cfg, ByteTokenizer(), False)
+    assert corpus.val.sum() == 2 and len(corpus.split(True)) == sum(int(len(d["text"]) * 0.05) for d in pair)
     # --val-data: all of --data trains, all of --val-data validates
     val = _jsonl(tmp_path / "val.jsonl", docs[:10])
     cfg = from_dict(

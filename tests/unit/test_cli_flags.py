@@ -8,7 +8,7 @@ import pytest
 
 from diloco import settings
 from diloco.cli import build_parser, main
-from diloco.config import TrainConfig, flag, label
+from diloco.config import FLAG_GROUPS, TrainConfig, flag, label
 from diloco.errors import Interrupted, NonFinite, ReplicaMismatch, RunFailed, UserError
 
 # Every flag `diloco train` had before the flags came from the fields, and the setting it sets.
@@ -122,6 +122,81 @@ def test_every_flag_is_a_field_and_every_flagged_field_a_flag():
     for f, path in EXPECTED.items():
         assert flag(path) == f and label(path) == f"{path} ({f})"
     assert flag("model.n_layer") is None and label("inner.beta1") == "inner.beta1"  # TOML-only
+
+
+# The groups of `diloco train --help`, in order (a title starts so), and non-setting flags in them.
+HELP_GROUPS = (
+    "the run (",
+    "[model] ",
+    "[data] ",
+    "[inner] ",
+    "[outer] ",
+    "compression and Streaming DiLoCo",
+    "[server] The asynchronous server",
+    "[sim] The simulator's virtual clock",
+    "faults simulated",
+    "the collective runtime",
+    "the parameter server",
+    "checkpoints",
+)
+NOT_SETTINGS_GROUPS = {
+    "--config": "run",
+    "--resume": "output",
+    "--stop-after": "output",
+    "--progress": "output",
+}
+
+
+@pytest.mark.timeout(30)
+def test_every_setting_declares_its_help_group():
+    sections = settings.sections(TrainConfig)
+    for s in settings.walk(TrainConfig):
+        # a top-level setting names its group; a section's settings are in the section's
+        assert s.group in FLAG_GROUPS, f"{s.path}: give it group= (one of config.FLAG_GROUPS)"
+        assert s.section or s.meta.group, s.path
+    for name, title in FLAG_GROUPS.items():  # a group without a title is a section, titled by it
+        assert title or name in sections, name
+        assert any(s.flag and s.group == name for s in settings.walk(TrainConfig)), f"{name} is empty"
+
+
+@pytest.mark.timeout(30)
+def test_train_help_lists_every_flag_in_its_group(capsys):
+    parser = _train_parser()
+    titled = [g for g in parser._action_groups if g not in (parser._positionals, parser._optionals)]
+    assert len(titled) == len(HELP_GROUPS) == len(FLAG_GROUPS)
+    for group, start in zip(titled, HELP_GROUPS, strict=True):
+        assert group.title.startswith(start), (group.title, start)
+    # only -h under the bare "options:"; every other flag in a titled group
+    assert [a.option_strings for a in parser._optionals._group_actions] == [["-h", "--help"]]
+    assert not parser._positionals._group_actions
+    group_of = {
+        o: name for name, g in zip(FLAG_GROUPS, titled) for a in g._group_actions for o in a.option_strings
+    }
+    for s in settings.walk(TrainConfig):
+        if s.flag:
+            assert group_of[s.flag] == s.group, s.path
+    assert group_of["--init-from"] == "model" and group_of["--drop-prob"] == "faults"
+    for opt, name in NOT_SETTINGS_GROUPS.items():
+        assert group_of[opt] == name, opt
+    assert set(group_of) == {o for a in parser._actions for o in a.option_strings} - {"-h", "--help"}
+    code, out = _exit(capsys, ["train", "--help"])
+    assert code == 0
+    text = out.out.split("\noptions:\n", 1)[1]
+    titles = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ")]
+    assert len(titles) == len(HELP_GROUPS)
+    assert all(t.startswith(start) for t, start in zip(titles, HELP_GROUPS, strict=True)), titles
+
+
+@pytest.mark.timeout(30)
+def test_serve_help_groups_the_same_flags():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    serve = sub.choices["serve"]
+    titled = {g.title: g for g in serve._action_groups if g not in (serve._positionals, serve._optionals)}
+    assert [a.option_strings for a in serve._optionals._group_actions] == [["-h", "--help"]]
+    server = next(g for t, g in titled.items() if t.startswith("the parameter server"))
+    assert {"--round-timeout-s", "--host", "--port"} <= {
+        o for a in server._group_actions for o in a.option_strings
+    }
 
 
 def test_every_field_has_a_type_the_checks_understand():

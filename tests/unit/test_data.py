@@ -84,6 +84,19 @@ def test_genre_shards_keep_genres_apart_and_are_deterministic():
     assert all(len({works[i].genre for i in g}) == 1 for g in genre_groups(works, 8))
 
 
+def test_genre_shards_feed_every_worker_up_to_one_work_each():
+    # Up to 36 workers the genre quotas fit; from 37 a genre got more workers than works and a
+    # worker an empty shard. Now every worker reads at least one work of a single genre.
+    works = load_corpus()
+    for k in range(6, 43):
+        groups = genre_groups(works, k)
+        assert len(groups) == k and all(groups), k
+        assert sorted(i for g in groups for i in g) == list(range(42))
+        assert all(len({works[i].genre for i in g}) == 1 for g in groups)
+    shards, _ = _shards(42, "genre")  # one work each: its training text (all but the last 5%)
+    assert sorted(len(s) for s in shards) == sorted(len(w.text) - int(len(w.text) * 0.05) for w in works)
+
+
 def test_kmeans_clusters_parts_of_works_into_shards_that_partition_the_training_text():
     stream, units = kmeans_units(_corpus())
     assert units[0][0] == 0 and units[-1][1] == len(stream)

@@ -222,7 +222,7 @@ class DiLoCo(SideView):
             messages.append(message if counts else None)
             losses.append(result.mean_loss)
             lr = result.last_lr
-            pulled = start + self.clock.transfer_s(pull_bytes)
+            pulled = start + (self.clock.transfer_s(pull_bytes) if starts[w] else 0.0)  # none: own θ
             computed = pulled + self.clock.compute_s(w, pulled, H, job=side.rounds_done)
             end = max(end, computed + self.clock.transfer_s(message.nbytes))
         side.end_round(side.reduce(messages), H)
@@ -401,5 +401,6 @@ class DataParallel(DiLoCo):
         self._sim_time_s += self.inner_steps * (step_s + 2 * self.clock.transfer_s(step_bytes))
         side.inner_step += self.inner_steps
         side.total_steps += self.k * self.inner_steps
+        side.worker_steps = [n + self.inner_steps for n in side.worker_steps]
         side.rounds_done += 1
         return self._stats([total / self.inner_steps], lr)
