@@ -14,13 +14,16 @@ Parts (`--part`, repeatable or a comma list; default all):
 - `dp`: the headline. DiLoCo vs data parallel, k = 4 and 8, from scratch and warm-started
   (`--init-from` a `--method single` model pretrained for `--pretrain-steps` P with seed 1000 +
   seed, once per seed and model; fresh optimizer state, the inner warm-up as configured), with
-  `--method single` for reference. DiLoCo's outer lr is tuned on seed 0 over {0.3, 0.5, 0.7, 1.0}
+  `--method single` for reference, and, warm-started, the serial reference: `--method single`
+  for k × S steps (the compute and tokens of k workers, one step after another: what data
+  parallel matches when its k× batch is below the critical batch size). DiLoCo's outer lr is tuned on seed 0 over {0.3, 0.5, 0.7, 1.0}
   for each (k, start) and the best lr is then run for every seed. Top-level fields (the headline
   k = 8; the same per k under `per_k`): `dp_final_val_loss` (data parallel, warm-started: the
   baseline of the warm comparison), `diloco_warm_final_val_loss`, `diloco_warm_vs_dp_gap`
   ((diloco − dp) / dp), `bytes_ratio_vs_dp` (dp's bytes sent per worker ÷ DiLoCo's), and the
   from-scratch equivalents `dp_scratch_final_val_loss`, `diloco_scratch_final_val_loss`,
-  `diloco_scratch_vs_dp_gap`.
+  `diloco_scratch_vs_dp_gap`; per k also `serial_warm_final_val_loss` and
+  `dp_warm_vs_serial_gap`.
 - `single`: DiLoCo k = 1 vs plain AdamW (`--method single`) at equal steps.
 - `workers`: DiLoCo k ∈ {1, 2, 4, 8} at equal steps per worker (baseline k = 1).
 - `H`: H ∈ {10, 25, 50, 100, 250}, k = 4, loss and bytes sent (baseline H = 50; data parallel's
@@ -240,9 +243,9 @@ class Ctx:
     def common(self, seed: int) -> list:
         return ["--seed", seed] + ([] if self.quick else ["--model", self.model])
 
-    def eval_every(self, H: int) -> list:
+    def eval_every(self, H: int, steps: int | None = None) -> list:
         """About 20 evaluations on the fixed subset per run, at a multiple of H."""
-        every = H * max(1, (self.steps // 20) // H)
+        every = H * max(1, ((steps or self.steps) // 20) // H)
         return [] if every == H else ["--eval-every", every]
 
     def pretrain(self, seed: int) -> Run:
@@ -255,11 +258,15 @@ class Ctx:
     def _start(self, seed: int, warm: bool) -> tuple[Run | None, str]:
         return (self.pretrain(seed), " warm") if warm else (None, "")
 
-    def single(self, seed: int, warm: bool = False) -> Run:
+    def single(self, seed: int, warm: bool = False, steps: int | None = None) -> Run:
+        """Plain AdamW for `steps` (default --steps); k × --steps is the serial reference of
+        part dp: the compute and tokens of k workers, one step after another."""
         init, tag = self._start(seed, warm)
+        n = steps or self.steps
         flags = [*self.common(seed), "--method", "single", "--inner-steps", self.H]
-        flags += ["--rounds", self.steps // self.H, *self.eval_every(self.H)]
-        return self.make(f"single-s{seed}", f"single{tag} s{seed}", seed, flags, init)
+        flags += ["--rounds", n // self.H, *self.eval_every(self.H, n)]
+        slug, label = ("single", "single") if n == self.steps else (f"single{n}", f"single {n} steps")
+        return self.make(f"{slug}-s{seed}", f"{label}{tag} s{seed}", seed, flags, init)
 
     def dp(self, k: int, seed: int, warm: bool = False) -> Run:
         init, tag = self._start(seed, warm)
@@ -487,6 +494,8 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                 lambda lr, s, k, warm: ctx.diloco(s, k=k, lr=lr, warm=warm), k=k, warm=warm
             )
             tuned[k, warm] = Tuned(make, OUTER_LR_GRID, ctx.seeds)
+        if warm:  # the serial reference: one worker, k × the steps (the same compute and tokens)
+            plan.runs += [ctx.single(s, True, steps=k * ctx.steps) for k in DP_KS for s in ctx.seeds]
     plan.tuned = list(tuned.values())
 
     def report() -> dict:
@@ -502,12 +511,17 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                 t = tuned[k, warm]
                 dp = entry(ctx, [ctx.dp(k, s, warm) for s in ctx.seeds])
                 single = versus(entry(ctx, [ctx.single(s, warm) for s in ctx.seeds]), dp, "vs_dp")
+                serial = None
+                if warm:
+                    serial = entry(ctx, [ctx.single(s, True, steps=k * ctx.steps) for s in ctx.seeds])
+                    versus(serial, dp, "vs_dp")
                 lr = t.best(ctx)
                 di = entry(ctx, t.runs(ctx), outer_lr=lr) if lr is not None else {"val_loss": None}
                 if lr is not None:
                     versus(di, dp, "vs_dp")
                 row[start] = {
                     "single": single,
+                    **({"serial": serial} if serial is not None else {}),
                     "dp": dp,
                     "diloco": di,
                     "diloco_outer_lr": lr,
@@ -517,6 +531,12 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                 row[f"dp_{start}_final_val_loss"] = mean(dp)
                 row[f"diloco_{start}_final_val_loss"] = mean(di)
                 row[f"single_{start}_final_val_loss"] = mean(single)
+                if serial is not None:
+                    row[f"serial_{start}_final_val_loss"] = mean(serial)
+                    m_dp, m_serial = mean(dp), mean(serial)
+                    row[f"dp_{start}_vs_serial_gap"] = (
+                        round((m_dp - m_serial) / m_serial, 6) if m_dp and m_serial else None
+                    )
                 row[f"diloco_{start}_vs_dp_gap"] = di.get("vs_dp")
                 row[f"diloco_{start}_vs_dp_gap_paired"] = di.get("vs_dp_paired")
                 row[f"bytes_ratio_vs_dp_{start}"] = ratio(
@@ -865,12 +885,14 @@ def figures(ctx: Ctx, report: dict, where: Path) -> list[str]:
             for k in r["k"]:
                 for start in ("scratch", "warm"):
                     row = r["per_k"][str(k)][start]
-                    for j, m in enumerate(("single", "dp", "diloco")):
+                    for j, m in enumerate(("single", "dp", "diloco", "serial")):
+                        if m not in row:
+                            continue
                         labels.append(f"{m} k={k} {start}" if m != "single" else f"single {start}")
                         rows.append(row[m])
                         cols.append(f"C{j}")
             _bars(axes[0], labels, rows, cols)
-            axes[0].set_title(f"final val_loss, {seeds} (C0 single, C1 dp, C2 DiLoCo)")
+            axes[0].set_title(f"final val_loss, {seeds} (C0 single, C1 dp, C2 DiLoCo, C3 serial k× steps)")
             k = r["headline_k"]
             row = r["per_k"][str(k)]["warm"]
             for m in ("single", "dp", "diloco"):
