@@ -16,8 +16,9 @@ Parts (`--part`, repeatable or a comma list; default all):
   seed, once per seed and model; fresh optimizer state, the inner warm-up as configured), with
   `--method single` for reference, and, warm-started, the serial reference: `--method single`
   for k × S steps (the compute and tokens of k workers, one step after another: what data
-  parallel matches when its k× batch is below the critical batch size). DiLoCo's outer lr is tuned on seed 0 over {0.3, 0.5, 0.7, 1.0}
-  for each (k, start) and the best lr is then run for every seed. Top-level fields (the headline
+  parallel matches when its k× batch is below the critical batch size). DiLoCo's outer lr is
+  tuned on seed 0 over {0.3, 0.5, 0.7, 1.0} for each (k, start) and the best lr is then run for
+  every seed. Top-level fields (the headline
   k = 8; the same per k under `per_k`): `dp_final_val_loss` (data parallel, warm-started: the
   baseline of the warm comparison), `diloco_warm_final_val_loss`, `diloco_warm_vs_dp_gap`
   ((diloco − dp) / dp), `bytes_ratio_vs_dp` (dp's bytes sent per worker ÷ DiLoCo's), and the
@@ -197,9 +198,10 @@ class Plan:
 
     runs: list[Run] = field(default_factory=list)
     tuned: list[Tuned] = field(default_factory=list)
+    later: list[Run] = field(default_factory=list)  # references, run after the others of their kind
 
     def all_runs(self, ctx: Ctx) -> list[Run]:
-        out = list(self.runs)
+        out = list(self.runs) + list(self.later)
         for t in self.tuned:
             out += t.grid_runs() + t.runs(ctx)
         out += [r.init for r in out if r.init is not None]
@@ -360,7 +362,9 @@ class Ctx:
 
 class Scheduler:
     """Runs the runs of a part, `jobs` at a time: a warm-started run after its pretraining run,
-    the other seeds of a tuned lr after the first seed's grid."""
+    the other seeds of a tuned lr after the first seed's grid. Pretraining runs go first, then
+    warm-started runs (the issue's target), then the rest, each in the part's order (references
+    in `Plan.later` last of their kind)."""
 
     def __init__(self, ctx: Ctx, part: str):
         self.ctx, self.part = ctx, part
@@ -371,6 +375,9 @@ class Scheduler:
         pending: list[Run] = []
         seen: set[str] = set()
 
+        inits: set[str] = set()
+        later = {r.name for r in plan.later}
+
         def add(runs: list[Run]) -> None:
             for r in runs:
                 for x in ([r.init] if r.init else []) + [r]:  # the pretraining run first
@@ -378,11 +385,14 @@ class Scheduler:
                         seen.add(x.name)
                         if not ctx.finished(x):
                             pending.append(x)
+                inits.update([r.init.name] if r.init else [])
+            pending.sort(key=lambda x: (0 if x.name in inits else 1 if x.init else 2, x.name in later))
 
         add(plan.runs)
         waiting = list(plan.tuned)
         for t in waiting:
             add(t.grid_runs())
+        add(plan.later)
         running: dict[Future, Run] = {}
         done = 0
         with ThreadPoolExecutor(max_workers=ctx.jobs) as pool:
@@ -495,7 +505,7 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             )
             tuned[k, warm] = Tuned(make, OUTER_LR_GRID, ctx.seeds)
         if warm:  # the serial reference: one worker, k × the steps (the same compute and tokens)
-            plan.runs += [ctx.single(s, True, steps=k * ctx.steps) for k in DP_KS for s in ctx.seeds]
+            plan.later += [ctx.single(s, True, steps=k * ctx.steps) for k in DP_KS for s in ctx.seeds]
     plan.tuned = list(tuned.values())
 
     def report() -> dict:
