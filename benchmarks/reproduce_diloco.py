@@ -76,7 +76,9 @@ with earlier parts (cached) are not run again.
     codec       15       60k        1.0 h    0.8 h
     all                             ~8.7 h
 
-`--model micro` is ~4× slower per step (~480 ms): its `dp` part alone would take ~15 h.
+`--model micro` is ~4× slower per step (~480 ms): its `dp` part alone would take ~15 h. `--ks`,
+`--starts` and `--lr-grid` narrow part dp (e.g. `--model micro --part dp --ks 4 --starts warm
+--lr-grid 0.5,0.7,1 --steps 500`, about 1.7 h).
 `--quick` (tiny model, 40 steps, every part, 3 seeds, 165 runs) took 4.3 minutes.
 """
 
@@ -220,6 +222,9 @@ class Ctx:
 
     def __init__(self, args: argparse.Namespace):
         self.quick = args.quick
+        self.dp_ks = tuple(args.ks)  # part dp's k, starts and outer lr grid (smaller for micro)
+        self.dp_starts = tuple(args.starts)
+        self.dp_lr_grid = tuple(args.lr_grid)
         self.model = args.model
         self.steps = args.steps
         self.H = args.H
@@ -496,27 +501,29 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     plan = Plan()
     tuned: dict[tuple[int, bool], Tuned] = {}
-    for warm in (True, False):  # warm first: the issue's target
+    starts = [start == "warm" for start in ctx.dp_starts]
+    for warm in sorted(starts, reverse=True):  # warm first: the issue's target
         plan.runs += [ctx.single(s, warm) for s in ctx.seeds]
-        for k in DP_KS:
+        for k in ctx.dp_ks:
             plan.runs += [ctx.dp(k, s, warm) for s in ctx.seeds]
             make = functools.partial(
                 lambda lr, s, k, warm: ctx.diloco(s, k=k, lr=lr, warm=warm), k=k, warm=warm
             )
-            tuned[k, warm] = Tuned(make, OUTER_LR_GRID, ctx.seeds)
+            tuned[k, warm] = Tuned(make, ctx.dp_lr_grid, ctx.seeds)
         if warm:  # the serial reference: one worker, k × the steps (the same compute and tokens)
-            plan.later += [ctx.single(s, True, steps=k * ctx.steps) for k in DP_KS for s in ctx.seeds]
+            plan.later += [ctx.single(s, True, steps=k * ctx.steps) for k in ctx.dp_ks for s in ctx.seeds]
     plan.tuned = list(tuned.values())
 
     def report() -> dict:
         pre = entry(ctx, [ctx.pretrain(s) for s in ctx.seeds], steps=ctx.pretrain_steps)
-        out: dict = {"k": list(DP_KS), "H": ctx.H, "steps": ctx.steps, "pretrain_steps": ctx.pretrain_steps}
-        out["outer_lr_grid"] = list(OUTER_LR_GRID)
+        out: dict = {"k": list(ctx.dp_ks), "starts": list(ctx.dp_starts), "H": ctx.H, "steps": ctx.steps}
+        out["pretrain_steps"] = ctx.pretrain_steps
+        out["outer_lr_grid"] = list(ctx.dp_lr_grid)
         out["pretrain"] = pre
         per_k = {}
-        for k in DP_KS:
+        for k in ctx.dp_ks:
             row: dict = {}
-            for warm in (False, True):
+            for warm in sorted(starts):
                 start = "warm" if warm else "scratch"
                 t = tuned[k, warm]
                 dp = entry(ctx, [ctx.dp(k, s, warm) for s in ctx.seeds])
@@ -552,14 +559,14 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                 row[f"bytes_ratio_vs_dp_{start}"] = ratio(
                     dp["bytes_sent_per_worker"], di.get("bytes_sent_per_worker")
                 )
-            row["dp_final_val_loss"] = row["dp_warm_final_val_loss"]
-            row["bytes_ratio_vs_dp"] = row["bytes_ratio_vs_dp_warm"]
-            gap, br = row["diloco_warm_vs_dp_gap"], row["bytes_ratio_vs_dp"]
+            row["dp_final_val_loss"] = row.get("dp_warm_final_val_loss")
+            row["bytes_ratio_vs_dp"] = row.get("bytes_ratio_vs_dp_warm")
+            gap, br = row.get("diloco_warm_vs_dp_gap"), row["bytes_ratio_vs_dp"]
             row["target_warm_within_2pct_at_50x_fewer_bytes"] = (
                 None if gap is None or br is None else bool(gap <= 0.02 and br >= 50)
             )
             per_k[str(k)] = row
-        head = str(max(DP_KS))
+        head = str(max(ctx.dp_ks))
         out["headline_k"] = int(head)
         keys = (
             "dp_final_val_loss",
@@ -573,7 +580,7 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             "single_scratch_final_val_loss",
             "target_warm_within_2pct_at_50x_fewer_bytes",
         )
-        out.update({key: per_k[head][key] for key in keys})
+        out.update({key: per_k[head].get(key) for key in keys})
         out["note"] = (
             "dp_final_val_loss is data parallel warm-started from the same pretrained model as "
             "diloco_warm; gaps are (diloco - dp) / dp on the means over seeds (_paired: per seed); "
@@ -893,7 +900,7 @@ def figures(ctx: Ctx, report: dict, where: Path) -> list[str]:
         if part == "dp":
             labels, rows, cols = [], [], []
             for k in r["k"]:
-                for start in ("scratch", "warm"):
+                for start in [s for s in ("scratch", "warm") if s in r["per_k"][str(k)]]:
                     row = r["per_k"][str(k)][start]
                     for j, m in enumerate(("single", "dp", "diloco", "serial")):
                         if m not in row:
@@ -904,15 +911,16 @@ def figures(ctx: Ctx, report: dict, where: Path) -> list[str]:
             _bars(axes[0], labels, rows, cols)
             axes[0].set_title(f"final val_loss, {seeds} (C0 single, C1 dp, C2 DiLoCo, C3 serial k× steps)")
             k = r["headline_k"]
-            row = r["per_k"][str(k)]["warm"]
+            start = "warm" if "warm" in r["per_k"][str(k)] else "scratch"
+            row = r["per_k"][str(k)][start]
             for m in ("single", "dp", "diloco"):
                 runs = row[m].get("runs") or []
                 if runs:
                     xs, ys = _curve(ctx, runs[0])
                     axes[1].plot(xs, ys, marker=".", label=m)
-            axes[1].set_xlabel("inner steps per worker (after pretraining)")
+            axes[1].set_xlabel("inner steps per worker" + (" (after pretraining)" if start == "warm" else ""))
             axes[1].set_ylabel("val_loss (fixed subset)")
-            axes[1].set_title(f"warm start, k={k}, seed 0")
+            axes[1].set_title(f"{start} start, k={k}, seed 0")
             axes[1].legend()
             axes[1].grid(alpha=0.3)
         elif part == "single":
@@ -1019,6 +1027,21 @@ def _parts(values: list[str] | None) -> list[str]:
     return out
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
+
+
+def _words(text: str) -> tuple[str, ...]:
+    words = tuple(w.strip() for w in text.split(","))
+    if not words or set(words) - {"scratch", "warm"}:
+        raise argparse.ArgumentTypeError(f"choose scratch, warm or both, got {text!r}")
+    return words
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -1030,6 +1053,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000, help="inner steps per worker S")
     ap.add_argument("--pretrain-steps", type=int, default=1000, help="steps of the warm start's pretraining")
     ap.add_argument("--model", default="nano", choices=("nano", "micro"))
+    ap.add_argument("--ks", type=_ints, default=DP_KS, help="part dp: workers k, a comma list (default 4,8)")
+    ap.add_argument(
+        "--starts", type=_words, default=("scratch", "warm"), help="part dp: scratch, warm or both (default)"
+    )
+    ap.add_argument(
+        "--lr-grid",
+        type=_floats,
+        default=OUTER_LR_GRID,
+        help="part dp: DiLoCo's outer lr grid, a comma list (default 0.3,0.5,0.7,1)",
+    )
     ap.add_argument(
         "--workdir",
         type=Path,
