@@ -104,30 +104,56 @@ def small_shards(cfg: TrainConfig, data: Data) -> str | None:
         return None
     listed = ", ".join(f"worker {i} {n:,} (weight {w:.4f})" for i, n, w in small[:8])
     more = f" and {len(small) - 8} more" if len(small) > 8 else ""
+    fixes = "fewer --workers, " if len(data.shards) > 1 else ""
+    fixes += "--shards iid, " if cfg.data.shards != "iid" and len(data.shards) > 1 else ""
     return (
         f"{len(small)} of {len(data.shards)} shards hold fewer tokens than their worker reads in a round "
-        f"({per_round:,}): {listed}{more}; they will repeat the same text and their outer_grads count "
-        "little: use fewer --workers, --shards iid, or more text."
+        f"({per_round:,}): {listed}{more}; they will repeat the same text"
+        + (" and their outer_grads count little" if cfg.data.shards != "iid" else "")
+        + f": use {fixes}a smaller --inner-steps or --batch-size, or more text."
     )
 
 
+# Versions of the rules that cut a run's text, bumped when one changes what a run trains or
+# validates on (data.json keeps those that apply; older runs are refused rather than changed).
+RULES = {
+    "val_split": 2,  # user data: whole documents by hash, tails when that holds out > 2 × val_fraction
+    "kmeans_units": 2,  # kmeans clusters ~4,096-token parts of documents, not whole documents
+}
+
+
 def data_record(cfg: TrainConfig, text: Text | None = None) -> dict:
-    """Fingerprints of a run's training (and --val-data) text, as RUN_DIR/data.json keeps them."""
+    """Fingerprints of a run's training (and --val-data) text, and the versions of the rules
+    that cut it where they apply, as RUN_DIR/data.json keeps them."""
     d = cfg.data
-    record = {"text": (text or training_text(cfg)).fingerprint}
+    record: dict = {"text": (text or training_text(cfg)).fingerprint}
     if d.val_data:
         record["val"] = user_text(d.val_data, text_field=d.text_field, source_field="").fingerprint
+    applies = {"val_split": bool(d.paths and not d.val_data), "kmeans_units": d.shards == "kmeans"}
+    if rules := {name: version for name, version in RULES.items() if applies[name]}:
+        record["rules"] = rules
     return record
 
 
 def check_data(run_dir: Path, record: dict) -> None:
-    """Refuse to resume or evaluate a run on text other than what it trained on."""
+    """Refuse to resume or evaluate a run on text other than what it trained on, or cut by
+    other rules (an older diloco's)."""
     path = run_dir / DATA_FILE
-    if path.is_file() and json.loads(path.read_text()) != record:  # (runs before this file: unchecked)
+    if not path.is_file():  # runs before this file: unchecked
+        return
+    saved = json.loads(path.read_text())
+    if {k: v for k, v in saved.items() if k != "rules"} != {k: v for k, v in record.items() if k != "rules"}:
         raise UserError(
             f"the text of {run_dir} (its --data or --val-data files) is not what the run trained on: "
             "a file changed, moved or was added; restore it, or start a new run "
             f"(--init-from {run_dir} continues from its model)."
+        )
+    if saved.get("rules", {}) != record.get("rules", {}):
+        changed = sorted(set(saved.get("rules", {}).items()) ^ set(record.get("rules", {}).items()))
+        raise UserError(
+            f"{run_dir} was made by an older diloco that cut its text differently "
+            f"({', '.join(sorted({name for name, _ in changed}))}); resume or evaluate it with that "
+            f"version, or start a new run (--init-from {run_dir} continues from its model)."
         )
 
 
@@ -148,8 +174,8 @@ def training_corpus(
     d = cfg.data
     text = text or training_text(cfg)
     train = train or training_pieces(text, d.val_fraction, separate_val=bool(d.val_data))
-    # "rule" names the way documents are held out: a new rule must not reuse an old cache entry
-    split = {"val_fraction": d.val_fraction, "separate_val": bool(d.val_data), "rule": 2}
+    # a new way of holding documents out must not reuse an old cache entry
+    split = {"val_fraction": d.val_fraction, "separate_val": bool(d.val_data), "rule": RULES["val_split"]}
     return tokenised(text, train, tokenizer, split, d, progress)
 
 

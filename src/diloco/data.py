@@ -200,15 +200,16 @@ def make_shards(
         texts = (decode(stream[torch.arange(a, b)].numpy()) for a, b in units)
         shards = [_ranges(stream, [units[u] for u in g]) for g in kmeans_groups(texts, k, seed)]
     else:
-        n_docs = corpus.meta["documents"]
-        unit = "works" if kind == "genre" else "documents"
-        if k > n_docs:
+        docs = np.unique(corpus.doc[train])  # documents with training text (not held out whole)
+        unit = "works" if kind == "genre" else "documents with training text"
+        if k > len(docs):
             raise UserError(
-                f"{kind} shards need at least one whole document per worker, but there are {n_docs} "
-                f"{unit} for {k} workers; use --workers {n_docs} or fewer, or --shards iid."
+                f"{kind} shards need at least one whole document per worker, but there are {len(docs)} "
+                f"{unit} for {k} workers; use --workers {len(docs)} or fewer, or --shards iid."
             )
-        labels = [corpus.sources[s] for s in corpus.doc_sources()]
-        groups = source_groups(corpus.doc_sizes().tolist(), labels, k)
+        labels = [corpus.sources[s] for s in corpus.doc_sources()[docs]]
+        found = source_groups(corpus.doc_sizes()[docs].tolist(), labels, k)
+        groups = [docs[g].tolist() for g in found]
         train_docs = corpus.doc[train]  # pieces are in document order, so each shard is too
         shards = [corpus.view(train[np.isin(train_docs, g)]) for g in groups]
     if empty := [i for i, s in enumerate(shards) if len(s) == 0]:
@@ -290,7 +291,7 @@ def training_pieces(text: Text, val_fraction: float, *, separate_val: bool) -> C
                 held.append(is_val_document(doc.text, val_fraction))
                 sizes.append(len(doc.text))
             share[0] = sum(n for n, h in zip(sizes, held, strict=True) if h) / max(1, sum(sizes))
-        whole = 0 < share[0] <= VAL_SHARE_LIMIT * val_fraction
+        whole = 0 < share[0] < 1 and share[0] <= VAL_SHARE_LIMIT * val_fraction
         return pieces(text.documents(), val_fraction=val_fraction, whole=whole, held=held)
 
     return make

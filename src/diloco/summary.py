@@ -21,9 +21,10 @@ def summarize(cfg: TrainConfig, run, val_loss: float, step: int) -> dict[str, An
     # The busiest worker (workers may come and go, or run at different speeds): its steps, its
     # bytes, and what data parallel would have sent for those steps, a gradient each (with one
     # worker, nothing).
-    busiest = max(side.worker_steps)
+    busiest = max(range(k), key=lambda w: side.worker_steps[w])
     per_worker = max(side.bytes_sent)
-    dp_per_worker = busiest * side.param_bytes if k > 1 else 0
+    dp_per_worker = side.worker_steps[busiest] * side.param_bytes if k > 1 else 0
+    sent = side.bytes_sent[busiest]  # what that worker sent, against what data parallel would have
     return {
         "run_dir": cfg.out,
         "method": cfg.method,
@@ -34,7 +35,7 @@ def summarize(cfg: TrainConfig, run, val_loss: float, step: int) -> dict[str, An
         "final_subset_val_loss": run.val_loss,
         "tokens": run.tokens,
         "inner_steps": steps_total,  # summed over workers; data parallel: a gradient per worker per step
-        "inner_steps_per_worker": busiest,
+        "inner_steps_per_worker": side.worker_steps[busiest],
         # each worker's shard: its training tokens and its outer_grad weight |D_i| / Σ|D_j|
         "shards": [
             {"tokens": len(s), "weight": w} for s, w in zip(run.data.shards, run.data.weights, strict=True)
@@ -45,7 +46,7 @@ def summarize(cfg: TrainConfig, run, val_loss: float, step: int) -> dict[str, An
         "bytes_received": sum(side.bytes_received),
         "bytes_sent_per_worker": per_worker,
         "dp_bytes_sent_per_worker": dp_per_worker,
-        "dp_bytes_ratio": dp_per_worker / per_worker if per_worker and dp_per_worker else None,
+        "dp_bytes_ratio": dp_per_worker / sent if sent and dp_per_worker else None,
         "target_loss": cfg.target_loss or None,
         "time_to_target_s": run.target["sim_time_s"] if run.target else None,
         "steps_to_target": run.target["inner_step"] if run.target else None,

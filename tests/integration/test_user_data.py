@@ -289,3 +289,51 @@ def test_the_new_flags_are_in_train_help():
     for flag in ("--data", "--text-field", "--val-data", "--val-fraction", "--tokenizer", "--model-config"):
         assert flag in text
     assert TrainConfig().data.tokenizer == "byte" and TrainConfig().data.paths == ()
+
+
+@pytest.mark.timeout(60)
+def test_held_out_documents_feed_no_worker_and_one_picked_document_is_not_all_the_text(tmp_path):
+    from diloco.errors import UserError
+
+    cache = str(tmp_path / "cache")
+    docs = _docs(400)
+    picked = [d for d in docs if is_val_document(d["text"], 0.05)]
+    kept = [d for d in docs if not is_val_document(d["text"], 0.05)]
+    # a source of one document and one of 20, of which the hash holds out one (1/21 of the text):
+    # 20 documents have training text, so 21 by-source workers cannot each get one
+    _jsonl(tmp_path / "a.jsonl", kept[:1])
+    _jsonl(tmp_path / "b.jsonl", [picked[0], *kept[1:20]])
+    paths = [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
+    data = {"paths": paths, "cache_dir": cache, "shards": "by-source", "batch_size": 2}
+    cfg = from_dict({"data": data, "num_workers": 20, "model": {"seq_len": 32}})
+    shards = prepare_data(cfg).shards
+    assert sorted(len(s) for s in shards) == sorted(len(d["text"]) for d in [kept[0], *kept[1:20]])
+    with pytest.raises(UserError, match="there are 20 documents with training text for 21 workers"):
+        prepare_data(from_dict({"data": data, "num_workers": 21, "model": {"seq_len": 32}}))
+    # --val-fraction 0.5 and one document that the hash picks: its end, not all of it, validates
+    one = next(d for d in docs if is_val_document(d["text"], 0.5))
+    _jsonl(tmp_path / "one.jsonl", [one])
+    one_file = {"paths": [str(tmp_path / "one.jsonl")], "cache_dir": cache, "val_fraction": 0.5}
+    cfg = from_dict({"data": one_file})
+    corpus = training_corpus(cfg, ByteTokenizer(), False)
+    assert len(corpus.split(False)) == len(one["text"]) - int(len(one["text"]) * 0.5)
+
+
+@pytest.mark.timeout(60)
+def test_a_run_whose_text_an_older_diloco_cut_differently_is_refused(tmp_path):
+    from diloco.build import check_data, data_record
+    from diloco.errors import UserError
+
+    data = _jsonl(tmp_path / "d.jsonl", _docs(40))
+    cfg = from_dict({"data": {"paths": [str(data)], "shards": "kmeans"}})
+    record = data_record(cfg)
+    assert record["rules"] == {"val_split": 2, "kmeans_units": 2}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "data.json").write_text(json.dumps(record))
+    check_data(run, record)  # the same text and rules
+    (run / "data.json").write_text(json.dumps({"text": record["text"]}))  # written before the rules
+    with pytest.raises(UserError, match=r"cut its text differently \(kmeans_units, val_split\)"):
+        check_data(run, record)
+    bundled = from_dict({})
+    assert "rules" not in data_record(bundled)  # iid shards of the bundled works: nothing changed
