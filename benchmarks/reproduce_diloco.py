@@ -18,7 +18,8 @@ Parts (`--part`, repeatable or a comma list; default all):
   for k × S steps (the compute and tokens of k workers, one step after another: what data
   parallel matches when its k× batch is below the critical batch size). DiLoCo's outer lr is
   tuned on seed 0 over {0.3, 0.5, 0.7, 1.0} for each (k, start) and the best lr is then run for
-  every seed. Top-level fields (the headline
+  every seed. (Every tuned grid grows past an edge the best lr sits on, by ×1.4 or ÷1.4, at most
+  twice; `*_at_grid_edge` says when the best is still on the edge.) Top-level fields (the headline
   k = 8; the same per k under `per_k`): `dp_final_val_loss` (data parallel, warm-started: the
   baseline of the warm comparison), `diloco_warm_final_val_loss`, `diloco_warm_vs_dp_gap`
   ((diloco − dp) / dp), `bytes_ratio_vs_dp` (dp's bytes sent per worker ÷ DiLoCo's), and the
@@ -108,6 +109,7 @@ sys.path.insert(0, str(ROOT / "src"))
 PARTS = ("dp", "single", "workers", "H", "outer", "shards", "drop", "schedule", "codec")
 DP_KS = (4, 8)
 OUTER_LR_GRID = (0.3, 0.5, 0.7, 1.0)
+GRID_STEP, GRID_WIDEN = 1.4, 2  # a tuned lr's grid grows past an edge by ×1.4 (÷1.4), at most twice
 OUTER_GRIDS = {  # name -> (--outer-opt, --outer-momentum or None, lr grid)
     "nesterov": ("nesterov", None, OUTER_LR_GRID),
     "sgd": ("sgd", 0.0, (0.5, 1.0, 1.5)),
@@ -163,31 +165,52 @@ class Run:
 
 @dataclass
 class Tuned:
-    """An outer lr picked on the first seed from a grid (lowest final val_loss), then run on every seed."""
+    """An outer lr picked on the first seed from a grid (lowest final val_loss), then run on every
+    seed. While the best lr sits on an edge of the grid, the grid grows past it one step (×/÷
+    GRID_STEP) at a time, at most GRID_WIDEN times: a grid the answer lies outside tunes nothing."""
 
     make: Callable[[float, int], Run]  # (lr, seed) -> run
-    grid: tuple[float, ...]
+    base: tuple[float, ...]
     seeds: list[int]
 
-    def grid_runs(self) -> list[Run]:
-        return [self.make(lr, self.seeds[0]) for lr in self.grid]
+    def grid(self, ctx: Ctx) -> tuple[float, ...]:
+        """The grid as far as the first seed's finished runs have widened it."""
+        grid = list(self.base)
+        for _ in range(GRID_WIDEN):
+            lr = self._best(ctx, grid)
+            if lr is None or len(grid) < 2:
+                break
+            if lr == max(grid):
+                grid.append(float(f"{max(grid) * GRID_STEP:.2g}"))
+            elif lr == min(grid):
+                grid.insert(0, float(f"{min(grid) / GRID_STEP:.2g}"))
+            else:
+                break
+        return tuple(grid)
 
-    def table(self, ctx: Ctx) -> dict[str, float | None]:
-        return {_num(lr): _loss(ctx.result(r)) for lr, r in zip(self.grid, self.grid_runs(), strict=True)}
-
-    def best(self, ctx: Ctx) -> float | None:
-        """The best lr once the whole grid has finished (failed runs count as worst), else None."""
-        runs = self.grid_runs()
+    def _best(self, ctx: Ctx, grid: list[float] | tuple[float, ...]) -> float | None:
+        runs = [self.make(lr, self.seeds[0]) for lr in grid]
         if not all(ctx.finished(r) for r in runs):
             return None
         losses = [_loss(ctx.result(r)) for r in runs]
-        ranked = [(v, lr) for v, lr in zip(losses, self.grid, strict=True) if v is not None]
+        ranked = [(v, lr) for lr, v in zip(grid, losses, strict=True) if v is not None]
         return min(ranked)[1] if ranked else None
 
+    def grid_runs(self, ctx: Ctx) -> list[Run]:
+        return [self.make(lr, self.seeds[0]) for lr in self.grid(ctx)]
+
+    def table(self, ctx: Ctx) -> dict[str, float | None]:
+        grid = self.grid(ctx)
+        return {_num(lr): _loss(ctx.result(self.make(lr, self.seeds[0]))) for lr in grid}
+
+    def best(self, ctx: Ctx) -> float | None:
+        """The best lr once the (widened) grid has finished (failed runs count as worst), else None."""
+        return self._best(ctx, self.grid(ctx))
+
     def at_edge(self, ctx: Ctx) -> bool | None:
-        """Whether the best lr is the grid's smallest or largest (the grid may be too narrow)."""
-        lr = self.best(ctx)
-        return None if lr is None else lr in (min(self.grid), max(self.grid))
+        """Whether the best lr is still the grid's smallest or largest after widening."""
+        lr, grid = self.best(ctx), self.grid(ctx)
+        return None if lr is None else lr in (min(grid), max(grid))
 
     def runs(self, ctx: Ctx) -> list[Run]:
         lr = self.best(ctx)
@@ -205,7 +228,7 @@ class Plan:
     def all_runs(self, ctx: Ctx) -> list[Run]:
         out = list(self.runs) + list(self.later)
         for t in self.tuned:
-            out += t.grid_runs() + t.runs(ctx)
+            out += t.grid_runs(ctx) + t.runs(ctx)
         out += [r.init for r in out if r.init is not None]
         return list({r.name: r for r in out}.values())
 
@@ -396,14 +419,15 @@ class Scheduler:
         add(plan.runs)
         waiting = list(plan.tuned)
         for t in waiting:
-            add(t.grid_runs())
+            add(t.grid_runs(ctx))
         add(plan.later)
         running: dict[Future, Run] = {}
         done = 0
         with ThreadPoolExecutor(max_workers=ctx.jobs) as pool:
             while pending or running or waiting:
                 for t in list(waiting):
-                    if all(ctx.finished(r) for r in t.grid_runs()):
+                    add(t.grid_runs(ctx))  # a grid widened past an edge: its new lr
+                    if all(ctx.finished(r) for r in t.grid_runs(ctx)):
                         waiting.remove(t)
                         add(t.runs(ctx))
                 for r in list(pending):
