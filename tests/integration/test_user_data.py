@@ -138,7 +138,10 @@ def test_bpe_is_saved_in_the_run_and_a_resumed_run_equals_a_straight_one(tmp_pat
     assert main(["train", "--resume", str(stopped), "--no-progress"]) == 0
     assert (stopped / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
     assert not list((tmp_path / "cache").glob("bpe-*.json"))  # no BPE was trained on resume
-    assert json.loads((stopped / "data.json").read_text()) == {"text": prepare_data_fingerprint(data)}
+    assert json.loads((stopped / "data.json").read_text()) == {
+        "text": prepare_data_fingerprint(data),
+        "rules": {"val_split": 2},
+    }
     # a model trained with one BPE cannot start a run whose BPE (same size, other text) differs
     other = _jsonl(tmp_path / "other.jsonl", _docs(120)[60:])
     init = ["--data", str(other), "--tokenizer", "bpe:300", "--init-from", str(straight)]
