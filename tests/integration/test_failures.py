@@ -205,6 +205,7 @@ def test_ctrl_c_under_torchrun_exits_cleanly(tmp_path, target):
     assert checkpoint.latest_valid(out / "checkpoints") is not None
 
 
+@pytest.mark.slow  # ~36 s: `make test-all` runs it (the default suite stays within 10 minutes)
 @pytest.mark.timeout(240)
 def test_ten_sigkills_at_random_moments_then_resume_end_exactly_where_the_straight_run_does(tmp_path):
     flags = _flags(

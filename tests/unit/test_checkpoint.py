@@ -248,6 +248,7 @@ while True:
 """
 
 
+@pytest.mark.slow  # ~15 s: `make test-all` runs it (the default suite stays within 10 minutes)
 @pytest.mark.timeout(90)  # about 15 s: ten fresh Python processes importing torch
 def test_sigkill_at_any_moment_leaves_a_valid_checkpoint(tmp_path, capsys):
     rng = random.Random(1234)
