@@ -248,6 +248,7 @@ class Ctx:
         self.dp_ks = tuple(args.ks)  # part dp's k, starts and outer lr grid (smaller for micro)
         self.dp_starts = tuple(args.starts)
         self.dp_lr_grid = tuple(args.lr_grid)
+        self.serial_ks = tuple(args.ks if args.serial_ks is None else args.serial_ks)
         self.model = args.model
         self.steps = args.steps
         self.H = args.H
@@ -535,7 +536,7 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             )
             tuned[k, warm] = Tuned(make, ctx.dp_lr_grid, ctx.seeds)
         if warm:  # the serial reference: one worker, k × the steps (the same compute and tokens)
-            plan.later += [ctx.single(s, True, steps=k * ctx.steps) for k in ctx.dp_ks for s in ctx.seeds]
+            plan.later += [ctx.single(s, True, steps=k * ctx.steps) for k in ctx.serial_ks for s in ctx.seeds]
     plan.tuned = list(tuned.values())
 
     def report() -> dict:
@@ -1078,6 +1079,11 @@ def main() -> None:
     ap.add_argument("--pretrain-steps", type=int, default=1000, help="steps of the warm start's pretraining")
     ap.add_argument("--model", default="nano", choices=("nano", "micro"))
     ap.add_argument("--ks", type=_ints, default=DP_KS, help="part dp: workers k, a comma list (default 4,8)")
+    ap.add_argument(
+        "--serial-ks",
+        type=_ints,
+        help="part dp: the k whose serial reference (1 worker, k × the steps) runs (default every --ks)",
+    )
     ap.add_argument(
         "--starts", type=_words, default=("scratch", "warm"), help="part dp: scratch, warm or both (default)"
     )
