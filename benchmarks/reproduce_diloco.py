@@ -14,18 +14,18 @@ Parts (`--part`, repeatable or a comma list; default all):
 - `dp`: the headline. DiLoCo vs data parallel, k = 4 and 8, from scratch and warm-started
   (`--init-from` a `--method single` model pretrained for `--pretrain-steps` P with seed 1000 +
   seed, once per seed and model; fresh optimizer state, the inner warm-up as configured), with
-  `--method single` for reference, and, warm-started, the serial reference: `--method single`
-  for k × S steps (the compute and tokens of k workers, one step after another: what data
-  parallel matches when its k× batch is below the critical batch size). DiLoCo's outer lr is
-  tuned on seed 0 over {0.3, 0.5, 0.7, 1.0} for each (k, start) and the best lr is then run for
-  every seed. (Every tuned grid grows past an edge the best lr sits on, by ×1.4 or ÷1.4, at most
-  twice; `*_at_grid_edge` says when the best is still on the edge.) Top-level fields (the headline
-  k = 8; the same per k under `per_k`): `dp_final_val_loss` (data parallel, warm-started: the
-  baseline of the warm comparison), `diloco_warm_final_val_loss`, `diloco_warm_vs_dp_gap`
-  ((diloco − dp) / dp), `bytes_ratio_vs_dp` (dp's bytes sent per worker ÷ DiLoCo's), and the
-  from-scratch equivalents `dp_scratch_final_val_loss`, `diloco_scratch_final_val_loss`,
-  `diloco_scratch_vs_dp_gap`; per k also `serial_warm_final_val_loss` and
-  `dp_warm_vs_serial_gap`.
+  `--method single` for reference, and, warm-started, the serial reference: `--method single` for
+  k × S steps (the compute and tokens of k workers, one step after another: what data parallel
+  matches when its k× batch is below the critical batch size; `--serial-ks` limits it to some k:
+  it is the longest run). DiLoCo's outer lr is tuned on seed 0 over {0.3, 0.5, 0.7, 1.0} for each
+  (k, start) and the best lr is then run for every seed. (Every tuned grid grows past an edge the
+  best lr sits on, by ×1.4 or ÷1.4, at most twice; `*_at_grid_edge` says when the best is still on
+  the edge.) Top-level fields (the headline k = 8; the same per k under `per_k`):
+  `dp_final_val_loss` (data parallel, warm-started: the baseline of the warm comparison),
+  `diloco_warm_final_val_loss`, `diloco_warm_vs_dp_gap` ((diloco − dp) / dp), `bytes_ratio_vs_dp`
+  (dp's bytes sent per worker ÷ DiLoCo's), and the from-scratch equivalents
+  `dp_scratch_final_val_loss`, `diloco_scratch_final_val_loss`, `diloco_scratch_vs_dp_gap`; per k
+  also `serial_warm_final_val_loss` and `dp_warm_vs_serial_gap`.
 - `single`: DiLoCo k = 1 vs plain AdamW (`--method single`) at equal steps.
 - `workers`: DiLoCo k ∈ {1, 2, 4, 8} at equal steps per worker (baseline k = 1).
 - `H`: H ∈ {10, 25, 50, 100, 250}, k = 4, loss and bytes sent (baseline H = 50; data parallel's
