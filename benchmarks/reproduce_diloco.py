@@ -390,78 +390,94 @@ class Ctx:
 
 
 class Scheduler:
-    """Runs the runs of a part, `jobs` at a time: a warm-started run after its pretraining run,
-    the other seeds of a tuned lr after the first seed's grid. Pretraining runs go first, then
-    warm-started runs (the issue's target), then the rest, each in the part's order (references
-    in `Plan.later` last of their kind)."""
+    """Runs the parts' runs, `jobs` at a time: a warm-started run after its pretraining run, the
+    other seeds of a tuned lr after the first seed's grid. Parts go in order, and within a part
+    pretraining runs first, then warm-started runs (the issue's target), then the rest (references
+    in `Plan.later` last of their kind); a slot a part cannot fill (its last run, or runs waiting
+    for a grid) goes to the next part's runs. A run two parts share belongs to the first."""
 
-    def __init__(self, ctx: Ctx, part: str):
-        self.ctx, self.part = ctx, part
-        self.started = time.perf_counter()
+    def __init__(self, ctx: Ctx, record: Callable[[str, float, int], None]):
+        self.ctx = ctx
+        self.record = record  # (part, seconds from its first start to its latest finish, runs done)
 
-    def execute(self, plan: Plan) -> int:
+    def execute(self, plans: dict[str, Plan]) -> int:
         ctx = self.ctx
         pending: list[Run] = []
-        seen: set[str] = set()
-
+        part_of: dict[str, str] = {}
+        order = {p: i for i, p in enumerate(plans)}
         inits: set[str] = set()
-        later = {r.name for r in plan.later}
+        later = {r.name for plan in plans.values() for r in plan.later}
 
-        def add(runs: list[Run]) -> None:
+        def add(part: str, runs: list[Run]) -> None:
             for r in runs:
                 for x in ([r.init] if r.init else []) + [r]:  # the pretraining run first
-                    if x.name not in seen:
-                        seen.add(x.name)
+                    if x.name not in part_of:
+                        part_of[x.name] = part
                         if not ctx.finished(x):
                             pending.append(x)
                 inits.update([r.init.name] if r.init else [])
-            pending.sort(key=lambda x: (0 if x.name in inits else 1 if x.init else 2, x.name in later))
 
-        add(plan.runs)
-        waiting = list(plan.tuned)
-        for t in waiting:
-            add(t.grid_runs(ctx))
-        add(plan.later)
+            def key(x: Run) -> tuple:
+                kind = 0 if x.name in inits else 1 if x.init else 2
+                return order[part_of[x.name]], kind, x.name in later
+
+            pending.sort(key=key)
+
+        for part, plan in plans.items():
+            add(part, plan.runs)
+            for t in plan.tuned:
+                add(part, t.grid_runs(ctx))
+            add(part, plan.later)
+        waiting = [(part, t) for part, plan in plans.items() for t in plan.tuned]
         running: dict[Future, Run] = {}
-        done = 0
+        first_start: dict[str, float] = {}
+        done_in: dict[str, int] = {}
         with ThreadPoolExecutor(max_workers=ctx.jobs) as pool:
             while pending or running or waiting:
-                for t in list(waiting):
-                    add(t.grid_runs(ctx))  # a grid widened past an edge: its new lr
+                for part, t in list(waiting):
+                    add(part, t.grid_runs(ctx))  # a grid widened past an edge: its new lr
                     if all(ctx.finished(r) for r in t.grid_runs(ctx)):
-                        waiting.remove(t)
-                        add(t.runs(ctx))
+                        waiting.remove((part, t))
+                        add(part, t.runs(ctx))
                 for r in list(pending):
                     if len(running) >= ctx.jobs:
                         break
                     if r.init is not None and not ctx.finished(r.init):
                         continue
                     pending.remove(r)
+                    part = part_of[r.name]
                     if r.init is not None and _loss(ctx.result(r.init)) is None:
                         _log(f"skip {r.label}: its pretraining run failed")
                         continue
+                    tuning = any(p == part for p, _ in waiting)
+                    queued = sum(1 for x in pending if part_of[x.name] == part)
                     _log(
-                        f"{self.part}: start {r.label} [{r.name}] "
-                        f"({len(pending)} queued{', more after tuning' if waiting else ''})"
+                        f"{part}: start {r.label} [{r.name}] "
+                        f"({queued} queued{', more after tuning' if tuning else ''})"
                     )
+                    first_start.setdefault(part, time.perf_counter())
                     running[pool.submit(ctx.train, r)] = r
                 if not running:
                     if pending or waiting:  # only runs whose pretraining run cannot finish
-                        _log(f"{self.part}: {len(pending)} runs cannot start; giving up on them")
+                        _log(f"{len(pending)} runs cannot start; giving up on them")
                     break
                 finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
                 for fut in finished:
                     r = running.pop(fut)
+                    part = part_of[r.name]
                     ok, elapsed = fut.result()
-                    done += 1
+                    done_in[part] = done_in.get(part, 0) + 1
+                    span = time.perf_counter() - first_start[part]
+                    self.record(part, span, done_in[part])
                     res = ctx.result(r)
                     what = f"val_loss {res['val_loss']:.4f}" if ok and res else "FAILED (see failed.json)"
+                    left = sum(1 for x in [*pending, *running.values()] if part_of[x.name] == part)
+                    tuning = any(p == part for p, _ in waiting)
                     _log(
-                        f"{self.part}: done {r.label}: {what}, {elapsed:.0f} s; part elapsed "
-                        f"{time.perf_counter() - self.started:.0f} s, {done} done, "
-                        f"{len(pending) + len(running)} left{' + tuned runs' if waiting else ''}"
+                        f"{part}: done {r.label}: {what}, {elapsed:.0f} s; part elapsed {span:.0f} s, "
+                        f"{done_in[part]} done, {left} left{' + tuned runs' if tuning else ''}"
                     )
-        return done
+        return sum(done_in.values())
 
 
 # -- statistics ---------------------------------------------------------------------------------
@@ -1128,27 +1144,25 @@ def main() -> None:
         ctx.config_path.write_text(QUICK_CONFIG)
     timing_path = args.workdir / "_part_timing.json"
     timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
+    before = {p: dict(v) for p, v in timing.items()}  # earlier invocations' totals
     built = {p: BUILDERS[p](ctx) for p in PARTS}
     t0 = time.perf_counter()
+
+    def record(part: str, span: float, n: int) -> None:
+        """A part's totals over every invocation, rewritten after each run it finishes."""
+        old = before.get(part, {})
+        timing[part] = {
+            "elapsed_s": round(old.get("elapsed_s", 0) + span, 1),
+            "new_runs": old.get("new_runs", 0) + n,
+            "jobs": args.jobs,
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        timing_path.write_text(json.dumps(timing, indent=2) + "\n")
+
     if not (args.report_only or args.plot_only):
         _log(f"parts {', '.join(parts)}; {args.seeds} seeds; {args.jobs} jobs; runs in {args.workdir}")
-        for p in parts:
-            plan, _ = built[p]
-            started = time.perf_counter()
-            n = Scheduler(ctx, p).execute(plan)
-            elapsed = round(time.perf_counter() - started, 1)
-            _log(
-                f"part {p}: {n} new runs in {elapsed:.0f} s "
-                f"(all parts so far {time.perf_counter() - t0:.0f} s)"
-            )
-            if n:
-                timing[p] = {
-                    "elapsed_s": elapsed,
-                    "new_runs": n,
-                    "jobs": args.jobs,
-                    "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                }
-                timing_path.write_text(json.dumps(timing, indent=2) + "\n")
+        n = Scheduler(ctx, record).execute({p: built[p][0] for p in parts})
+        _log(f"{n} new runs in {time.perf_counter() - t0:.0f} s")
     result: dict = {
         "benchmark": "reproduce_diloco",
         "quick": args.quick,
@@ -1178,8 +1192,9 @@ def main() -> None:
             "runs_wall_s_sum": round(sum((x.get("elapsed_s") or x.get("wall_time_s") or 0) for x in res), 1),
             "worker_steps_sum": sum(x.get("inner_steps", 0) for x in res if not x.get("failed")),
             "elapsed_s": timing.get(p, {}).get("elapsed_s"),
-            "elapsed_note": "the last invocation that ran new runs of this part, with its --jobs; "
-            "runs shared with parts run before it are not counted again",
+            "elapsed_note": "summed over the invocations that ran new runs of this part, each from "
+            "its first start to its last finish (parts overlap: a slot one part leaves idle runs the "
+            "next's runs); runs shared with parts run before it are not counted again",
             "jobs": timing.get(p, {}).get("jobs"),
         }
         result[p] = part
