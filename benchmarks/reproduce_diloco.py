@@ -34,7 +34,8 @@ Parts (`--part`, repeatable or a comma list; default all):
   k = 4, each at its best lr of a small grid on seed 0 ({0.3, 0.5, 0.7, 1.0}, {0.5, 1.0, 1.5},
   {0.03, 0.1, 0.3}), then every seed at that lr (baseline Nesterov).
 - `shards`: `--shards genre` and `kmeans` vs `iid`, k = 4.
-- `drop`: `--drop-prob` 0, 0.1, 0.3, 0.5, k = 4 (baseline 0).
+- `drop`: `--drop-prob` 0, 0.1, 0.3, 0.5, k = 4 (baseline 0), and 0 and 0.5 warm-started as in part dp
+  (the paper dropped outer_grads of a pretrained model).
 - `schedule`: `--workers-schedule` 0:4,0.5:8 / 0:8,0.5:4 / 0:1,0.5:8 / 0:8,0.5:1, each against a
   constant number of workers with the same total worker-steps (6 for 4↔8; 4.5 for 1↔8, where
   no integer matches: the baseline is then interpolated per seed between constant k = 4 and 5,
@@ -118,6 +119,7 @@ OUTER_GRIDS = {  # name -> (--outer-opt, --outer-momentum or None, lr grid)
 WORKERS = (1, 2, 4, 8)
 HS = (10, 25, 50, 100, 250)
 DROP_PROBS = (0.0, 0.1, 0.3, 0.5)
+DROP_PROBS_WARM = (0.0, 0.5)
 SCHEDULES = {"4to8": "0:4,0.5:8", "8to4": "0:8,0.5:4", "1to8": "0:1,0.5:8", "8to1": "0:8,0.5:1"}
 CODECS = {
     "fp32": [],
@@ -751,22 +753,29 @@ def part_shards(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
 
 
 def part_drop(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
-    def run(p: float, s: int) -> Run:
+    def run(p: float, s: int, warm: bool = False) -> Run:
         extra = ("--drop-prob", _num(p)) if p else ()
-        return ctx.diloco(s, extra=extra, note=f" drop {_num(p)}" if p else "")
+        return ctx.diloco(s, extra=extra, note=f" drop {_num(p)}" if p else "", warm=warm)
 
     runs = {p: [run(p, s) for s in ctx.seeds] for p in DROP_PROBS}
+    # the paper drops outer_grads of a pretrained model: the same from part dp's warm start
+    warm = {p: [run(p, s, warm=True) for s in ctx.seeds] for p in DROP_PROBS_WARM}
 
     def report() -> dict:
-        base = entry(ctx, runs[0.0])
+        def rows(runs: dict[float, list[Run]]) -> dict:
+            base = entry(ctx, runs[0.0])
+            return {_num(p): versus(entry(ctx, r, drop_prob=p), base) for p, r in runs.items()}
+
         return {
             "baseline": "drop_prob 0",
             "k": K,
-            "by_drop_prob": {_num(p): versus(entry(ctx, r, drop_prob=p), base) for p, r in runs.items()},
+            "by_drop_prob": rows(runs),
+            "by_drop_prob_warm": rows(warm),
+            "warm_note": f"warm-started from part dp's {ctx.pretrain_steps}-step pretraining",
             "claim": "dropping each outer_grad with probability 0.5 costs ~2% perplexity",
         }
 
-    return Plan([x for r in runs.values() for x in r]), report
+    return Plan([x for r in [*warm.values(), *runs.values()] for x in r]), report
 
 
 def _schedule_average(ctx: Ctx, text: str) -> float:
@@ -1026,10 +1035,18 @@ def figures(ctx: Ctx, report: dict, where: Path) -> list[str]:
             _bars(ax, list(r["by_shards"]), list(r["by_shards"].values()))
             ax.set_title(f"shards, k={r['k']}, {seeds}")
         elif part == "drop":
-            ps = [float(p) for p in r["by_drop_prob"]]
-            _errline(ax, ps, list(r["by_drop_prob"].values()), "DiLoCo")
+            for key, label in (("by_drop_prob", "from scratch"), ("by_drop_prob_warm", "warm start")):
+                by = r.get(key) or {}  # the cost per seed against no drops, in percent
+                paired = [e.get("vs_baseline_paired") for e in by.values()]
+                pct = [
+                    {"val_loss": {m: 100 * x[m] for m in ("mean", "min", "max")}} if x else None
+                    for x in paired
+                ]
+                _errline(ax, [float(p) for p in by], pct, f"DiLoCo, {label}")
+            ax.axhline(0, color="k", lw=0.8)
             ax.set_xlabel("probability an outer_grad is dropped")
-            ax.set_ylabel("final val_loss")
+            ax.set_ylabel("final val_loss vs no drops, % (paired by seed)")
+            ax.legend()
             ax.set_title(f"dropped outer_grads, k={r['k']}, {seeds}")
             ax.grid(alpha=0.3)
         elif part == "schedule":
