@@ -410,6 +410,10 @@ class Scheduler:
         inits: set[str] = set()
         later = {r.name for plan in plans.values() for r in plan.later}
 
+        def key(x: Run) -> tuple:  # part, then pretraining / warm-started / the rest, references last
+            kind = 0 if x.name in inits else 1 if x.init else 2
+            return order[part_of[x.name]], kind, x.name in later
+
         def add(part: str, runs: list[Run]) -> None:
             for r in runs:
                 for x in ([r.init] if r.init else []) + [r]:  # the pretraining run first
@@ -418,11 +422,6 @@ class Scheduler:
                         if not ctx.finished(x):
                             pending.append(x)
                 inits.update([r.init.name] if r.init else [])
-
-            def key(x: Run) -> tuple:
-                kind = 0 if x.name in inits else 1 if x.init else 2
-                return order[part_of[x.name]], kind, x.name in later
-
             pending.sort(key=key)
 
         for part, plan in plans.items():
@@ -762,9 +761,9 @@ def part_drop(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     warm = {p: [run(p, s, warm=True) for s in ctx.seeds] for p in DROP_PROBS_WARM}
 
     def report() -> dict:
-        def rows(runs: dict[float, list[Run]]) -> dict:
-            base = entry(ctx, runs[0.0])
-            return {_num(p): versus(entry(ctx, r, drop_prob=p), base) for p, r in runs.items()}
+        def rows(by_p: dict[float, list[Run]]) -> dict:
+            base = entry(ctx, by_p[0.0])
+            return {_num(p): versus(entry(ctx, r, drop_prob=p), base) for p, r in by_p.items()}
 
         return {
             "baseline": "drop_prob 0",
