@@ -46,7 +46,15 @@ Runs are cached: each run's folder under `--workdir` is named by a hash of its f
 (without `--out`, `--threads`, `--procs`; `--init-from` by the pretraining run's folder name,
 `--config` by its text), and a finished run (summary.json) is reused, so parts can run one at
 a time in separate invocations; a failed run (e.g. a diverged outer lr) keeps its `failed.json`
-and counts as failed (the worst of a grid). The JSON always covers every part from the runs that exist.
+and counts as failed (the worst of a grid). The folders (models, logs) are git-ignored and stay
+on the machine that ran them, so every finished run's result (summary.json, time, its evaluation
+curve) also goes to a ledger kept in git, benchmarks/results/reproduce_ledger/runs.jsonl (one
+JSON object per run, sorted by name; `--model micro`: reproduce_micro_ledger/; `--quick`: the
+workdir's _ledger/), beside part_timing.json (each part's wall time over every invocation). A
+run in the ledger is not run again on a new machine, except a pretraining run whose model a
+new warm-started run needs: it runs again, and a result that differs from the ledger's is
+reported (the runs are meant to be deterministic). The JSON always covers every part from the
+runs in the workdir and the ledger.
 Prints one JSON object and saves it to benchmarks/results/reproduce_diloco.json
 (`--quick`: reproduce_diloco_quick.json); figures go to docs/figures/reproduce_<part>.png
 (`--quick`: the workdir's figures/; `--model micro`: reproduce_<part>_micro.png, its runs
@@ -96,6 +104,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -242,6 +251,46 @@ def _loss(res: dict | None) -> float | None:
     return v if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
+class Ledger:
+    """Every finished run's result in one file kept in git, one JSON object per line sorted by
+    run name: `summary` (summary.json), `elapsed_s`, `curve` (the evaluations on the fixed subset,
+    [inner_step, val_loss]) or, for a failed run, `failed` (failed.json). Rows written by hand
+    say so in `source`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.rows: dict[str, dict] = {}
+        self._dirty = False
+        self._lock = threading.Lock()
+        if path.is_file():
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                try:
+                    row = json.loads(line) if line.strip() else None
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"{path}:{i}: not a JSON object ({e}); fix or delete that line") from e
+                if row is not None:
+                    self.rows[row["name"]] = row
+
+    def put(self, row: dict) -> None:
+        with self._lock:
+            if self.rows.get(row["name"]) != row:
+                self.rows[row["name"]] = row
+                self._dirty = True
+
+    def save(self) -> None:
+        """Rewrites the file whole (a temporary file renamed over it) when a row changed."""
+        with self._lock:
+            if not self._dirty:
+                return
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(
+                "".join(json.dumps(self.rows[n], sort_keys=True) + "\n" for n in sorted(self.rows))
+            )
+            os.replace(tmp, self.path)
+            self._dirty = False
+
+
 class Ctx:
     """The settings every run shares, how runs are named, found and started."""
 
@@ -261,6 +310,7 @@ class Ctx:
         self.workdir: Path = args.workdir
         self.config_text = QUICK_CONFIG if self.quick else ""
         self.config_path = self.workdir / "quick.toml"
+        self.ledger = Ledger(args.ledger)
         self._results: dict[str, dict | None] = {}
 
     # naming and flags
@@ -336,16 +386,22 @@ class Ctx:
     def dir(self, run: Run) -> Path:
         return self.workdir / run.name
 
-    def finished(self, run: Run) -> bool:
+    def finished(self, run: Run, model: bool = False) -> bool:
+        """Its folder has a result, or the ledger has one; `model`: a model to start from is needed
+        (only the folder has it), unless the run failed."""
         d = self.dir(run)
-        return (
-            (d / "summary.json").is_file()
+        if (
+            (d / "failed.json").is_file()
+            or (d / "summary.json").is_file()
             and (d / "model.safetensors").is_file()
-            or (d / "failed.json").is_file()
-        )
+        ):
+            return True
+        row = self.ledger.rows.get(run.name)
+        return row is not None and (not model or "failed" in row)
 
     def result(self, run: Run) -> dict | None:
-        """summary.json plus the measured subprocess time; {"failed": ...} for a failed run."""
+        """summary.json plus the measured subprocess time; {"failed": ...} for a failed run; from
+        the run's folder, else from the ledger."""
         if run.name in self._results:
             return self._results[run.name]
         d = self.dir(run)
@@ -356,9 +412,54 @@ class Ctx:
             res = json.loads((d / "summary.json").read_text())
             bench = d / "bench.json"
             res["elapsed_s"] = json.loads(bench.read_text())["elapsed_s"] if bench.is_file() else None
+        elif (row := self.ledger.rows.get(run.name)) is not None:
+            res = {"failed": True, **row["failed"]} if "failed" in row else {**row["summary"]}
+            res.setdefault("elapsed_s", row.get("elapsed_s"))
         if res is not None:
             self._results[run.name] = res
         return res
+
+    def curve(self, name: str) -> tuple[list[int], list[float]]:
+        """The evaluations on the fixed subset of a run: from its metrics.jsonl, else the ledger."""
+        path = self.workdir / name / "metrics.jsonl"
+        if not path.is_file():
+            row = self.ledger.rows.get(name) or {}
+            points = row.get("curve") or []
+            return [int(x) for x, _ in points], [float(y) for _, y in points]
+        evals = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        evals = [e for e in evals if e.get("kind") == "eval" and e.get("split", "subset") == "subset"]
+        return [e["inner_step"] for e in evals], [e["val_loss"] for e in evals]
+
+    def keep(self, run: Run) -> None:
+        """Copies a finished run's folder result into the ledger (saved by `ledger.save`); says so
+        when the folder's val_loss differs from a row already there (a run that is not
+        deterministic, e.g. a pretraining run made again on another machine)."""
+        d = self.dir(run)
+        if not ((d / "failed.json").is_file() or (d / "summary.json").is_file()):
+            return
+        self._results.pop(run.name, None)
+        res = dict(self.result(run) or {})
+        old = self.ledger.rows.get(run.name)
+        row: dict = {"name": run.name, "label": run.label, "flags": list(run.flags)}
+        row["init"] = run.init.name if run.init else None
+        if res.pop("failed", False):
+            row["failed"] = {k: v for k, v in res.items() if k != "cmd"}
+        else:
+            row["elapsed_s"] = res.pop("elapsed_s", None)
+            res.pop("run_dir", None)  # the machine's path
+            row["summary"] = res
+            xs, ys = self.curve(run.name)
+            row["curve"] = [[x, round(y, 5)] for x, y in zip(xs, ys, strict=True)]
+            was = _loss((old or {}).get("summary"))
+            if was is not None and abs(round(res["val_loss"], 5) - round(was, 5)) > 1e-5:
+                _log(
+                    f"NOTE {run.label} [{run.name}]: val_loss {res['val_loss']:.5f} here, "
+                    f"{was:.5f} in the ledger ({old.get('source', 'an earlier run')}): not deterministic"
+                )
+        row["recorded"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        if old is not None and {**old, "recorded": None} == {**row, "recorded": None}:
+            return
+        self.ledger.put(row)
 
     def command(self, run: Run) -> list[str]:
         cmd = [sys.executable, "-m", "diloco", "train"]
@@ -381,14 +482,13 @@ class Ctx:
         elapsed = round(time.perf_counter() - t0, 2)
         d.mkdir(parents=True, exist_ok=True)
         record = {"label": run.label, "cmd": cmd, "elapsed_s": elapsed, "returncode": proc.returncode}
-        if proc.returncode != 0 or not (d / "summary.json").is_file():
+        ok = proc.returncode == 0 and (d / "summary.json").is_file()
+        if not ok:
             record["stderr_tail"] = proc.stderr[-3000:]
-            (d / "failed.json").write_text(json.dumps(record, indent=2) + "\n")
-            self._results.pop(run.name, None)
-            return False, elapsed
-        (d / "bench.json").write_text(json.dumps(record, indent=2) + "\n")
-        self._results.pop(run.name, None)
-        return True, elapsed
+        (d / ("bench.json" if ok else "failed.json")).write_text(json.dumps(record, indent=2) + "\n")
+        self.keep(run)
+        self.ledger.save()
+        return ok, elapsed
 
 
 class Scheduler:
@@ -416,12 +516,18 @@ class Scheduler:
 
         def add(part: str, runs: list[Run]) -> None:
             for r in runs:
-                for x in ([r.init] if r.init else []) + [r]:  # the pretraining run first
-                    if x.name not in part_of:
-                        part_of[x.name] = part
-                        if not ctx.finished(x):
-                            pending.append(x)
-                inits.update([r.init.name] if r.init else [])
+                if r.name in part_of:
+                    continue
+                part_of[r.name] = part
+                if ctx.finished(r):
+                    continue
+                pending.append(r)
+                i = r.init  # its pretraining run, again if only the ledger has it (no model)
+                if i is not None and i.name not in inits:
+                    inits.add(i.name)
+                    part_of.setdefault(i.name, part)
+                    if not ctx.finished(i, model=True):
+                        pending.append(i)
             pending.sort(key=key)
 
         for part, plan in plans.items():
@@ -443,7 +549,7 @@ class Scheduler:
                 for r in list(pending):
                     if len(running) >= ctx.jobs:
                         break
-                    if r.init is not None and not ctx.finished(r.init):
+                    if r.init is not None and not ctx.finished(r.init, model=True):
                         continue
                     pending.remove(r)
                     part = part_of[r.name]
@@ -881,15 +987,6 @@ BUILDERS = {
 
 
 # -- figures ------------------------------------------------------------------------------------
-def _curve(ctx: Ctx, name: str) -> tuple[list[int], list[float]]:
-    path = ctx.workdir / name / "metrics.jsonl"
-    if not path.is_file():
-        return [], []
-    evals = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    evals = [e for e in evals if e.get("kind") == "eval" and e.get("split", "subset") == "subset"]
-    return [e["inner_step"] for e in evals], [e["val_loss"] for e in evals]
-
-
 def _bars(ax, labels: list[str], rows: list[dict | None], colours: list[str] | None = None) -> None:
     """Mean final val_loss with min–max error bars; the y axis zoomed to the values."""
     xs, ys, lo, hi, cs, names = [], [], [], [], [], []
@@ -927,6 +1024,20 @@ def _errline(ax, xs: list[float], rows: list[dict], label: str, **kw) -> None:
     ax.errorbar(x, y, yerr=err, marker="o", capsize=4, label=label, **kw)
 
 
+def _curve_runs(part: str, r: dict) -> list[str]:
+    """The runs whose evaluation curves a part's figure plots (seed 0 of each compared method)."""
+    if part == "dp":
+        k = r["headline_k"]
+        row = r["per_k"][str(k)]
+        row = row["warm"] if "warm" in row else row["scratch"]
+        entries = [row[m] for m in ("single", "dp", "diloco")]
+    elif part == "single":
+        entries = [r["single"], r["diloco_k1"]]
+    else:
+        return []
+    return [e["runs"][0] for e in entries if e.get("runs")]
+
+
 def figures(ctx: Ctx, report: dict, where: Path) -> list[str]:
     import matplotlib
 
@@ -940,6 +1051,9 @@ def figures(ctx: Ctx, report: dict, where: Path) -> list[str]:
         if part not in PARTS or not isinstance(r, dict) or r.get("status") == "not run":
             continue
         if r["wall_time"]["runs_missing"]:  # a part half run would overwrite its figure with less
+            continue
+        if any(not ctx.curve(name)[0] for name in _curve_runs(part, r)):
+            _log(f"figure {part} not redrawn: a run it plots has no curve (neither a folder nor the ledger)")
             continue
         fig, axes = (
             plt.subplots(1, 2, figsize=(12, 4.6)) if part in ("dp", "outer", "single") else (None, None)
@@ -965,7 +1079,7 @@ def figures(ctx: Ctx, report: dict, where: Path) -> list[str]:
             for m in ("single", "dp", "diloco"):
                 runs = row[m].get("runs") or []
                 if runs:
-                    xs, ys = _curve(ctx, runs[0])
+                    xs, ys = ctx.curve(runs[0])
                     axes[1].plot(xs, ys, marker=".", label=m)
             axes[1].set_xlabel("inner steps per worker" + (" (after pretraining)" if start == "warm" else ""))
             axes[1].set_ylabel("val_loss (fixed subset)")
@@ -978,7 +1092,7 @@ def figures(ctx: Ctx, report: dict, where: Path) -> list[str]:
             for m, lab in (("single", "AdamW (single)"), ("diloco_k1", "DiLoCo k=1")):
                 runs = r[m].get("runs") or []
                 if runs:
-                    axes[1].plot(*_curve(ctx, runs[0]), marker=".", label=lab)
+                    axes[1].plot(*ctx.curve(runs[0]), marker=".", label=lab)
             axes[1].set_xlabel("inner steps")
             axes[1].set_ylabel("val_loss (fixed subset)")
             axes[1].set_title("seed 0")
@@ -1145,6 +1259,8 @@ def main() -> None:
         suffix = "_quick"
     args.workdir = args.workdir or RESULTS / f"reproduce{suffix}_runs"  # *_runs/ is git-ignored
     args.out = args.out or RESULTS / f"reproduce_diloco{suffix}.json"
+    ledger_dir = args.workdir / "_ledger" if args.quick else RESULTS / f"reproduce{suffix}_ledger"
+    args.ledger = ledger_dir / "runs.jsonl"
     where = args.workdir / "figures" if args.quick else FIGURES
     fig_suffix = "" if args.model == "nano" or args.quick else f"_{args.model}"
     bad = [h for h in (*args.hs, args.H) if args.steps % h] + (
@@ -1158,7 +1274,7 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.quick:
         ctx.config_path.write_text(QUICK_CONFIG)
-    timing_path = args.workdir / "_part_timing.json"
+    timing_path = ledger_dir / "part_timing.json"
     timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
     before = {p: dict(v) for p, v in timing.items()}  # earlier invocations' totals
     built = {p: BUILDERS[p](ctx) for p in PARTS}
@@ -1168,11 +1284,13 @@ def main() -> None:
         """A part's totals over every invocation, rewritten after each run it finishes."""
         old = before.get(part, {})
         timing[part] = {
+            **old,
             "elapsed_s": round(old.get("elapsed_s", 0) + span, 1),
             "new_runs": old.get("new_runs", 0) + n,
             "jobs": args.jobs,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
+        timing_path.parent.mkdir(parents=True, exist_ok=True)
         timing_path.write_text(json.dumps(timing, indent=2) + "\n")
 
     if not (args.report_only or args.plot_only):
@@ -1191,6 +1309,10 @@ def main() -> None:
         "workdir": str(args.workdir.relative_to(ROOT) if args.workdir.is_relative_to(ROOT) else args.workdir),
         "parts_run_now": [] if (args.report_only or args.plot_only) else parts,
     }
+    for plan, _ in built.values():  # runs finished before the ledger, or by an older copy of this file
+        for r in plan.all_runs(ctx):
+            ctx.keep(r)
+    ctx.ledger.save()
     for p in PARTS:
         plan, report = built[p]
         runs = plan.all_runs(ctx)
@@ -1206,6 +1328,8 @@ def main() -> None:
             "runs_failed": sum(1 for x in res if x.get("failed")),
             "runs_missing": len(runs) - len(have),
             "runs_wall_s_sum": round(sum((x.get("elapsed_s") or x.get("wall_time_s") or 0) for x in res), 1),
+            "runs_wall_s_unknown": sum(1 for x in res if not (x.get("elapsed_s") or x.get("wall_time_s"))),
+            "runs_wall_s_before_ledger": timing.get(p, {}).get("runs_wall_s_before_ledger"),
             "worker_steps_sum": sum(x.get("inner_steps", 0) for x in res if not x.get("failed")),
             "elapsed_s": timing.get(p, {}).get("elapsed_s"),
             "elapsed_note": "summed over the invocations that ran new runs of this part, each from "
