@@ -403,6 +403,7 @@ def build_side(cfg: TrainConfig, data: Data, init: dict[str, torch.Tensor] | Non
         download=build_codec(cfg.download_codec),
         weights=None if cfg.method == "async" else data.weights,
         drop_prob=cfg.drop_prob,
+        after_drop=cfg.after_drop,
         seed=cfg.seed,
         on_nonfinite=cfg.on_nonfinite,
     )

@@ -37,6 +37,7 @@ OUTER_OPTS = ("nesterov", "sgd", "adam")
 CODECS = ("fp32", "bf16", "int8", "fp4", "topk")  # codec.CODECS, checked by tests
 DOWNLOAD_CODECS = ("fp32", "bf16")  # codec.DOWNLOAD_CODECS
 ON_NONFINITE = ("stop", "drop")
+AFTER_DROP = ("own", "global")  # where the worker of a dropped outer_grad goes on from
 PRESETS = (
     "nano",
     "micro",
@@ -421,6 +422,15 @@ class TrainConfig:
         needs=ON_DILOCO,
         help="probability that an outer_grad is lost, each round",
     )
+    after_drop: str = setting(
+        "own",
+        flag="--after-drop",
+        group="faults",
+        choices=AFTER_DROP,
+        needs=ON_DILOCO,
+        help="where a worker whose outer_grad was lost (--drop-prob) starts its next round: own (its "
+        "own parameters, as if it had not synchronised) or global (the global ones: its round is lost)",
+    )
     workers_schedule: str = setting(
         "",
         flag="--workers-schedule",
@@ -572,6 +582,11 @@ def validate(cfg: TrainConfig) -> None:
     _validate_sim(cfg)
     _validate_server(cfg)
     settings.check_needs(cfg)
+    if settings.changed(cfg, "after_drop") and not cfg.drop_prob:
+        raise UserError(
+            f"after_drop (--after-drop) {cfg.after_drop} says what a dropped outer_grad's worker does, "
+            "and no outer_grad is dropped: set drop_prob (--drop-prob) above 0, or leave after_drop out."
+        )
 
 
 def _validate_communication(cfg: TrainConfig) -> None:

@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from diloco.async_rules import AsyncRule
 from diloco.codec import Codec, Encoded, Fp32Codec, tensor_bytes
-from diloco.config import ON_NONFINITE
+from diloco.config import AFTER_DROP, ON_NONFINITE
 from diloco.errors import NonFinite
 from diloco.outer import Nesterov, OuterOpt, kept_weights
 from diloco.schedule import outer_grad_dropped
@@ -44,9 +44,10 @@ class OuterSide:
     `update` is an `OuterOpt` (sync DiLoCo: one step per round on the weighted average) or an
     `AsyncRule` (asynchronous: one application per arriving outer_grad). `weights` default to
     1/k. `drop_prob` loses each outer_grad of a sync round with that probability (drawn from
-    (seed, round, worker), so every runtime agrees); `on_nonfinite` says what a NaN/Inf outer_grad
-    or loss does: `stop` raises `NonFinite`, `drop` treats it as lost and its worker restarts
-    from the global parameters.
+    (seed, round, worker), so every runtime agrees); its worker then goes on from its own
+    parameters (`after_drop` "own") or from the global ones ("global"); `on_nonfinite` says what
+    a NaN/Inf outer_grad or loss does: `stop` raises `NonFinite`, `drop` treats it as lost and
+    its worker restarts from the global parameters.
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class OuterSide:
         download: Codec | None = None,
         weights: Sequence[float] | None = None,
         drop_prob: float = 0.0,
+        after_drop: str = "own",
         seed: int = 0,
         on_nonfinite: str = "stop",
     ):
@@ -70,6 +72,8 @@ class OuterSide:
             raise ValueError(f"weights must be {k} non-negative numbers summing to 1, got {weights}")
         if on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+        if after_drop not in AFTER_DROP:
+            raise ValueError(f"after_drop must be one of {AFTER_DROP}, got {after_drop!r}")
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.update = update if update is not None else Nesterov()
@@ -77,7 +81,8 @@ class OuterSide:
         self.download = download or Fp32Codec()  # how workers receive θ: fp32, or bf16 (lossy)
         self._downloaded: tuple[int, list[torch.Tensor]] | None = None  # (version, decoded θ)
         self.weights = weights
-        self.drop_prob, self.seed, self.on_nonfinite = drop_prob, seed, on_nonfinite
+        self.drop_prob, self.after_drop = drop_prob, after_drop
+        self.seed, self.on_nonfinite = seed, on_nonfinite
         self.version = 0  # outer updates applied
         self.rounds_done = 0  # sync rounds finished (with or without an update)
         self.inner_step = 0  # inner steps each (always active) worker has taken, sync
@@ -161,7 +166,7 @@ class OuterSide:
         self.bytes_sent[w] += nbytes
         self._arrived += 1
         dropped = outer_grad_dropped(self.seed, self.rounds_done, w, self.drop_prob)
-        self.own_start[w] = dropped
+        self.own_start[w] = dropped and self.after_drop == "own"
         if not finite:
             if self.on_nonfinite == "stop":
                 raise NonFinite(

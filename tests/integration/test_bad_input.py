@@ -179,6 +179,9 @@ def test_a_toml_value_of_the_wrong_type_exits_2_naming_key_flag_and_type(
             "fragments (--fragments) applies only with --method diloco",
         ),
         (["--fragments", "2", "--drop-prob", "0.1"], "does not simulate lost outer_grads"),
+        (["--after-drop", "global"], "no outer_grad is dropped: set drop_prob (--drop-prob) above 0"),
+        (["--drop-prob", "0.1", "--after-drop", "mine"], "must be one of own, global, got 'mine'"),
+        (["--method", "async", "--after-drop", "global"], "after_drop (--after-drop) applies only with"),
         (["--overlap-steps", "2", "--on-nonfinite", "drop"], "use --on-nonfinite stop"),
     ],
 )

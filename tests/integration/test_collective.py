@@ -154,14 +154,18 @@ def test_collective_outside_torchrun_and_wrong_worker_count_are_clear_errors(tmp
 
 
 @pytest.mark.timeout(90)
-def test_drop_prob_and_workers_schedule_match_the_simulator(tiny, tmp_path):
-    proc = _torchrun(
-        tmp_path, 2, "--drop-prob", "0.5", "--workers-schedule", "0:1,0.5:2", "--out", str(tmp_path / "c")
-    )
+@pytest.mark.parametrize("after_drop", ["own", "global"])
+def test_drop_prob_and_workers_schedule_match_the_simulator(tiny, tmp_path, after_drop):
+    faults = ["--drop-prob", "0.5", "--workers-schedule", "0:1,0.5:2", "--after-drop", after_drop]
+    proc = _torchrun(tmp_path, 2, *faults, "--out", str(tmp_path / "c"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     real = load_file(str(tmp_path / "c" / "model.safetensors"))
-    sim = _sim(tiny, tmp_path, "s", num_workers=2, drop_prob=0.5, workers_schedule="0:1,0.5:2")
+    kw = dict(num_workers=2, drop_prob=0.5, workers_schedule="0:1,0.5:2")
+    sim = _sim(tiny, tmp_path, "s", after_drop=after_drop, **kw)
     assert all(real[k].equal(sim[k]) for k in sim)
+    if after_drop == "global":  # a drop these 3 rounds draw changes where its worker goes on from
+        own = _sim(tiny, tmp_path, "own", after_drop="own", **kw)
+        assert not all(own[k].equal(sim[k]) for k in sim)
 
 
 @pytest.mark.timeout(90)

@@ -47,6 +47,7 @@ EXPECTED = {
     "--max-update-norm-ratio": "max_update_norm_ratio",
     "--max-staleness": "max_staleness",
     "--drop-prob": "drop_prob",
+    "--after-drop": "after_drop",
     "--workers-schedule": "workers_schedule",
     "--codec": "codec",
     "--topk-fraction": "topk_fraction",

@@ -91,6 +91,27 @@ def test_dropped_and_inactive_workers_rescale_the_kept_weights():
 
 
 @pytest.mark.timeout(10)
+@pytest.mark.parametrize("after_drop", ["own", "global"])
+def test_after_a_drop_the_worker_goes_on_from_its_own_or_the_global_parameters(after_drop):
+    from diloco.schedule import outer_grad_dropped
+
+    side = OuterSide(_model(), 2, drop_prob=0.5, seed=1, after_drop=after_drop)
+    size = sum(p.numel() for p in side.params) * 4
+    dropped_before = [False, False]
+    for r in range(6):
+        received = list(side.bytes_received)
+        starts = _round(side, [_grads(side, 10 * r + w) for w in range(2)])
+        # "own": a worker whose last outer_grad was dropped neither pulls nor starts from θ
+        own = [d and after_drop == "own" for d in dropped_before]
+        assert starts == [not o for o in own]
+        assert [b - a for a, b in zip(received, side.bytes_received)] == [0 if o else size for o in own]
+        dropped_before = [outer_grad_dropped(1, r, w, 0.5) for w in range(2)]
+        assert side.own_start == [d and after_drop == "own" for d in dropped_before]
+    with pytest.raises(ValueError, match="after_drop must be one of"):
+        OuterSide(_model(), 2, after_drop="mine")
+
+
+@pytest.mark.timeout(10)
 def test_a_non_finite_outer_grad_stops_the_run_or_is_dropped():
     side = OuterSide(_model(), 2)
     before = [p.detach().clone() for p in side.params]

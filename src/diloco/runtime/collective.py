@@ -171,6 +171,7 @@ class CollectiveDiLoCo:
             download=build_codec(cfg.download_codec),
             weights=weights,
             drop_prob=cfg.drop_prob,
+            after_drop=cfg.after_drop,
             seed=cfg.seed,
             on_nonfinite=cfg.on_nonfinite,
         )

@@ -98,6 +98,7 @@ class DiLoCo(SideView):
         pool: InlinePool | ProcessPool | None = None,
         clock: Clock | None = None,
         drop_prob: float = 0.0,
+        after_drop: str = "own",
         seed: int = 0,
         on_nonfinite: str = "stop",
         fragments: int = 1,
@@ -137,6 +138,7 @@ class DiLoCo(SideView):
             codec=codec,
             weights=weights,
             drop_prob=drop_prob,
+            after_drop=after_drop,
             seed=seed,
             on_nonfinite=on_nonfinite,
         )
@@ -202,7 +204,8 @@ class DiLoCo(SideView):
 
         `active` (default all) workers take part: the first `active` ones. With `drop_prob`, each
         outer_grad is lost with that probability; its worker then continues from its own
-        parameters next round, and the others' weights are rescaled to sum to 1.
+        parameters next round (`after_drop` "own") or from the global ones ("global"), and the
+        others' weights are rescaled to sum to 1.
         """
         if self.schedule is not None:
             if active is not None and active != self.num_workers:
