@@ -35,7 +35,9 @@ Parts (`--part`, repeatable or a comma list; default all):
   {0.03, 0.1, 0.3}), then every seed at that lr (baseline Nesterov).
 - `shards`: `--shards genre` and `kmeans` vs `iid`, k = 4.
 - `drop`: `--drop-prob` 0, 0.1, 0.3, 0.5, k = 4 (baseline 0), and 0 and 0.5 warm-started as in part dp
-  (the paper dropped outer_grads of a pretrained model).
+  (the paper dropped outer_grads of a pretrained model); 0 and 0.5 also with `--after-drop global`
+  (the dropped worker goes back to the global parameters), with k = 8 (the paper's workers), and
+  both.
 - `schedule`: `--workers-schedule` 0:4,0.5:8 / 0:8,0.5:4 / 0:1,0.5:8 / 0:8,0.5:1, each against a
   constant number of workers with the same total worker-steps (6 for 4↔8; 4.5 for 1↔8, where
   no integer matches: the baseline is then interpolated per seed between constant k = 4 and 5,
@@ -128,7 +130,8 @@ OUTER_GRIDS = {  # name -> (--outer-opt, --outer-momentum or None, lr grid)
 WORKERS = (1, 2, 4, 8)
 HS = (10, 25, 50, 100, 250)
 DROP_PROBS = (0.0, 0.1, 0.3, 0.5)
-DROP_PROBS_WARM = (0.0, 0.5)
+DROP_PROBS_WARM = (0.0, 0.5)  # also with --after-drop global, and with DROP_K8 workers
+DROP_K8 = 8
 SCHEDULES = {"4to8": "0:4,0.5:8", "8to4": "0:8,0.5:4", "1to8": "0:1,0.5:8", "8to1": "0:8,0.5:1"}
 CODECS = {
     "fp32": [],
@@ -858,29 +861,48 @@ def part_shards(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
 
 
 def part_drop(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
-    def run(p: float, s: int, warm: bool = False) -> Run:
-        extra = ("--drop-prob", _num(p)) if p else ()
-        return ctx.diloco(s, extra=extra, note=f" drop {_num(p)}" if p else "", warm=warm)
+    def run(p: float, s: int, warm: bool = False, k: int = K, after: str = "own") -> Run:
+        extra, note = (), ""
+        if p:  # no drops: the same run whatever --after-drop would say
+            extra, note = ("--drop-prob", _num(p)), f" drop {_num(p)}"
+            if after != "own":
+                extra, note = (*extra, "--after-drop", after), f"{note} after-drop {after}"
+        return ctx.diloco(s, k=k, extra=extra, note=note, warm=warm)
 
-    runs = {p: [run(p, s) for s in ctx.seeds] for p in DROP_PROBS}
+    def sweep(probs: tuple[float, ...], **kw) -> dict[float, list[Run]]:
+        return {p: [run(p, s, **kw) for s in ctx.seeds] for p in probs}
+
+    runs = sweep(DROP_PROBS)
     # the paper drops outer_grads of a pretrained model: the same from part dp's warm start
-    warm = {p: [run(p, s, warm=True) for s in ctx.seeds] for p in DROP_PROBS_WARM}
+    warm = sweep(DROP_PROBS_WARM, warm=True)
+    # why 50% costs more here: the paper's 8 workers (a round is lost whole less often), and a
+    # dropped worker going back to the global parameters instead of going on from its own
+    rejoin = sweep(DROP_PROBS_WARM, after="global")
+    k8 = sweep(DROP_PROBS_WARM, k=DROP_K8)
+    k8_rejoin = sweep(DROP_PROBS_WARM, k=DROP_K8, after="global")
 
     def report() -> dict:
-        def rows(by_p: dict[float, list[Run]]) -> dict:
+        def rows(by_p: dict[float, list[Run]], **meta) -> dict:
             base = entry(ctx, by_p[0.0])
-            return {_num(p): versus(entry(ctx, r, drop_prob=p), base) for p, r in by_p.items()}
+            return {_num(p): versus(entry(ctx, r, drop_prob=p, **meta), base) for p, r in by_p.items()}
 
         return {
             "baseline": "drop_prob 0",
             "k": K,
+            "after_drop": "own",
             "by_drop_prob": rows(runs),
             "by_drop_prob_warm": rows(warm),
+            "by_drop_prob_after_global": rows(rejoin, after_drop="global"),
+            f"by_drop_prob_k{DROP_K8}": rows(k8, k=DROP_K8),
+            f"by_drop_prob_k{DROP_K8}_after_global": rows(k8_rejoin, k=DROP_K8, after_drop="global"),
             "warm_note": f"warm-started from part dp's {ctx.pretrain_steps}-step pretraining",
+            "after_drop_note": "--after-drop own (diloco's default): the worker of a dropped outer_grad goes "
+            "on from its own parameters; global: it goes back to the global ones",
             "claim": "dropping each outer_grad with probability 0.5 costs ~2% perplexity",
         }
 
-    return Plan([x for r in [*warm.values(), *runs.values()] for x in r]), report
+    order = [warm, runs, rejoin, k8, k8_rejoin]
+    return Plan(list({x.name: x for by_p in order for r in by_p.values() for x in r}.values())), report
 
 
 def _schedule_average(ctx: Ctx, text: str) -> float:
@@ -1148,7 +1170,13 @@ def figures(ctx: Ctx, report: dict, where: Path) -> list[str]:
             _bars(ax, list(r["by_shards"]), list(r["by_shards"].values()))
             ax.set_title(f"shards, k={r['k']}, {seeds}")
         elif part == "drop":
-            for key, label in (("by_drop_prob", "from scratch"), ("by_drop_prob_warm", "warm start")):
+            for key, label in (
+                ("by_drop_prob", "from scratch"),
+                ("by_drop_prob_warm", "warm start"),
+                ("by_drop_prob_after_global", "from scratch, --after-drop global"),
+                (f"by_drop_prob_k{DROP_K8}", f"from scratch, k={DROP_K8}"),
+                (f"by_drop_prob_k{DROP_K8}_after_global", f"from scratch, k={DROP_K8}, --after-drop global"),
+            ):
                 by = r.get(key) or {}  # the cost per seed against no drops, in percent
                 paired = [e.get("vs_baseline_paired") for e in by.values()]
                 pct = [
@@ -1160,7 +1188,7 @@ def figures(ctx: Ctx, report: dict, where: Path) -> list[str]:
             ax.set_xlabel("probability an outer_grad is dropped")
             ax.set_ylabel("final val_loss vs no drops, % (paired by seed)")
             ax.legend()
-            ax.set_title(f"dropped outer_grads, k={r['k']}, {seeds}")
+            ax.set_title(f"dropped outer_grads, k={r['k']} unless named, {seeds}")
             ax.grid(alpha=0.3)
         elif part == "schedule":
             labels, rows, cols = [], [], []
