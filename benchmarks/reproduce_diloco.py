@@ -1034,6 +1034,28 @@ def _bars(ax, labels: list[str], rows: list[dict | None], colours: list[str] | N
     ax.set_ylim(bottom - 2 * pad, top + pad)
     ax.set_ylabel("final val_loss (mean, min–max over seeds)")
     ax.grid(axis="y", alpha=0.3)
+    labelled = False
+    for x, y, d in zip(xs, ys, hi, strict=True):  # the paired difference to the part's baseline
+        paired = (rows[x] or {}).get("vs_baseline_paired")
+        if paired and (paired["min"] or paired["max"]):
+            labelled = True
+            ax.annotate(
+                f"{100 * paired['mean']:+.2f}%",
+                (x, y + d),
+                ha="center",
+                xytext=(0, 3),
+                textcoords="offset points",
+                fontsize=8,
+            )
+    if labelled:
+        ax.text(
+            0.01,
+            0.98,
+            "labels: vs the baseline, mean of the per-seed differences",
+            fontsize=8,
+            transform=ax.transAxes,
+            va="top",
+        )
 
 
 def _errline(ax, xs: list[float], rows: list[dict], label: str, **kw) -> None:
