@@ -52,7 +52,8 @@ and counts as failed (the worst of a grid). The folders (models, logs) are git-i
 on the machine that ran them, so every finished run's result (summary.json, time, its evaluation
 curve) also goes to a ledger kept in git, benchmarks/results/reproduce_ledger/runs.jsonl (one
 JSON object per run, sorted by name; `--model micro`: reproduce_micro_ledger/; `--quick`: the
-workdir's _ledger/), beside part_timing.json (each part's wall time over every invocation). A
+workdir's _ledger/; `--ledger` another folder), beside part_timing.json (each part's wall time
+over every invocation). A
 run in the ledger is not run again on a new machine, except a pretraining run whose model a
 new warm-started run needs: it runs again, and a result that differs from the ledger's is
 reported (the runs are meant to be deterministic). The JSON always covers every part from the
@@ -275,8 +276,10 @@ class Ledger:
                     self.rows[row["name"]] = row
 
     def put(self, row: dict) -> None:
+        """Adds or replaces a row, unless only its `recorded` time would change."""
         with self._lock:
-            if self.rows.get(row["name"]) != row:
+            old = self.rows.get(row["name"])
+            if old is None or {**old, "recorded": None} != {**row, "recorded": None}:
                 self.rows[row["name"]] = row
                 self._dirty = True
 
@@ -460,8 +463,6 @@ class Ctx:
                     f"{was:.5f} in the ledger ({old.get('source', 'an earlier run')}): not deterministic"
                 )
         row["recorded"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-        if old is not None and {**old, "recorded": None} == {**row, "recorded": None}:
-            return
         self.ledger.put(row)
 
     def command(self, run: Run) -> list[str]:
@@ -1294,6 +1295,12 @@ def main() -> None:
         type=Path,
         help="run folders (default benchmarks/results/reproduce_runs/; --quick: reproduce_quick_runs/)",
     )
+    ap.add_argument(
+        "--ledger",
+        type=Path,
+        help="the ledger's folder (default benchmarks/results/reproduce_ledger/; --quick: the workdir's "
+        "_ledger/); give main's when running from another worktree",
+    )
     ap.add_argument("--out", type=Path, help="the JSON (default benchmarks/results/reproduce_diloco.json)")
     ap.add_argument(
         "--report-only", action="store_true", help="no new runs: the JSON and figures from what exists"
@@ -1309,8 +1316,10 @@ def main() -> None:
         suffix = "_quick"
     args.workdir = args.workdir or RESULTS / f"reproduce{suffix}_runs"  # *_runs/ is git-ignored
     args.out = args.out or RESULTS / f"reproduce_diloco{suffix}.json"
-    ledger_dir = args.workdir / "_ledger" if args.quick else RESULTS / f"reproduce{suffix}_ledger"
-    args.ledger = ledger_dir / "runs.jsonl"
+    ledger_dir = args.ledger or (
+        args.workdir / "_ledger" if args.quick else RESULTS / f"reproduce{suffix}_ledger"
+    )
+    args.ledger = ledger_dir / "runs.jsonl"  # Ctx reads the file
     where = args.workdir / "figures" if args.quick else FIGURES
     fig_suffix = "" if args.model == "nano" or args.quick else f"_{args.model}"
     bad = [h for h in (*args.hs, args.H) if args.steps % h] + (
