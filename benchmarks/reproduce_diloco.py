@@ -1069,12 +1069,21 @@ def _errline(ax, xs: list[float], rows: list[dict], label: str, **kw) -> None:
     ax.errorbar(x, y, yerr=err, marker="o", capsize=4, label=label, **kw)
 
 
-def _curve_runs(part: str, r: dict) -> list[str]:
+def _dp_curve_start(ctx: Ctx, r: dict) -> str:
+    """The start whose seed-0 curves part dp's figure plots for its headline k: warm, unless a
+    run of it has no curve (its folder was lost before the ledger kept curves) and scratch's do."""
+    row = r["per_k"][str(r["headline_k"])]
+    starts = [s for s in ("warm", "scratch") if s in row]
+    for start in starts:
+        if all(ctx.curve(e["runs"][0])[0] for e in (row[start][m] for m in ("single", "dp", "diloco"))):
+            return start
+    return starts[0]
+
+
+def _curve_runs(ctx: Ctx, part: str, r: dict) -> list[str]:
     """The runs whose evaluation curves a part's figure plots (seed 0 of each compared method)."""
     if part == "dp":
-        k = r["headline_k"]
-        row = r["per_k"][str(k)]
-        row = row["warm"] if "warm" in row else row["scratch"]
+        row = r["per_k"][str(r["headline_k"])][_dp_curve_start(ctx, r)]
         entries = [row[m] for m in ("single", "dp", "diloco")]
     elif part == "single":
         entries = [r["single"], r["diloco_k1"]]
@@ -1097,7 +1106,7 @@ def figures(ctx: Ctx, report: dict, where: Path) -> list[str]:
             continue
         if r["wall_time"]["runs_missing"]:  # a part half run would overwrite its figure with less
             continue
-        if any(not ctx.curve(name)[0] for name in _curve_runs(part, r)):
+        if any(not ctx.curve(name)[0] for name in _curve_runs(ctx, part, r)):
             _log(f"figure {part} not redrawn: a run it plots has no curve (neither a folder nor the ledger)")
             continue
         fig, axes = (
@@ -1119,7 +1128,7 @@ def figures(ctx: Ctx, report: dict, where: Path) -> list[str]:
             _bars(axes[0], labels, rows, cols)
             axes[0].set_title(f"final val_loss, {seeds} (C0 single, C1 dp, C2 DiLoCo, C3 serial k× steps)")
             k = r["headline_k"]
-            start = "warm" if "warm" in r["per_k"][str(k)] else "scratch"
+            start = _dp_curve_start(ctx, r)
             row = r["per_k"][str(k)][start]
             for m in ("single", "dp", "diloco"):
                 runs = row[m].get("runs") or []
