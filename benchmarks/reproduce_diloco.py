@@ -1092,7 +1092,7 @@ def _curve_runs(ctx: Ctx, part: str, r: dict) -> list[str]:
     return [e["runs"][0] for e in entries if e.get("runs")]
 
 
-def figures(ctx: Ctx, report: dict, where: Path) -> list[str]:
+def figures(ctx: Ctx, report: dict, where: Path, suffix: str = "") -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1236,7 +1236,7 @@ def figures(ctx: Ctx, report: dict, where: Path) -> list[str]:
             ax.set_title(f"outer_grad codecs, k={r['k']}, {seeds}")
         fig.tight_layout()
         where.mkdir(parents=True, exist_ok=True)
-        path = where / f"reproduce_{part}.png"
+        path = where / f"reproduce_{part}{suffix}.png"  # suffix: another model's figures sit beside nano's
         fig.savefig(path, dpi=110)
         plt.close(fig)
         drawn.append(str(path))
@@ -1406,11 +1406,7 @@ def main() -> None:
             "jobs": timing.get(p, {}).get("jobs"),
         }
         result[p] = part
-    drawn = figures(ctx, {p: result[p] for p in PARTS}, where)
-    if fig_suffix:
-        for path in drawn:
-            Path(path).rename(path.replace(".png", f"{fig_suffix}.png"))
-        drawn = [d.replace(".png", f"{fig_suffix}.png") for d in drawn]
+    drawn = figures(ctx, {p: result[p] for p in PARTS}, where, fig_suffix)
     result["figures"] = [str(Path(d).relative_to(ROOT)) if Path(d).is_relative_to(ROOT) else d for d in drawn]
     if args.plot_only:
         _log(f"figures: {', '.join(drawn)}")
