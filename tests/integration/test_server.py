@@ -272,14 +272,16 @@ def test_a_paused_worker_loses_its_slot_and_cannot_act_for_its_successor(tmp_pat
 @pytest.mark.timeout(120)
 def test_sync_round_timeout_drops_the_late_worker(tmp_path):
     """Sync with --round-timeout-s: a much slower worker's outer_grads arrive after their round
-    closed and are dropped (the other's weight becomes 1); it rejoins each round from θ."""
-    run = ["--workers", "2", "--inner-steps", "4", "--rounds", "3", "--round-timeout-s", "2"]
+    closed and are dropped (the other's weight becomes 1); it rejoins each round from θ. Its job
+    of 4 steps at 200× takes 800 step times, 1.6-16 s for a step of 2-20 ms: after the 1 s
+    timeout, and well before the 16 rounds (16 s or more) end."""
+    run = ["--workers", "2", "--inner-steps", "4", "--rounds", "16", "--round-timeout-s", "1"]
     srv = serve(tmp_path, *run, "--worker-timeout-s", "10")
     run_dir = tmp_path / "run"
     addr = address(run_dir)
     fast = worker(addr)
     wait_for(lambda: any(e["kind"] == "join" for e in events(run_dir)), what="the first worker")
-    slow = worker(addr, "--slowdown", "300")  # 4 steps take seconds: always after the timeout
+    slow = worker(addr, "--slowdown", "200")
     results = finish(srv, fast, slow)
     assert [rc for rc, _ in results] == [0, 0, 0], results
     log = events(run_dir)
@@ -289,6 +291,26 @@ def test_sync_round_timeout_drops_the_late_worker(tmp_path):
     assert [w["jobs"] for w in summary["workers"]] == [summary["outer_updates"], 0]
     assert summary["outer_updates"] >= 2  # every round the fast worker made in time
     assert replay(run_dir)["bitwise_equal"]
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_mid_job_hears_that_the_run_is_over(tmp_path):
+    """The run ends while a worker is inside a job far longer than the server lingers for its
+    stragglers (10 s at most): its heartbeat hears that the run is over, it drops the job and
+    exits 0, instead of pushing to a server that is gone and giving up with exit 2."""
+    run = ["--workers", "2", "--inner-steps", "4", "--rounds", "2", "--round-timeout-s", "1"]
+    srv = serve(tmp_path, *run, "--worker-timeout-s", "4")  # a heartbeat each second
+    run_dir = tmp_path / "run"
+    addr = address(run_dir)
+    fast = worker(addr)
+    wait_for(lambda: any(e["kind"] == "join" for e in events(run_dir)), what="the first worker")
+    slow = worker(addr, "--slowdown", "100000", "--retry-s", "5")  # its first step alone: minutes
+    results = finish(srv, fast, slow)
+    assert [rc for rc, _ in results] == [0, 0, 0], results
+    assert "the server says the run is over" in results[2][1], results[2][1]
+    log = events(run_dir)
+    assert not [e for e in log if e["kind"] in ("push", "late") and e["worker"] == 1]
+    assert json.loads((run_dir / "summary.json").read_text())["outer_updates"] == 2
 
 
 @pytest.mark.timeout(60)

@@ -69,6 +69,11 @@ class Refused(UserError):
     """The server refused a call for a reason that retrying does not fix."""
 
 
+class RunOver(Exception):
+    """The heartbeat heard that the run is over: the job in hand is dropped (the server may
+    already be gone, so nothing is pushed or retried)."""
+
+
 class Link:
     """The channel to the server (TLS with `tls_ca`), the token every call carries, and the
     retry policy of every call."""
@@ -83,11 +88,14 @@ class Link:
         self.stub = rpc.ParameterServerStub(self.channel)
         self.meta = ((security.HEADER, f"Bearer {token}"),) if token else ()
 
-    def call(self, what: str, fn: Callable[[], T]) -> T:
+    def call(self, what: str, fn: Callable[[], T], over: threading.Event | None = None) -> T:
         """fn() until it succeeds; while the server is unreachable, retry with backoff (0.1 s up
-        to 2 s) for --retry-s seconds, then a UserError. A refusal is a UserError at once."""
+        to 2 s) for --retry-s seconds, then a UserError. A refusal is a UserError at once. With
+        `over` set (the run is over) it stops retrying: RunOver."""
         start, delay, warned = time.monotonic(), 0.1, False
         while True:
+            if over is not None and over.is_set():
+                raise RunOver
             try:
                 return fn()
             except grpc.RpcError as e:
@@ -142,20 +150,27 @@ def _tls_failure(details: str) -> bool:
 
 
 class _Heartbeat:
-    """Tells the server every `every` seconds that this worker is alive (its lease)."""
+    """Tells the server every `every` seconds that this worker is alive (its lease); sets `over`
+    when the answer says the run is over, so that a worker mid-job stops before the server,
+    which lingers only a few seconds for its stragglers, is gone."""
 
     def __init__(self, link: Link, ref: pb.WorkerRef, every: float):
         self.link, self.ref, self.every = link, ref, every
         self._stop = threading.Event()
+        self.over = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
             try:
-                self.link.stub.Heartbeat(self.ref, timeout=max(1.0, self.every), metadata=self.link.meta)
+                timeout = max(1.0, self.every)
+                reply = self.link.stub.Heartbeat(self.ref, timeout=timeout, metadata=self.link.meta)
             except grpc.RpcError:
-                pass  # the job loop finds out, and retries
+                continue  # the job loop finds out, and retries
+            if reply.done:
+                self.over.set()
+                return
 
     def stop(self) -> None:
         self._stop.set()
@@ -178,15 +193,28 @@ def _push_chunks(head: pb.PushChunk, blob: bytes) -> Iterator[pb.PushChunk]:
         yield pb.PushChunk(data=blob[at : at + CHUNK_BYTES])
 
 
-def _slowed(worker: Worker, factor: float) -> None:
-    """Emulate a slower machine: pad every inner step to `factor` × its measured time."""
+def _slowed(worker: Worker, factor: float, over: threading.Event) -> None:
+    """Emulate a slower machine: pad every inner step to `factor` × its measured time (a pause
+    that ends early when the run is over)."""
     step = worker.train_step
 
     def train_step(lr_step: int | None = None):
         t0 = time.perf_counter()
         out = step(lr_step)
-        time.sleep((factor - 1.0) * (time.perf_counter() - t0))
+        over.wait((factor - 1.0) * (time.perf_counter() - t0))
         return out
+
+    worker.train_step = train_step
+
+
+def _stoppable(worker: Worker, over: threading.Event) -> None:
+    """Make the worker's inner steps raise RunOver once `over` is set."""
+    step = worker.train_step
+
+    def train_step(lr_step: int | None = None):
+        if over.is_set():
+            raise RunOver
+        return step(lr_step)
 
     worker.train_step = train_step
 
@@ -261,9 +289,15 @@ def run_worker(
                     worker.model.to(dev)  # before the optimizer's first step, so its state follows
                     worker.batches = _ToDevice(worker.batches, dev)
                 if slowdown != 1.0:
-                    _slowed(worker, slowdown)
+                    _slowed(worker, slowdown, beat.over)
+                _stoppable(worker, beat.over)
                 _log(f"joined {server} as worker {reg.worker}")
-                if _jobs(link, ref, worker, acked, cfg, len(data.shards), acks):
+                try:
+                    done = _jobs(link, ref, worker, acked, cfg, len(data.shards), acks, beat.over)
+                except RunOver:
+                    done = True
+                    _log("the server says the run is over; any job in hand is dropped")
+                if done:
                     _log(f"the run at {server} is done; {len(acked)} pushes of this worker were acknowledged")
                     return 0
             except (KeyboardInterrupt, UserError):  # stopping: tell the server (best effort)
@@ -292,12 +326,22 @@ def _check_job(head: pb.JobChunk, start: list[torch.Tensor], worker: Worker, cfg
         )
 
 
-def _jobs(link: Link, ref: pb.WorkerRef, worker: Worker, acked: set[int], cfg, shards: int, acks) -> bool:
-    """Jobs until the run is done (True) or the server no longer knows this worker (False)."""
+def _jobs(
+    link: Link,
+    ref: pb.WorkerRef,
+    worker: Worker,
+    acked: set[int],
+    cfg,
+    shards: int,
+    acks,
+    over: threading.Event,
+) -> bool:
+    """Jobs until the run is done (True) or the server no longer knows this worker (False);
+    RunOver when the heartbeat hears that the run is over mid-job."""
     refused = 0
     download = build_codec(cfg.download_codec)  # how the server sends θ
     while True:
-        head, blob = link.call("asking for a job", lambda: _get_job(link, ref))
+        head, blob = link.call("asking for a job", lambda: _get_job(link, ref), over)
         if head.status == pb.JobChunk.DONE:
             return True
         if head.status == pb.JobChunk.UNKNOWN_WORKER:
@@ -331,6 +375,7 @@ def _jobs(link: Link, ref: pb.WorkerRef, worker: Worker, acked: set[int], cfg, s
                 lambda push=push, message=message: link.stub.Push(
                     _push_chunks(push, message), timeout=120.0, metadata=link.meta
                 ),
+                over,
             )
         except Refused as e:  # e.g. too stale, or a norm over the bound: this job is dropped
             refused += 1
