@@ -287,11 +287,11 @@ class Handlers(rpc.ParameterServerServicer):
     def Heartbeat(self, request, ctx):
         self._check(request.run_id, ctx)
         with self.rt.cond:
-            known = self._touch(request.worker, request.token)
-            if self.rt.coord.finished:  # a worker mid-job hears it here, not after its job
+            known, done = self._touch(request.worker, request.token), self.rt.coord.finished
+            if done:  # a worker mid-job hears it here, not after its job
                 self.rt.told_done.add(request.token)
                 self.rt.cond.notify_all()
-            return pb.HeartbeatReply(known=known, done=self.rt.coord.finished)
+            return pb.HeartbeatReply(known=known, done=done)
 
     def Leave(self, request, ctx):
         self._check(request.run_id, ctx)
