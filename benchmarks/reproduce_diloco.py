@@ -28,8 +28,8 @@ Parts (`--part`, repeatable or a comma list; default all):
   also `serial_warm_final_val_loss` and `dp_warm_vs_serial_gap`.
 - `single`: DiLoCo k = 1 vs plain AdamW (`--method single`) at equal steps.
 - `workers`: DiLoCo k ∈ {1, 2, 4, 8} at equal steps per worker (baseline k = 1).
-- `H`: H ∈ {10, 25, 50, 100, 250}, k = 4, loss and bytes sent (baseline H = 50; data parallel's
-  bytes for reference).
+- `H`: H ∈ {10, 25, 50, 100, 250} (`--hs` some of them), k = 4, loss and bytes sent (baseline
+  H = 50; data parallel's bytes for reference).
 - `outer`: Nesterov (momentum 0.9) vs SGD with momentum 0 (lr 1 is FedAvg) vs Adam (eps 0.1),
   k = 4, each at its best lr of a small grid on seed 0 ({0.3, 0.5, 0.7, 1.0}, {0.5, 1.0, 1.5},
   {0.03, 0.1, 0.3}), then every seed at that lr (baseline Nesterov).
@@ -1300,6 +1300,11 @@ def main() -> None:
         help="part dp: DiLoCo's outer lr grid, a comma list (default 0.3,0.5,0.7,1)",
     )
     ap.add_argument(
+        "--hs",
+        type=_ints,
+        help="part H: the H values, a comma list (default 10,25,50,100,250; the baseline H = 50 always runs)",
+    )
+    ap.add_argument(
         "--workdir",
         type=Path,
         help="run folders (default benchmarks/results/reproduce_runs/; --quick: reproduce_quick_runs/)",
@@ -1317,12 +1322,13 @@ def main() -> None:
     ap.add_argument("--plot-only", action="store_true", help="no new runs: the figures only")
     args = ap.parse_args()
     parts = _parts(args.part)
-    args.H, args.hs = 50, HS
+    args.H, hs = 50, args.hs or HS
     suffix = "" if args.model == "nano" else f"_{args.model}"
     if args.quick:
-        args.steps, args.H, args.hs = QUICK_STEPS, QUICK_H, QUICK_HS
+        args.steps, args.H, hs = QUICK_STEPS, QUICK_H, args.hs or QUICK_HS
         args.pretrain_steps = QUICK_STEPS
         suffix = "_quick"
+    args.hs = tuple(sorted({*hs, args.H}))  # the baseline H always runs
     args.workdir = args.workdir or RESULTS / f"reproduce{suffix}_runs"  # *_runs/ is git-ignored
     args.out = args.out or RESULTS / f"reproduce_diloco{suffix}.json"
     ledger_dir = args.ledger or (
