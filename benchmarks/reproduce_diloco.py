@@ -1337,12 +1337,13 @@ def main() -> None:
     args.ledger = ledger_dir / "runs.jsonl"  # Ctx reads the file
     where = args.workdir / "figures" if args.quick else FIGURES
     fig_suffix = "" if args.model == "nano" or args.quick else f"_{args.model}"
-    bad = [h for h in (*args.hs, args.H) if args.steps % h] + (
+    bad = [h for h in args.hs if h < 1 or args.steps % h] + (  # args.hs holds args.H
         [args.H] if args.pretrain_steps % args.H else []
     )
     if bad or args.seeds < 1 or args.jobs < 1:
-        raise SystemExit(
-            f"--steps and --pretrain-steps must be multiples of every H {args.hs}; --seeds, --jobs ≥ 1"
+        ap.error(  # exit code 2
+            f"--steps and --pretrain-steps must be multiples of every H {args.hs} (each ≥ 1); "
+            "--seeds, --jobs ≥ 1"
         )
     ctx = Ctx(args)
     args.workdir.mkdir(parents=True, exist_ok=True)
