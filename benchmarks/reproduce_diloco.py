@@ -310,6 +310,7 @@ class Ctx:
         self.steps = args.steps
         self.H = args.H
         self.hs = args.hs
+        self.h_k = args.h_k  # part H's workers
         self.seeds = list(range(args.seeds))
         self.pretrain_steps = args.pretrain_steps
         self.jobs = args.jobs
@@ -780,8 +781,8 @@ def part_workers(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
 
 
 def part_H(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
-    runs = {h: [ctx.diloco(s, H=h) for s in ctx.seeds] for h in ctx.hs}
-    dp = [ctx.dp(K, s) for s in ctx.seeds]
+    runs = {h: [ctx.diloco(s, k=ctx.h_k, H=h) for s in ctx.seeds] for h in ctx.hs}
+    dp = [ctx.dp(ctx.h_k, s) for s in ctx.seeds]
 
     def report() -> dict:
         base = entry(ctx, runs[ctx.H], H=ctx.H)
@@ -794,7 +795,7 @@ def part_H(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             rows[str(h)] = e
         return {
             "baseline": f"H={ctx.H}",
-            "k": K,
+            "k": ctx.h_k,
             "steps_per_worker": ctx.steps,
             "outer_lr": 0.7,
             "by_H": rows,
@@ -1305,6 +1306,13 @@ def main() -> None:
         help="part H: the H values, a comma list (default 10,25,50,100,250; the baseline H = 50 always runs)",
     )
     ap.add_argument(
+        "--h-k",
+        type=int,
+        default=K,
+        help=f"part H: workers k (default {K}); another k needs --part H alone and writes its own JSON "
+        "and figure (suffix _H_k<k>)",
+    )
+    ap.add_argument(
         "--workdir",
         type=Path,
         help="run folders (default benchmarks/results/reproduce_runs/; --quick: reproduce_quick_runs/)",
@@ -1330,16 +1338,21 @@ def main() -> None:
         suffix = "_quick"
     args.hs = tuple(sorted({*hs, args.H}))  # the baseline H always runs
     args.workdir = args.workdir or RESULTS / f"reproduce{suffix}_runs"  # *_runs/ is git-ignored
-    args.out = args.out or RESULTS / f"reproduce_diloco{suffix}.json"
+    h_suffix = "" if args.h_k == K else f"_H_k{args.h_k}"  # part H at another k: its own files
+    args.out = args.out or RESULTS / f"reproduce_diloco{suffix}{h_suffix}.json"
     ledger_dir = args.ledger or (
         args.workdir / "_ledger" if args.quick else RESULTS / f"reproduce{suffix}_ledger"
     )
     args.ledger = ledger_dir / "runs.jsonl"  # Ctx reads the file
     where = args.workdir / "figures" if args.quick else FIGURES
-    fig_suffix = "" if args.model == "nano" or args.quick else f"_{args.model}"
+    fig_suffix = ("" if args.model == "nano" or args.quick else f"_{args.model}") + h_suffix
     bad = [h for h in args.hs if h < 1 or args.steps % h] + (  # args.hs holds args.H
         [args.H] if args.pretrain_steps % args.H else []
     )
+    if args.h_k != K and parts != ["H"]:
+        ap.error(f"--h-k {args.h_k} runs part H at another k: give --part H alone")  # exit code 2
+    if args.h_k < 1:
+        ap.error("--h-k must be ≥ 1")
     if bad or args.seeds < 1 or args.jobs < 1:
         ap.error(  # exit code 2
             f"--steps and --pretrain-steps must be multiples of every H {args.hs} (each ≥ 1); "
@@ -1357,8 +1370,8 @@ def main() -> None:
 
     def record(part: str, span: float, n: int) -> None:
         """A part's totals over every invocation, rewritten after each run it finishes."""
-        old = before.get(part, {})
-        timing[part] = {
+        old = before.get(part + h_suffix, {})
+        timing[part + h_suffix] = {
             **old,
             "elapsed_s": round(old.get("elapsed_s", 0) + span, 1),
             "new_runs": old.get("new_runs", 0) + n,
@@ -1388,7 +1401,8 @@ def main() -> None:
         for r in plan.all_runs(ctx):
             ctx.keep(r)
     ctx.ledger.save()
-    for p in PARTS:
+    reported = PARTS if args.h_k == K else parts  # the others are the default JSON's
+    for p in reported:
         plan, report = built[p]
         runs = plan.all_runs(ctx)
         have = [r for r in runs if ctx.result(r) is not None]
@@ -1404,16 +1418,16 @@ def main() -> None:
             "runs_missing": len(runs) - len(have),
             "runs_wall_s_sum": round(sum((x.get("elapsed_s") or x.get("wall_time_s") or 0) for x in res), 1),
             "runs_wall_s_unknown": sum(1 for x in res if not (x.get("elapsed_s") or x.get("wall_time_s"))),
-            "runs_wall_s_before_ledger": timing.get(p, {}).get("runs_wall_s_before_ledger"),
+            "runs_wall_s_before_ledger": timing.get(p + h_suffix, {}).get("runs_wall_s_before_ledger"),
             "worker_steps_sum": sum(x.get("inner_steps", 0) for x in res if not x.get("failed")),
-            "elapsed_s": timing.get(p, {}).get("elapsed_s"),
+            "elapsed_s": timing.get(p + h_suffix, {}).get("elapsed_s"),
             "elapsed_note": "summed over the invocations that ran new runs of this part, each from "
             "its first start to its last finish (parts overlap: a slot one part leaves idle runs the "
             "next's runs); runs shared with parts run before it are not counted again",
-            "jobs": timing.get(p, {}).get("jobs"),
+            "jobs": timing.get(p + h_suffix, {}).get("jobs"),
         }
         result[p] = part
-    drawn = figures(ctx, {p: result[p] for p in PARTS}, where, fig_suffix)
+    drawn = figures(ctx, {p: result[p] for p in reported}, where, fig_suffix)
     result["figures"] = [str(Path(d).relative_to(ROOT)) if Path(d).is_relative_to(ROOT) else d for d in drawn]
     if args.plot_only:
         _log(f"figures: {', '.join(drawn)}")
