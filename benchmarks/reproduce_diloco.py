@@ -1310,7 +1310,7 @@ def main() -> None:
         type=int,
         default=K,
         help=f"part H: workers k (default {K}); another k needs --part H alone and writes its own JSON "
-        "and figure (suffix _H_k<k>)",
+        "and figure (reproduce_diloco_H_k<k>.json, reproduce_H_k<k>.png)",
     )
     ap.add_argument(
         "--workdir",
@@ -1338,8 +1338,8 @@ def main() -> None:
         suffix = "_quick"
     args.hs = tuple(sorted({*hs, args.H}))  # the baseline H always runs
     args.workdir = args.workdir or RESULTS / f"reproduce{suffix}_runs"  # *_runs/ is git-ignored
-    h_suffix = "" if args.h_k == K else f"_H_k{args.h_k}"  # part H at another k: its own files
-    args.out = args.out or RESULTS / f"reproduce_diloco{suffix}{h_suffix}.json"
+    h_suffix = "" if args.h_k == K else f"_k{args.h_k}"  # part H at another k: its own files
+    args.out = args.out or RESULTS / f"reproduce_diloco{suffix}{'_H' if h_suffix else ''}{h_suffix}.json"
     ledger_dir = args.ledger or (
         args.workdir / "_ledger" if args.quick else RESULTS / f"reproduce{suffix}_ledger"
     )
