@@ -1349,10 +1349,10 @@ def main() -> None:
     bad = [h for h in args.hs if h < 1 or args.steps % h] + (  # args.hs holds args.H
         [args.H] if args.pretrain_steps % args.H else []
     )
-    if args.h_k != K and parts != ["H"]:
-        ap.error(f"--h-k {args.h_k} runs part H at another k: give --part H alone")  # exit code 2
     if args.h_k < 1:
-        ap.error("--h-k must be ≥ 1")
+        ap.error("--h-k must be ≥ 1")  # exit code 2
+    if args.h_k != K and parts != ["H"]:
+        ap.error(f"--h-k {args.h_k} runs part H at another k: give --part H alone")
     if bad or args.seeds < 1 or args.jobs < 1:
         ap.error(  # exit code 2
             f"--steps and --pretrain-steps must be multiples of every H {args.hs} (each ≥ 1); "
