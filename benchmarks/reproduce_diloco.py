@@ -28,8 +28,9 @@ Parts (`--part`, repeatable or a comma list; default all):
   also `serial_warm_final_val_loss` and `dp_warm_vs_serial_gap`.
 - `single`: DiLoCo k = 1 vs plain AdamW (`--method single`) at equal steps.
 - `workers`: DiLoCo k ∈ {1, 2, 4, 8} at equal steps per worker (baseline k = 1).
-- `H`: H ∈ {10, 25, 50, 100, 250} (`--hs` some of them), k = 4, loss and bytes sent (baseline
-  H = 50; data parallel's bytes for reference).
+- `H`: H ∈ {10, 25, 50, 100, 250} (`--hs` some of them), k = 4 (`--h-k` another k, with its own
+  JSON, figure and wall time), loss and bytes sent (baseline H = 50; data parallel's bytes for
+  reference).
 - `outer`: Nesterov (momentum 0.9) vs SGD with momentum 0 (lr 1 is FedAvg) vs Adam (eps 0.1),
   k = 4, each at its best lr of a small grid on seed 0 ({0.3, 0.5, 0.7, 1.0}, {0.5, 1.0, 1.5},
   {0.03, 0.1, 0.3}), then every seed at that lr (baseline Nesterov).
@@ -57,7 +58,7 @@ over every invocation). A
 run in the ledger is not run again on a new machine, except a pretraining run whose model a
 new warm-started run needs: it runs again, and a result that differs from the ledger's is
 reported (the runs are meant to be deterministic). The JSON always covers every part from the
-runs in the workdir and the ledger.
+runs in the workdir and the ledger (with `--h-k`, part H only).
 Prints one JSON object and saves it to benchmarks/results/reproduce_diloco.json
 (`--quick`: reproduce_diloco_quick.json); figures go to docs/figures/reproduce_<part>.png
 (`--quick`: the workdir's figures/; `--model micro`: reproduce_<part>_micro.png, its runs
@@ -1411,6 +1412,7 @@ def main() -> None:
             continue
         part = report()
         res = [ctx.result(r) for r in have]
+        t = timing.get(p + h_suffix, {})
         part["wall_time"] = {
             "runs": len(runs),
             "runs_finished": sum(1 for x in res if not x.get("failed")),
@@ -1418,13 +1420,13 @@ def main() -> None:
             "runs_missing": len(runs) - len(have),
             "runs_wall_s_sum": round(sum((x.get("elapsed_s") or x.get("wall_time_s") or 0) for x in res), 1),
             "runs_wall_s_unknown": sum(1 for x in res if not (x.get("elapsed_s") or x.get("wall_time_s"))),
-            "runs_wall_s_before_ledger": timing.get(p + h_suffix, {}).get("runs_wall_s_before_ledger"),
+            "runs_wall_s_before_ledger": t.get("runs_wall_s_before_ledger"),
             "worker_steps_sum": sum(x.get("inner_steps", 0) for x in res if not x.get("failed")),
-            "elapsed_s": timing.get(p + h_suffix, {}).get("elapsed_s"),
+            "elapsed_s": t.get("elapsed_s"),
             "elapsed_note": "summed over the invocations that ran new runs of this part, each from "
             "its first start to its last finish (parts overlap: a slot one part leaves idle runs the "
             "next's runs); runs shared with parts run before it are not counted again",
-            "jobs": timing.get(p + h_suffix, {}).get("jobs"),
+            "jobs": t.get("jobs"),
         }
         result[p] = part
     drawn = figures(ctx, {p: result[p] for p in reported}, where, fig_suffix)
