@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import typing
 from pathlib import Path
@@ -121,16 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     groups["parameter_server"].add_argument(
         "--host",
-        default="127.0.0.1",
-        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for workers elsewhere)",
+        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for workers elsewhere; "
+        "--resume: the run's)",
     )
     groups["parameter_server"].add_argument(
-        "--port", type=int, default=7000, help="port to listen on (default 7000; 0: any free port)"
+        "--port", type=int, help="port to listen on (default 7000; 0: any free port; --resume: the run's)"
     )
     groups["output"].add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None, help="show a progress bar"
     )
-    sec = serve.add_argument_group("security and the status page (docs/server.md)")
+    sec = serve.add_argument_group(
+        "security and the status page (docs/server.md; --resume keeps the run's unless given)"
+    )
     sec.add_argument(
         "--token-file",
         type=Path,
@@ -293,15 +296,28 @@ def _resumed_config(
 ) -> TrainConfig:
     from diloco.rundir import load_run_config
 
-    refused = [settings.find(TrainConfig, p).flag for p in overrides if p not in allowed_paths]
+    saved = load_run_config(args.resume)
+
+    def same(given: Any, kept: Any) -> bool:  # a flag's value and config.json's (lists: tuples)
+        if isinstance(given, list | tuple) and isinstance(kept, list | tuple):
+            return len(given) == len(kept) and all(map(same, given, kept))
+        return str(given) == str(kept) if isinstance(given, Path) or isinstance(kept, Path) else given == kept
+
+    overrides = {  # a flag that says what the run already has changes nothing
+        p: v for p, v in overrides.items() if p in allowed_paths or not same(v, settings.get(saved, p))
+    }
+    refused = [
+        f"{settings.find(TrainConfig, p).flag} {v} where the run has {settings.get(saved, p)}"
+        for p, v in overrides.items()
+        if p not in allowed_paths
+    ]
     refused += ["--config"] if args.config is not None else []
     if refused:
         allowed = ", ".join(settings.find(TrainConfig, p).flag for p in allowed_paths)
         raise UserError(
             f"--resume continues a run with its saved config.json and allows only {allowed} besides; "
-            f"drop the other settings ({', '.join(refused)})."
+            f"drop the settings that change it ({'; '.join(refused)})."
         )
-    saved = load_run_config(args.resume)
     values = saved.to_dict()
     runtime = overrides.get("runtime", saved.runtime)
     if runtime != saved.runtime:
@@ -364,7 +380,6 @@ def _train(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from diloco.runtime.server import security
-    from diloco.runtime.server.security import ServeOptions
     from diloco.train import train
 
     overrides = _overrides(args)
@@ -374,6 +389,9 @@ def _serve(args: argparse.Namespace) -> int:
         cfg = _resumed_config(args, overrides, SERVE_RESUME_OVERRIDES)
         if cfg.runtime != "server":
             raise UserError(f"{args.resume} is not a server run; continue it with diloco train --resume.")
+        if (args.resume / "summary.json").is_file():  # exit 0: there is nothing left to do
+            print(f"{args.resume} is a finished run (its summary.json says how it ended); nothing to resume.")
+            return 0
     else:
         values = load_toml(args.config) if args.config is not None else {}
         if values.pop("runtime", "server") != "server":
@@ -383,29 +401,69 @@ def _serve(args: argparse.Namespace) -> int:
         for path, value in overrides.items():
             values = merge(values, settings.nest(path, value))
         cfg = from_dict(values, where=str(args.config) if args.config else "the flags")
-    if not 0 <= args.port < 65536:
-        raise UserError(f"--port must be from 0 to 65535, got {args.port}.")
-    if args.http_port is not None and not -1 <= args.http_port < 65536:
-        raise UserError(
-            f"--http-port must be from 0 to 65535, or -1 for no status page; got {args.http_port}."
-        )
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise UserError("--tls-cert and --tls-key go together: give both (or neither, for no TLS).")
-    for path in (args.token_file, args.tls_cert, args.tls_key):
-        if path is not None and not path.is_file():
-            raise UserError(f"{path} is not a file; give the path of an existing file.")
-    opts = ServeOptions(
-        listen=f"{args.host}:{args.port}",
-        token_file=args.token_file,
-        insecure_no_token=args.insecure_no_token,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        http_port=args.http_port,
-    )
+    opts = _serve_options(args)
     security.explicit_token(opts)  # a bad or conflicting token is refused before anything is written
-    summary = train(cfg, resume=args.resume, progress=args.progress, serve=opts)
+    terminate = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM: as Ctrl-C
+    try:
+        summary = train(cfg, resume=args.resume, progress=args.progress, serve=opts)
+    finally:
+        signal.signal(signal.SIGTERM, terminate)
     _report(summary)
     return 0
+
+
+def _serve_options(args: argparse.Namespace):
+    """Where and how diloco serve faces the network: the flags given, else (--resume) what the run
+    had (the "serve" record of RUN_DIR/server.json: host, port, status page, TLS files, where the
+    token came from), else the defaults; so a plain --resume continues the same run."""
+    import json
+
+    from diloco.runtime.server import security
+    from diloco.runtime.server.security import ServeOptions
+
+    saved: dict[str, Any] = {}
+    if args.resume is not None:
+        try:  # absent when the server stopped before it served: no worker knows it yet
+            saved = json.loads((args.resume / "server.json").read_text()).get("serve", {})
+        except (OSError, ValueError, AttributeError):
+            pass
+    host = args.host if args.host is not None else saved.get("host", "127.0.0.1")
+    port = args.port if args.port is not None else saved.get("port", 7000)
+    http_port = args.http_port if args.http_port is not None else saved.get("http_port")
+    tls_cert, tls_key = args.tls_cert, args.tls_key
+    if tls_cert is None and tls_key is None and saved.get("tls_cert"):
+        tls_cert, tls_key = Path(saved["tls_cert"]), Path(saved["tls_key"])
+    token_file, no_token = args.token_file, args.insecure_no_token
+    if token_file is None and not no_token:
+        kind = saved.get("token")
+        if kind == "file":
+            token_file = Path(saved["token_file"])
+        elif kind == "generated":
+            token_file = args.resume / "token"
+        elif kind == "none":
+            no_token = True
+        elif kind == "env" and not os.environ.get(security.ENV):
+            raise UserError(
+                f"the run's token came from ${security.ENV}, which is not set; set it as when the run "
+                "started (or give --token-file FILE for a new token)."
+            )
+    if not 0 <= port < 65536:
+        raise UserError(f"--port must be from 0 to 65535, got {port}.")
+    if http_port is not None and not -1 <= http_port < 65536:
+        raise UserError(f"--http-port must be from 0 to 65535, or -1 for no status page; got {http_port}.")
+    if (tls_cert is None) != (tls_key is None):
+        raise UserError("--tls-cert and --tls-key go together: give both (or neither, for no TLS).")
+    for path in (token_file, tls_cert, tls_key):
+        if path is not None and not path.is_file():
+            raise UserError(f"{path} is not a file; give the path of an existing file.")
+    return ServeOptions(
+        listen=f"{host}:{port}",
+        token_file=token_file,
+        insecure_no_token=no_token,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        http_port=http_port,
+    )
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -462,9 +520,10 @@ def _report(summary: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # gRPC's own log lines (an info line per failed TLS handshake, say) would repeat what diloco
-    # says in one sentence; GRPC_VERBOSITY=INFO (or DEBUG) in the environment brings them back
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    # gRPC's own log lines (an info line per failed TLS handshake, an error line for a port in
+    # use) would repeat what diloco says in one sentence; GRPC_VERBOSITY=ERROR (or INFO, DEBUG) in
+    # the environment brings them back
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     try:
         if args.command == "train":
             return _train(args)

@@ -12,16 +12,18 @@ print(f(Path('runs/diloco-k4-H50-s0')).num_workers)"
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from diloco import checkpoint
 from diloco.config import TrainConfig, from_dict, load_json
 from diloco.errors import UserError
 
 LAUNCH_FILE = "launch.json"  # the id of the torchrun launch that owns the run directory
+LOCK_FILE = "server.lock"  # locked by the live server of a run directory, which it names
 CHECKPOINT_FORMAT = 2  # 2: one layout for every runtime (outer, workers, runtime)
 
 
@@ -119,3 +121,30 @@ def open_run(cfg: TrainConfig, resume: Path | None, *, restarted: bool) -> tuple
             "the version that started it, or start it again."
         )
     return run_dir, state
+
+
+def lock(run_dir: Path) -> IO[str]:
+    """An exclusive lock on `run_dir` (flock of RUN_DIR/server.lock), held while the returned file
+    stays open, and so released when the process ends, however it ends. A second server on the
+    same directory is refused before it writes anything, naming the live one (`say_holder`)."""
+    f = open(run_dir / LOCK_FILE, "a+")  # neither creates nor changes anything when it is there
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "a server that is starting"
+        f.close()
+        raise UserError(
+            f"run directory {run_dir} is in use by a live server ({holder}); stop that one first "
+            "(Ctrl-C), or give another run directory."
+        ) from None
+    say_holder(f, f"pid {os.getpid()}")
+    return f
+
+
+def say_holder(f: IO[str], holder: str) -> None:
+    """What the refusal of a second server says about the one holding the lock."""
+    f.seek(0)
+    f.truncate()
+    f.write(holder + "\n")
+    f.flush()

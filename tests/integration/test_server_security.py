@@ -77,7 +77,8 @@ def test_a_generated_token_keeps_out_workers_without_it(tmp_path):
     assert (rc_srv, rc_w) == (0, 0), (err_srv, err_w)
     assert f"the workers' token is in {token_path}" in err_srv
     assert f"status page: {url}/?token={token}" in err_srv
-    assert "refused a call without the run's token" in err_srv
+    assert "refused a call without a token from 127.0.0.1:" in err_srv
+    assert "refused a call with a wrong token from 127.0.0.1:" in err_srv
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outer_updates"] == 2
 

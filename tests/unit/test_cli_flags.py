@@ -322,6 +322,13 @@ def _saved_run(tmp_path, tiny, **kw):
     return run
 
 
+def test_resume_accepts_flags_equal_to_the_runs(captured, tiny, tmp_path):
+    run = _saved_run(tmp_path, tiny)
+    argv = ["--workers", "2", "--inner-steps", "4", "--seq-len", "32", "--stop-after", "1"]
+    assert main(["train", "--resume", str(run), *argv]) == 0
+    assert captured[-1][0] == tiny(out=str(run))
+
+
 def test_resume_may_change_runtime_threads_procs_and_timeout(captured, tiny, tmp_path, capsys):
     run = _saved_run(tmp_path, tiny, checkpoint_every=1)
     saved = tiny(out=str(run), checkpoint_every=1)
@@ -340,9 +347,12 @@ def test_resume_may_change_runtime_threads_procs_and_timeout(captured, tiny, tmp
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["--workers", "3"], "drop the other settings (--workers)"),
+        (
+            ["--workers", "3", "--inner-steps", "4"],
+            "drop the settings that change it (--workers 3 where the run has 2).",
+        ),
         (["--keep-checkpoints", "9"], "allows only --runtime, --threads, --procs, --timeout-s, --cache-dir"),
-        (["--config", "x.toml"], "drop the other settings (--config)"),
+        (["--config", "x.toml"], "drop the settings that change it (--config)"),
         (["--runtime", "collective", "--procs", "2"], "sim.procs (--procs) applies only with --runtime sim"),
         (["--timeout-s", "60"], "timeout_s (--timeout-s) applies only with --runtime collective"),
         (

@@ -58,35 +58,41 @@ def replay(run_dir: Path, *, progress: bool | None = None) -> dict[str, Any]:
     workers: dict[int, Any] = {}  # slot -> its current worker
     handed: dict[int, tuple] = {}  # job -> (worker object, start, steps, lr_step, shard, position)
     first_loss_mismatch = None
-    for event in tqdm(
-        events, desc="replay", unit="event", disable=None if progress is None else not progress
+    for line, event in enumerate(
+        tqdm(events, desc="replay", unit="event", disable=None if progress is None else not progress), 1
     ):
-        kind, message = event["kind"], None
-        if kind == "join":
-            workers[event["worker"]] = build_worker(event["worker"], cfg, data.shards)
-        elif kind in ("push", "late") or (kind == "reject" and event["abandon"]):
-            # the worker ran the job whether its push was applied, came late or was refused
-            worker, start, steps, lr_step, shard, position = handed.pop(event["job"])
-            result = worker.run(start, steps, lr_step=lr_step, shard=shard, position=position)
-            message = result.message
-            if kind == "push" and first_loss_mismatch is None and result.mean_loss != event["loss"]:
-                first_loss_mismatch = {
-                    "job": event["job"],
-                    "worker": event["worker"],
-                    "reported": event["loss"],
-                    "replayed": result.mean_loss,
-                }
-        coord.apply(event, message)
-        if kind == "dispatch":
-            job = coord.jobs[event["job"]]
-            handed[job.job] = (
-                workers[job.worker],
-                job.pulled,
-                job.steps,
-                job.lr_step,
-                job.shard,
-                job.position,
-            )
+        try:  # a log that is not one server's, in order (two servers wrote to it, or it was edited)
+            kind, message = event["kind"], None
+            if kind == "join":
+                workers[event["worker"]] = build_worker(event["worker"], cfg, data.shards)
+            elif kind in ("push", "late") or (kind == "reject" and event["abandon"]):
+                # the worker ran the job whether its push was applied, came late or was refused
+                worker, start, steps, lr_step, shard, position = handed.pop(event["job"])
+                result = worker.run(start, steps, lr_step=lr_step, shard=shard, position=position)
+                message = result.message
+                if kind == "push" and first_loss_mismatch is None and result.mean_loss != event["loss"]:
+                    first_loss_mismatch = {
+                        "job": event["job"],
+                        "worker": event["worker"],
+                        "reported": event["loss"],
+                        "replayed": result.mean_loss,
+                    }
+            coord.apply(event, message)
+            if kind == "dispatch":
+                job = coord.jobs[event["job"]]
+                handed[job.job] = (
+                    workers[job.worker],
+                    job.pulled,
+                    job.steps,
+                    job.lr_step,
+                    job.shard,
+                    job.position,
+                )
+        except (KeyError, ValueError, TypeError) as e:
+            raise UserError(
+                f"{run_dir / 'events.jsonl'} is damaged at line {line} ({e}): its events do not follow "
+                "one another as one server's do, so it cannot be replayed."
+            ) from None
     if not coord.finished:
         raise UserError(
             f"the event log of {run_dir} stops before the run's end; replay a finished server run."

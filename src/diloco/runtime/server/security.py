@@ -126,8 +126,8 @@ def channel_credentials(ca: Path) -> grpc.ChannelCredentials:
 
 
 class Refusals:
-    """Unauthenticated calls: counted by caller, one log line per caller every `every` seconds
-    (someone hammering the port cannot flood the log)."""
+    """Unauthenticated calls: counted, one log line per caller (and missing or wrong token) every
+    `every` seconds (someone hammering the port cannot flood the log)."""
 
     def __init__(self, log: Callable[[str], None], every: float = 10.0):
         self.log, self.every = log, every
@@ -135,16 +135,17 @@ class Refusals:
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()  # called from gRPC's and the status page's threads
 
-    def refused(self, peer: str, method: str) -> None:
-        host = peer.rsplit(":", 1)[0]
+    def refused(self, peer: str, method: str, token_sent: bool) -> None:
+        key = (peer.rsplit(":", 1)[0], token_sent)
         now = time.monotonic()
         with self._lock:
             self.count += 1
-            count, say = self.count, now - self._last.get(host, -self.every) >= self.every
+            count, say = self.count, now - self._last.get(key, -self.every) >= self.every
             if say:
-                self._last[host] = now
+                self._last[key] = now
         if say:
-            self.log(f"refused a call without the run's token from {peer} ({method}; {count} so far)")
+            how = "with a wrong token" if token_sent else "without a token"
+            self.log(f"refused a call {how} from {peer} ({method}; {count} so far)")
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
@@ -156,13 +157,14 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, details):
         meta = dict(details.invocation_metadata or ())
-        if same(bearer(meta.get(HEADER)), self.token):
+        given = bearer(meta.get(HEADER))
+        if same(given, self.token):
             return continuation(details)
         handler = continuation(details)
         method = details.method.rsplit("/", 1)[-1]
 
         def refuse(request_or_iterator, ctx):
-            self.refusals.refused(ctx.peer(), method)
+            self.refusals.refused(ctx.peer(), method, token_sent=given is not None)
             ctx.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "this server needs the run's token (missing or wrong)",

@@ -13,8 +13,12 @@ the state's changes. A push is acknowledged only once its record is durable.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
+import socket
+import struct
 import threading
 import time
 import uuid
@@ -27,6 +31,7 @@ from typing import Any
 import grpc
 import torch
 
+from diloco import rundir
 from diloco.codec import Encoded
 from diloco.config import TrainConfig
 from diloco.errors import UserError
@@ -40,6 +45,8 @@ from diloco.runtime.server.security import ServeOptions
 
 TICK_S = 0.2  # how often the main thread looks at leases and deadlines while it waits
 MESSAGE_SLACK = 1 << 16  # a push may exceed the exact size of this model's message by this much
+NOTE_S = 30.0  # a wait says why after this long, then after twice as long each time it goes on
+SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of a network interface
 
 
 class ServerRuntime(SideView):
@@ -59,6 +66,9 @@ class ServerRuntime(SideView):
     ):
         opts = opts or ServeOptions()
         self.cfg, self.side, self.run_dir, self.opts = cfg, side, run_dir, opts
+        self._lock = rundir.lock(run_dir)  # one server per run directory, before anything is written
+        self._fresh = not (run_dir / "checkpoints").exists()  # a new run, not a resumed one
+        self._discard = False  # a new run that could not start serving leaves no run directory
         self.listen = opts.listen
         self.token = security.server_token(opts, run_dir)  # None: --insecure-no-token
         self.refusals = security.Refusals(log)
@@ -308,6 +318,9 @@ class ServerRuntime(SideView):
             self.status_page.close()
         self.wal.close()
         self._events.close()
+        self._lock.close()
+        if self._discard:  # a new run whose port was taken: a retry with the same --out must work
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     # -- the main thread's helpers (called with the lock held) ---------------------------------
     def _record(self, event: dict[str, Any], payload: bytes = b"", message: Encoded | None = None):
@@ -353,16 +366,16 @@ class ServerRuntime(SideView):
         for w in list(self.coord.workers):
             seen = self.last_seen.setdefault(w, now)
             if now - seen > self.cfg.worker_timeout_s:
-                name = self.coord.workers[w]["name"]
-                log(
-                    f"worker {w} ({name}) was silent for {now - seen:.0f} s: "
-                    "it is gone, its job is re-offered"
-                )
                 self._leave(w, "expired")
 
     def _leave(self, w: int, reason: str) -> None:
+        """Worker w is gone: it said it stops ("left"), or its lease ran out ("expired")."""
+        name = self.coord.workers[w]["name"]
+        silent = time.monotonic() - self.last_seen.get(w, time.monotonic())
         self._record({"kind": "leave", "worker": w, "reason": reason})
         self.last_seen.pop(w, None)
+        gone = f"was silent for {silent:.0f} s: it is gone, its job is re-offered"
+        log(f"worker {w} ({name}) " + (gone if reason == "expired" else "left the run (it said it stops)"))
 
     def _wait_once(self) -> None:
         if self.failure is not None:
@@ -392,15 +405,22 @@ class ServerRuntime(SideView):
             self._note(lambda: f"waiting for {what()}")
 
     def _note(self, text: Callable[[], str]) -> None:
-        """A line on stderr every 30 s while the server waits, so a stuck run says why."""
-        now = time.time()
-        if now - getattr(self, "_noted", self.t0) >= 30.0:
-            self._noted = now
-            log(text())
+        """Called every tick of a wait: a stuck run says why on stderr once it has waited NOTE_S,
+        and again after twice as long each time the same wait goes on (30 s, 60 s, 2 min, ...)."""
+        now, line = time.time(), text()
+        last = getattr(self, "_noting", None)  # (line, last call, last said or begun, gap)
+        if last is None or last[0] != line or now - last[1] > 1.0:  # another wait begins
+            self._noting = (line, now, now, NOTE_S)
+        elif now - last[2] >= last[3]:
+            log(line)
+            self._noting = (line, now, now, 2 * last[3])
+        else:
+            self._noting = (line, now, last[2], last[3])
 
     def _start(self) -> None:
         if self._server is not None:
             return
+        self._discard = self._fresh  # until it serves: see close()
         self.t0, self._steps_at_start = time.time(), sum(t["steps"] for t in self.coord.totals)
         now = time.monotonic()
         self.last_seen = {w: now for w in self.coord.workers}  # a resumed server gives them a lease
@@ -434,29 +454,54 @@ class ServerRuntime(SideView):
 
             want = (bound + 1 if int(port) else 0) if opts.http_port is None else opts.http_port
             self.status_page = StatusPage(self, host, want)
+        http_port = int(self.status_page.url.rsplit(":", 1)[1]) if self.status_page else -1
+        token = self._token_source()
         info = {
             "address": self.address,
             "run_id": self.run_id,
             "pid": os.getpid(),
             "http": self.status_page.url if self.status_page else None,
             "tls": tls,
+            # what --resume keeps: where and how it served (paths of the secrets, never their contents)
+            "serve": {
+                "host": host,
+                "port": bound,
+                "http_port": http_port,
+                "tls_cert": str(opts.tls_cert.resolve()) if tls else None,
+                "tls_key": str(opts.tls_key.resolve()) if tls else None,
+                "token": token,
+                "token_file": str(opts.token_file.resolve()) if token == "file" else None,
+            },
         }
         (self.run_dir / "server.json").write_text(json.dumps(info) + "\n")
+        rundir.say_holder(self._lock, f"pid {os.getpid()}, serving on {self.address}")
+        self._discard = False
+        shown = reachable_hosts() if host in ("0.0.0.0", "::", "[::]", "") else [host]
         flags = (" --tls-ca CA.pem" if tls else "") + (" --token-file TOKEN_FILE" if self.token else "")
+        also = f" (this machine is also {', '.join(shown[1:])})" if len(shown) > 1 else ""
         log(
             f"serving {self.run_dir} on {self.address}; "
-            f"start workers with: diloco worker --server {self.address}{flags}"
+            f"start workers with: diloco worker --server {shown[0]}:{bound}{flags}{also}"
         )
         if self.token is None:
             log(
                 "WARNING: --insecure-no-token: anyone who can reach this port can join the run and push "
                 "updates; use it on loopback only"
             )
-        elif opts.token_file is None and not os.environ.get(security.ENV):
+        elif token == "generated":
             log(f"the workers' token is in {self.run_dir / 'token'} (give it to them with --token-file)")
         if self.status_page:
             query = f"?token={self.token}" if self.token else ""
-            log(f"status page: {self.status_page.url}/{query}")
+            log(f"status page: {'https' if tls else 'http'}://{shown[0]}:{http_port}/{query}")
+
+    def _token_source(self) -> str:
+        """Where the run's token came from, for --resume: file, env, generated (RUN_DIR/token), none."""
+        given = self.opts.token_file
+        if self.token is None:
+            return "none"
+        if given is not None:
+            return "generated" if given.resolve() == (self.run_dir / "token").resolve() else "file"
+        return "env" if os.environ.get(security.ENV) else "generated"
 
     def params_blob(self, job: Job) -> bytes:
         """θ of job's version as a message (made once per version)."""
@@ -469,3 +514,19 @@ class ServerRuntime(SideView):
                 self._blobs = {v: b for v, b in self._blobs.items() if v in live}
                 self._blobs[job.version] = blob
         return blob
+
+
+def reachable_hosts() -> list[str]:
+    """The addresses other machines may reach this one at, for a server listening on every
+    interface: each network interface's IPv4 address but loopback's, then the host name."""
+    found = []
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                ifreq = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+        address = socket.inet_ntoa(ifreq[20:24])
+        if not address.startswith("127.") and address not in found:
+            found.append(address)
+    return [*found, socket.gethostname()]

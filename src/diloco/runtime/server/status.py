@@ -160,7 +160,9 @@ def _handler(page: StatusPage):
             url = urlsplit(self.path)
             if not page.allowed(self.headers, url.query):
                 page.rt.refusals.refused(
-                    f"{self.client_address[0]}:{self.client_address[1]}", f"GET {url.path}"
+                    f"{self.client_address[0]}:{self.client_address[1]}",
+                    f"GET {url.path}",
+                    token_sent="Authorization" in self.headers or "token" in parse_qs(url.query),
                 )
                 self._send(401, b"this status page needs the run's token\n", "text/plain", auth=True)
             elif url.path == "/":
