@@ -429,7 +429,9 @@ def _serve_options(args: argparse.Namespace):
             pass
     host = args.host if args.host is not None else saved.get("host", "127.0.0.1")
     port = args.port if args.port is not None else saved.get("port", 7000)
-    http_port = args.http_port if args.http_port is not None else saved.get("http_port")
+    http_port = args.http_port  # a server moved with --port takes its status page along (port + 1)
+    if http_port is None and args.port is None:
+        http_port = saved.get("http_port")
     tls_cert, tls_key = args.tls_cert, args.tls_key
     if tls_cert is None and tls_key is None and saved.get("tls_cert"):
         tls_cert, tls_key = Path(saved["tls_cert"]), Path(saved["tls_key"])
