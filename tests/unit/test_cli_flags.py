@@ -376,3 +376,62 @@ def test_a_sim_run_with_a_clock_moves_to_collective_without_it(captured, tiny, t
     cfg, _ = captured[0]
     assert code == 0 and cfg.runtime == "collective"
     assert cfg.sim.speeds == () and cfg.sim.latency_ms == 0.0 and cfg.rounds == 3
+
+
+def _saved_server_run(tmp_path, tiny, serve: dict):
+    """A server run directory holding config.json and the server.json record of how it served."""
+    from diloco.config import SimConfig
+
+    run = _saved_run(tmp_path, tiny, runtime="server", checkpoint_every=1, sim=SimConfig())
+    (run / "server.json").write_text(json.dumps({"address": "x", "pid": 1, "serve": serve}))
+    return run
+
+
+def test_serve_resume_keeps_how_the_run_was_served(captured, tiny, tmp_path, monkeypatch):
+    from diloco.runtime.server.security import ServeOptions
+
+    monkeypatch.delenv("DILOCO_TOKEN", raising=False)
+    for name in ("cert.pem", "key.pem", "token.txt"):
+        (tmp_path / name).write_text("x" * 20 + "\n")
+    record = {
+        "host": "0.0.0.0",
+        "port": 7123,
+        "http_port": 7124,
+        "tls_cert": str(tmp_path / "cert.pem"),
+        "tls_key": str(tmp_path / "key.pem"),
+        "token": "file",
+        "token_file": str(tmp_path / "token.txt"),
+    }
+    run = _saved_server_run(tmp_path, tiny, record)
+    assert main(["serve", "--resume", str(run), "--workers", "2"]) == 0  # a flag equal to the run's
+    assert captured[-1][1]["serve"] == ServeOptions(
+        "0.0.0.0:7123", tmp_path / "token.txt", False, tmp_path / "cert.pem", tmp_path / "key.pem", 7124
+    )
+    assert main(["serve", "--resume", str(run), "--port", "7200"]) == 0  # moved: the page goes along
+    assert captured[-1][1]["serve"].listen == "0.0.0.0:7200" and captured[-1][1]["serve"].http_port is None
+
+
+@pytest.mark.parametrize(
+    "token,expected",
+    [("generated", dict(token_file="RUN/token")), ("none", dict(insecure_no_token=True))],
+)
+def test_serve_resume_keeps_a_generated_token_or_none(captured, tiny, tmp_path, monkeypatch, token, expected):
+    monkeypatch.delenv("DILOCO_TOKEN", raising=False)
+    run = _saved_server_run(
+        tmp_path, tiny, {"host": "127.0.0.1", "port": 7000, "http_port": -1, "token": token}
+    )
+    (run / "token").write_text("t" * 20 + "\n")
+    assert main(["serve", "--resume", str(run)]) == 0
+    opts = captured[-1][1]["serve"]
+    for key, value in expected.items():
+        assert str(getattr(opts, key)).replace(str(run), "RUN") == str(value)
+
+
+def test_serve_resume_of_a_run_whose_token_came_from_the_environment_needs_it(
+    captured, tiny, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.delenv("DILOCO_TOKEN", raising=False)
+    run = _saved_server_run(tmp_path, tiny, {"host": "127.0.0.1", "port": 7000, "token": "env"})
+    code, out = _exit(capsys, ["serve", "--resume", str(run)])
+    assert code == 2 and "the run's token came from $DILOCO_TOKEN, which is not set" in out.err
+    assert out.err.count("\n") == 1 and not captured
