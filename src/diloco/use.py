@@ -19,6 +19,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from diloco import checkpoint
 from diloco.build import build_model, check_data, data_record, validation
 from diloco.config import TrainConfig
 from diloco.data import TOKENIZER_FILE, bundled_text, eval_corpus, eval_windows, load_tokenizer, user_text
@@ -43,9 +44,13 @@ def open_run(run_dir: Path) -> Finished:
     path = run_dir / "model.safetensors"
     if not path.is_file():
         again = "diloco serve" if cfg.runtime == "server" else "diloco train"
+        finish = (
+            f"finish it with {again} --resume {run_dir}"
+            if checkpoint.latest(run_dir / "checkpoints") is not None
+            else f"it saved no checkpoint to finish from, so train it again with {again}"
+        )
         raise UserError(
-            f"{run_dir} has no model.safetensors: the run has not finished; finish it with "
-            f"{again} --resume {run_dir}, or give a finished run."
+            f"{run_dir} has no model.safetensors: the run has not finished; {finish}, or give a finished run."
         )
     if cfg.data.tokenizer != "byte" and not (run_dir / TOKENIZER_FILE).is_file():
         raise UserError(

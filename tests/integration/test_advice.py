@@ -80,6 +80,10 @@ def test_a_non_finite_stop_advises_resume_only_where_a_checkpoint_exists(tmp_pat
     assert proc.returncode == 3 and "--resume" not in proc.stderr
     assert "saved no checkpoint" in proc.stderr and "start again with a lower --inner-lr" in proc.stderr
     assert main(["train", *small, "--inner-lr", "1e-3", "--out", "again"]) == 0  # the step
+    code, err = _run_in_process(capsys, ["eval", "bare"])
+    assert code == 2 and "saved no checkpoint to finish from, so train it again" in err
+    assert "--resume" not in err
+    assert main(["eval", "again"]) == 0  # the step: a finished run
     code, err = _run_in_process(capsys, ["train", *nan, "--out", "kept", "--checkpoint-every", "1"])
     assert code == 3 and "continue with diloco train --resume kept if" in err
     assert main(["train", "--resume", "kept", "--no-progress"]) == 3  # the step: it resumes (and stops)
