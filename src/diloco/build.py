@@ -141,7 +141,7 @@ def data_record(cfg: TrainConfig, text: Text | None = None) -> dict:
     return record
 
 
-def check_data(run_dir: Path, record: dict, instead: str) -> None:
+def check_data(run_dir: Path, record: dict, instead: str = "train a new run on it") -> None:
     """Refuse to resume or evaluate a run on text other than what it trained on, or cut by
     other rules (an older diloco's); `instead` is the step that works without the old text."""
     path = run_dir / DATA_FILE
