@@ -72,7 +72,13 @@ def prepare_data(cfg: TrainConfig, *, run_dir: Path | None = None, progress: boo
     text = training_text(cfg)
     record = data_record(cfg, text)
     if run_dir is not None:
-        check_data(run_dir, record)
+        finished = (run_dir / "model.safetensors").is_file()
+        check_data(
+            run_dir,
+            record,
+            "train a new run on it (diloco train with another --out"
+            + (f"; --init-from {run_dir} starts from this run's model)" if finished else ")"),
+        )
     train = training_pieces(text, d.val_fraction, separate_val=bool(d.val_data))
     tokenizer = load_tokenizer(d, text, train, run_dir)
     corpus = training_corpus(cfg, tokenizer, progress, text=text, train=train)
@@ -135,9 +141,9 @@ def data_record(cfg: TrainConfig, text: Text | None = None) -> dict:
     return record
 
 
-def check_data(run_dir: Path, record: dict) -> None:
+def check_data(run_dir: Path, record: dict, instead: str = "train a new run on it") -> None:
     """Refuse to resume or evaluate a run on text other than what it trained on, or cut by
-    other rules (an older diloco's)."""
+    other rules (an older diloco's); `instead` is the step that works without the old text."""
     path = run_dir / DATA_FILE
     if not path.is_file():  # runs before this file: unchecked
         return
@@ -145,15 +151,14 @@ def check_data(run_dir: Path, record: dict) -> None:
     if {k: v for k, v in saved.items() if k != "rules"} != {k: v for k, v in record.items() if k != "rules"}:
         raise UserError(
             f"the text of {run_dir} (its --data or --val-data files) is not what the run trained on: "
-            "a file changed, moved or was added; restore it, or start a new run "
-            f"(--init-from {run_dir} continues from its model)."
+            f"a file changed, moved or was added; restore it, or {instead}."
         )
     if saved.get("rules", {}) != record.get("rules", {}):
         changed = sorted(set(saved.get("rules", {}).items()) ^ set(record.get("rules", {}).items()))
         raise UserError(
             f"{run_dir} was made by an older diloco that cut its text differently "
             f"({', '.join(sorted({name for name, _ in changed}))}); resume or evaluate it with that "
-            f"version, or start a new run (--init-from {run_dir} continues from its model)."
+            f"version, or {instead}."
         )
 
 
@@ -281,6 +286,10 @@ def fit_model(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
             f"use --seq-len {positions} or less."
         )
     blocks = getattr(spec, "num_hidden_layers", None)
+    if blocks is not None and blocks < 1:
+        raise UserError(
+            f"the model config has {blocks} blocks (num_hidden_layers); set num_hidden_layers to 1 or more."
+        )
     if blocks is not None and cfg.fragments > blocks:
         raise UserError(
             f"fragments (--fragments) is {cfg.fragments} but the model has {blocks} blocks; "

@@ -43,7 +43,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from diloco.errors import UserError
-from diloco.metrics import json_safe
+from diloco.metrics import to_json
 
 _NAME = re.compile(r"^round-(\d{6})$")
 _HIDDEN = re.compile(r"^\.(tmp|old|replaced)-round-(\d{6})$")
@@ -123,8 +123,8 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_write_json(path: Path, obj: Any, *, indent: int | None = 2) -> None:
-    """`atomic_write_text` of strict JSON: non-finite floats become null (see metrics.json_safe)."""
-    atomic_write_text(path, json.dumps(json_safe(obj), indent=indent, allow_nan=False) + "\n")
+    """`atomic_write_text` of strict JSON: non-finite floats become null (metrics.to_json)."""
+    atomic_write_text(path, to_json(obj, indent=indent) + "\n")
 
 
 def atomic_save_safetensors(

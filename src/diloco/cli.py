@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import typing
@@ -17,9 +18,12 @@ from typing import Any
 from diloco import settings
 from diloco.config import FLAG_GROUPS, TrainConfig, from_dict, load_toml, merge
 from diloco.errors import Interrupted, RunFailed, UserError
+from diloco.plots import X_AXES
 
 # Settings `--resume DIR` may change: where and how fast the run continues, never its results.
 RESUME_OVERRIDES = ("runtime", "threads", "sim.procs", "timeout_s", "data.cache_dir")
+PROGRESS = "show a progress bar (default: when stderr is a terminal)"
+USE_THREADS = "intra-op threads (default 0: every core this process may use)"
 # ... and those `diloco serve --resume DIR` may change (how long the server waits for workers)
 SERVE_RESUME_OVERRIDES = (
     "threads",
@@ -74,6 +78,12 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> dict[str, Any]:
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse takes "-1e-3" for an option (its own pattern knows only "-1" and "-0.5"): a
+        # negative number in any form Python reads is a value (--inner-lr -1e-3 gets its range check)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf$")
+
     def error(self, message: str) -> None:  # argparse's own errors: one line, exit 2
         self.exit(2, f"diloco: error: {message}; see '{self.prog} --help'.\n")
 
@@ -85,13 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train with DiLoCo, asynchronous Local-SGD or a baseline (simulator or torchrun)"
     )
     output = _add_setting_flags(train)["output"]
+    for action in train._actions:  # the server runtime is a command of its own
+        if action.dest == "runtime":
+            action.help = "where workers run (sim | collective; default: sim); a server: diloco serve"
     output.add_argument(
         "--resume",
         type=Path,
         metavar="RUN_DIR",
         help="continue a run from its latest checkpoint, bit for bit; only "
         + ", ".join(settings.find(TrainConfig, p).flag for p in RESUME_OVERRIDES)
-        + " may change",
+        + " may change (and --stop-after, --progress)",
     )
     output.add_argument(
         "--stop-after",
@@ -103,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="show a progress bar (default: when stderr is a terminal)",
+        help=PROGRESS,
     )
     serve = sub.add_parser(
         "serve", help="run a parameter server (sync or async) that workers join with diloco worker"
@@ -195,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         "replay", help="re-run a server run's recorded schedule in one process; check θ bit for bit"
     )
     replay.add_argument("run", type=Path, metavar="RUN_DIR")
-    replay.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    replay.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help=PROGRESS)
     ev = sub.add_parser("eval", help="loss and perplexity of a finished run's model on any text")
     ev.add_argument("run", type=Path, metavar="RUN_DIR")
     ev.add_argument(
@@ -208,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--text-field", help="the text column of jsonl, json, parquet, csv (default: the run's)")
     ev.add_argument("--json", action="store_true", help="print one JSON object: val_loss, val_ppl, tokens")
-    ev.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    ev.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help=PROGRESS)
+    ev.add_argument("--threads", type=int, default=0, help=USE_THREADS)
     gen = sub.add_parser("generate", help="sample text from a finished run's model")
     gen.add_argument("run", type=Path, metavar="RUN_DIR")
     gen.add_argument("--prompt", required=True, help="the text to continue")
@@ -223,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--top-k", type=int, default=0, help="sample among the k most likely tokens; 0: all (default 0)"
     )
     gen.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    gen.add_argument("--threads", type=int, default=0, help=USE_THREADS)
     export = sub.add_parser(
         "export", help="write a finished run's model and tokenizer for Hugging Face transformers"
     )
@@ -233,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument(
         "--x",
         default="sim_time_s",
-        help="sim_time_s | inner_steps | outer_updates | bytes_sent (default sim_time_s)",
+        choices=X_AXES,
+        help=" | ".join(X_AXES) + " (default sim_time_s; local_steps: inner steps of all workers)",
     )
     plot.add_argument(
         "--out", type=Path, default=Path("loss.png"), help="PNG file to write (default loss.png)"
@@ -256,16 +272,18 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _use(args: argparse.Namespace) -> int:
     """diloco eval, generate and export (use.py)."""
-    import json
-
     from diloco import use
+    from diloco.metrics import to_json
     from diloco.train import set_threads
 
-    set_threads(len(os.sched_getaffinity(0)))
+    threads = getattr(args, "threads", 0)  # export has no --threads: it computes nothing
+    if threads < 0:
+        raise UserError(f"--threads must be 0 (every core) or more, got {threads}; use --threads 0.")
+    set_threads(threads or len(os.sched_getaffinity(0)))
     if args.command == "eval":
         result = use.evaluate_run(args.run, args.data, text_field=args.text_field, progress=args.progress)
         if args.json:
-            print(json.dumps(result))
+            print(to_json(result))
         else:
             loss, ppl, tokens = result["val_loss"], result["val_ppl"], result["tokens"]
             print(f"val_loss {loss:.4f}   val_ppl {ppl:.3f}   tokens {tokens:,}")
@@ -493,12 +511,11 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    import json
-
+    from diloco.metrics import to_json
     from diloco.runtime.server.replay import replay
 
     result = replay(args.run, progress=args.progress)
-    print(json.dumps(result, indent=2))
+    print(to_json(result, indent=2))
     if result["bitwise_equal"]:
         print(f"replay of {args.run}: the final parameters are equal bit for bit ({result['events']} events)")
         return 0

@@ -290,7 +290,8 @@ class TrainConfig:
         flag="--init-from",
         group="model",
         default_help="random, from --seed",
-        help="start from these parameters: a run directory or a model.safetensors of the same model",
+        help="start from these parameters: a finished run directory, a model.safetensors, or a "
+        "save_pretrained folder (with --model-config) of the same model",
     )
     # benchmarks/overhead.py: on 2 cores 2 threads give 1.7x the tokens/s of 1 (results/overhead.json)
     threads: int = setting(
@@ -581,7 +582,7 @@ def validate(cfg: TrainConfig) -> None:
     _validate_communication(cfg)
     _validate_sim(cfg)
     _validate_server(cfg)
-    settings.check_needs(cfg)
+    settings.check_needs(cfg, {ON_SERVER: "diloco serve (docs/server.md)"})
     if settings.changed(cfg, "after_drop") and not cfg.drop_prob:
         raise UserError(
             f"after_drop (--after-drop) {cfg.after_drop} says what a dropped outer_grad's worker does, "
@@ -621,10 +622,16 @@ def _validate_communication(cfg: TrainConfig) -> None:
             f"fragments (--fragments) is {P} but the model has {cfg.model.n_layer} blocks to split; "
             f"use at most {cfg.model.n_layer}."
         )
+    if P > H:
+        raise UserError(
+            f"fragments (--fragments) {P} is more than inner_steps (--inner-steps) {H}, and each fragment "
+            f"is sent at an inner step of its own: use --fragments {H} or fewer, or raise --inner-steps."
+        )
     if H // P - tau < 1:
         raise UserError(
             f"overlap_steps (--overlap-steps) {tau} must be below inner_steps / fragments = {H // P} (each "
-            "fragment's exchange must finish before the next one starts): lower it, or raise --inner-steps."
+            f"fragment's exchange must finish before the next one starts): use --overlap-steps {H // P - 1} "
+            "or fewer, or raise --inner-steps."
         )
     for key, why in SIMULATED_FAULTS:
         if settings.changed(cfg, key):

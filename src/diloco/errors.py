@@ -7,6 +7,18 @@
 Internal bugs raise ordinary exceptions instead.
 """
 
+# The step a RunFailed message offers where a checkpoint can continue the run; train.py names the
+# run's own command in it, or, where the run saved no checkpoint, leaves only the other step.
+RESUME_OR = "its last checkpoint is intact: continue with --resume RUN_DIR if the cause was passing, or "
+
+
+def resume_step(message: str, command: str | None) -> str:
+    """A RunFailed `message` with RESUME_OR made real: `command` continues the run (e.g.
+    "diloco train --resume runs/x"); None: the run has no checkpoint to continue from."""
+    if command is None:
+        return message.replace(RESUME_OR, "it saved no checkpoint (--checkpoint-every N saves them), so ")
+    return message.replace(RESUME_OR, RESUME_OR.replace("--resume RUN_DIR", command))
+
 
 class UserError(ValueError):
     """A problem with the user's input (config, data, run directory) and how to fix it.

@@ -7,7 +7,8 @@ output.
 
 metrics.jsonl is strict JSON: a non-finite number (a diverged loss, its perplexity) is written as
 `null` (`json_safe`), never as the `NaN`/`Infinity` literals that other JSON readers reject; other
-JSON files go through `json_safe` too (checkpoint.atomic_write_json). TensorBoard gets such
+JSON a run writes or prints goes through `to_json` too (checkpoint.atomic_write_json, `diloco eval
+--json`, the server's event log and status page). TensorBoard gets such
 values as they are (it plots NaN and Inf), so a divergence stays visible there.
 
     tensorboard --logdir runs/
@@ -32,6 +33,12 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
+
+
+def to_json(obj: Any, **kwargs: Any) -> str:
+    """`obj` as strict JSON: non-finite floats become null (`json_safe`), never `NaN`/`Infinity`.
+    Every result diloco writes or prints as JSON goes through here."""
+    return json.dumps(json_safe(obj), allow_nan=False, **kwargs)
 
 
 def perplexity(loss: float | None) -> float | None:
@@ -74,7 +81,7 @@ class MetricsWriter:
 
     def log(self, kind: str, **fields: Any) -> None:
         line = {"kind": kind, **fields}
-        self._file.write(json.dumps(json_safe(line), allow_nan=False) + "\n")
+        self._file.write(to_json(line) + "\n")
         self._file.flush()
         step = fields.get("inner_step", 0)
         suffix = f"/worker{fields['worker']}" if "worker" in fields else ""

@@ -33,7 +33,7 @@ import torch.nn as nn
 from diloco.async_rules import AsyncRule
 from diloco.codec import Codec, Encoded, Fp32Codec, tensor_bytes
 from diloco.config import AFTER_DROP, ON_NONFINITE
-from diloco.errors import NonFinite
+from diloco.errors import RESUME_OR, NonFinite
 from diloco.outer import Nesterov, OuterOpt, kept_weights
 from diloco.schedule import outer_grad_dropped
 
@@ -171,9 +171,8 @@ class OuterSide:
             if self.on_nonfinite == "stop":
                 raise NonFinite(
                     f"worker {w} produced a non-finite (NaN or Inf) training loss or outer_grad in round "
-                    f"{self.rounds_done + 1}; the run stopped before applying it and its last checkpoint "
-                    "is intact: --resume it if the cause was passing, or start again with a lower "
-                    "--inner-lr or with --on-nonfinite drop."
+                    f"{self.rounds_done + 1}; the run stopped before applying it; {RESUME_OR}start again "
+                    "with a lower --inner-lr or with --on-nonfinite drop."
                 )
             self.nonfinite_dropped += 1
             self.own_start[w] = False  # its own parameters are not finite: restart from θ
@@ -252,9 +251,8 @@ class OuterSide:
         if not finite:
             raise NonFinite(
                 f"worker {w} produced a non-finite (NaN or Inf) training loss or outer_grad in round "
-                f"{round_ or self.rounds_done + 1}; the run stopped before applying it and its last "
-                "checkpoint is intact: --resume it if the cause was passing, or start again with a lower "
-                "--inner-lr."
+                f"{round_ or self.rounds_done + 1}; the run stopped before applying it; {RESUME_OR}start "
+                "again with a lower --inner-lr."
             )
 
     def end_fragment(self, p: int, group: list[int], summed: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -295,9 +293,8 @@ class OuterSide:
             if self.on_nonfinite == "stop":
                 raise NonFinite(
                     f"worker {w} produced a non-finite (NaN or Inf) training loss or outer_grad in its job "
-                    f"arriving at version {self.version}; the run stopped before applying it and its last "
-                    "checkpoint is intact: --resume it if the cause was passing, or start again with a "
-                    "lower --inner-lr or with --on-nonfinite drop."
+                    f"arriving at version {self.version}; the run stopped before applying it; {RESUME_OR}"
+                    "start again with a lower --inner-lr or with --on-nonfinite drop."
                 )
             self.nonfinite_dropped += 1
             return False

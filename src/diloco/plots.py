@@ -8,8 +8,10 @@ directories (config.json, metrics.jsonl).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from diloco.config import load_json
+from diloco import settings
+from diloco.config import TrainConfig, load_json
 from diloco.errors import UserError
 from diloco.metrics import read_metrics
 
@@ -34,6 +36,42 @@ def run_label(config: dict) -> str:
     if method != "single":
         label += f" k={config.get('num_workers')}"
     return label + f" H={config.get('inner_steps')}"
+
+
+# what run_label shows already, and settings that never change a run's results
+_NOT_IN_LEGEND = {"method", "num_workers", "inner_steps", "server.rule", "server.dylu", "server.dylu_oracle"}
+_NOT_IN_LEGEND |= {"out", "threads", "sim.procs", "data.cache_dir", "timeout_s"}
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
+    """{dotted path: value} of a nested config.json."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _shown(value: Any) -> str:
+    text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    return text if len(text) <= 24 else text[:23] + "…"
+
+
+def run_labels(configs: list[dict]) -> list[str]:
+    """A legend label per run: `run_label`, then the settings whose values differ between these
+    runs, by flag name (e.g. 'diloco k=2 H=5 codec=int8'); runs that still share a label get a
+    number."""
+    flats = [_flat(c) for c in configs]
+    paths = sorted({p for f in flats for p in f} - _NOT_IN_LEGEND)
+    differ = [p for p in paths if len({repr(f.get(p)) for f in flats}) > 1]
+    flags = {s.path: s.flag.lstrip("-") for s in settings.walk(TrainConfig) if s.flag}
+    labels = [
+        " ".join([run_label(c)] + [f"{flags.get(p, p)}={_shown(f.get(p))}" for p in differ])
+        for c, f in zip(configs, flats, strict=True)
+    ]
+    return [f"{label} #{i + 1}" if labels.count(label) > 1 else label for i, label in enumerate(labels)]
 
 
 def curve(run_dir: Path, x: str) -> tuple[list[float], list[float]]:
@@ -65,6 +103,8 @@ def plot_runs(
         raise UserError(f"--x must be one of {', '.join(X_AXES)}, got {x!r}.")
     if labels is not None and len(labels) != len(run_dirs):
         raise UserError(f"--labels gives {len(labels)} labels for {len(run_dirs)} runs; give one per run.")
+    curves = [curve(run_dir, x) for run_dir in run_dirs]
+    labels = labels or run_labels([load_json(run_dir / "config.json") for run_dir in run_dirs])
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,10 +113,8 @@ def plot_runs(
     axis_label = X_AXES[x][1]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     lowest = float("inf")
-    for i, run_dir in enumerate(run_dirs):
-        xs, ys = curve(run_dir, x)
+    for (xs, ys), label in zip(curves, labels, strict=True):
         lowest = min(lowest, *ys)
-        label = labels[i] if labels else run_label(load_json(run_dir / "config.json"))
         ax.plot(xs, ys, marker=".", label=label)
     ax.set_xlabel(axis_label)
     ax.set_ylabel("validation loss")

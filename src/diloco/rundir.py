@@ -82,10 +82,10 @@ def new_run_dir(cfg: TrainConfig, *, restarted: bool = False) -> tuple[Path, boo
 
 
 def load_run_config(run_dir: Path) -> TrainConfig:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"{run_dir} is a file, not a run directory; give the folder a run wrote (its --out).")
     if not run_dir.is_dir():
-        raise UserError(
-            f"run directory {run_dir} does not exist; pass the folder of an earlier run to --resume."
-        )
+        raise UserError(f"run directory {run_dir} does not exist; give the folder a run wrote (its --out).")
     return from_dict(load_json(run_dir / "config.json"), where=str(run_dir / "config.json"))
 
 

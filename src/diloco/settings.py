@@ -203,8 +203,9 @@ def changed(cfg: Any, path: str) -> bool:
     return get(cfg, path) != find(type(cfg), path).default
 
 
-def check_needs(cfg: Any) -> None:
-    """A setting changed from its default whose `needs` does not hold is an error, never ignored."""
+def check_needs(cfg: Any, commands: dict[tuple[str, Any], str] | None = None) -> None:
+    """A setting changed from its default whose `needs` does not hold is an error, never ignored.
+    `commands` names the command that meets a need no flag can (the server runtime: diloco serve)."""
     cls = type(cfg)
     for s in walk(cls):
         if s.meta.needs is None or not changed(cfg, s.path):
@@ -213,6 +214,11 @@ def check_needs(cfg: Any) -> None:
         if get(cfg, path) != wanted:
             flag = find(cls, path).flag
             need = f"{flag} {wanted}" if flag else f"{path} = {wanted!r}"
+            if command := (commands or {}).get((path, wanted)):
+                raise UserError(
+                    f"{label(cls, s.path)} applies only with {path} = {wanted!r} (this run has "
+                    f"{get(cfg, path)}); run it with {command}, or drop it."
+                )
             raise UserError(
                 f"{label(cls, s.path)} applies only with {need} (this run has {get(cfg, path)}); "
                 f"add {need} or drop it."

@@ -24,7 +24,7 @@ from diloco import checkpoint, rundir
 from diloco.build import Data, build_trainer, fit_model, load_init, prepare_data, small_shards
 from diloco.config import TrainConfig
 from diloco.data import DATA_FILE, TOKENIZER_FILE
-from diloco.errors import Interrupted, RunFailed, UserError
+from diloco.errors import Interrupted, RunFailed, UserError, resume_step
 from diloco.metrics import MetricsWriter, NullWriter, perplexity
 from diloco.runtime import is_main_process
 from diloco.schedule import active_workers, parse_workers_schedule
@@ -34,7 +34,16 @@ EVAL_BATCH = 64
 
 
 def set_threads(threads: int) -> None:
-    """Intra-op threads as configured; one inter-op thread (small models gain nothing more)."""
+    """Intra-op threads as configured; one inter-op thread (small models gain nothing more). More
+    threads than this process's cores only slow it down: a warning says so."""
+    cores = len(os.sched_getaffinity(0))
+    if threads > cores:
+        print(
+            f"diloco: warning: --threads {threads} is more than the {cores} cores this process may use, "
+            f"which makes it slower; use --threads {cores} or fewer.",
+            file=sys.stderr,
+            flush=True,
+        )
     torch.set_num_threads(threads)
     try:
         torch.set_num_interop_threads(1)
@@ -370,9 +379,14 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
         )
         start_round = state["round"]
         if stop_after is not None and stop_after <= start_round:
+            left = (
+                f"give a round from {start_round + 1} to {cfg.rounds - 1}, or drop it"
+                if start_round + 1 < cfg.rounds
+                else "no round before the last is left to stop after: drop --stop-after"
+            )
             raise UserError(
                 f"--stop-after {stop_after} is not after round {start_round}, where {run_dir} resumes; "
-                f"give a round from {start_round + 1} to {cfg.rounds - 1}, or drop it."
+                f"{left}."
             )
         if main:
             cfg = rundir.write_config(cfg, run_dir)
@@ -409,6 +423,11 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
     if cfg.runtime == "server":
         trainer.attach_run(run)  # refused pushes get metrics lines
     loop = _run_async if cfg.method == "async" else _run_sync
+    again = "diloco serve" if cfg.runtime == "server" else "diloco train"
+
+    def has_checkpoint() -> bool:
+        return checkpoint.latest(run_dir / "checkpoints") is not None
+
     try:
         finished = loop(
             run, start_round=start_round, stop_after=stop_after, run_dir=run_dir, progress=progress
@@ -417,13 +436,18 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
         run.writer.close()
         if not main:  # rank 0 says where the run can go on
             raise Interrupted(f"rank {trainer.rank} interrupted") from None
-        has_checkpoint = checkpoint.latest(run_dir / "checkpoints") is not None
-        again = "diloco serve" if cfg.runtime == "server" else "diloco train"
         raise Interrupted(
             f"interrupted; continue with: {again} --resume {run_dir}"
-            if has_checkpoint
-            else f"interrupted before any checkpoint; {run_dir} cannot be resumed (use --checkpoint-every)"
+            if has_checkpoint()
+            else f"interrupted before any checkpoint, so {run_dir} cannot be resumed: start it again "
+            "(with --checkpoint-every N to be able to resume)"
         ) from None
+    except RunFailed as e:  # its step names this run, or drops --resume where there is no checkpoint
+        run.writer.close()
+        if not main:
+            raise
+        command = f"{again} --resume {run_dir}" if has_checkpoint() else None
+        raise type(e)(resume_step(str(e), command)) from None
     except BaseException:
         run.writer.close()
         raise

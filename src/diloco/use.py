@@ -19,6 +19,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from diloco import checkpoint
 from diloco.build import build_model, check_data, data_record, validation
 from diloco.config import TrainConfig
 from diloco.data import TOKENIZER_FILE, bundled_text, eval_corpus, eval_windows, load_tokenizer, user_text
@@ -42,9 +43,14 @@ def open_run(run_dir: Path) -> Finished:
     cfg = load_run_config(run_dir)
     path = run_dir / "model.safetensors"
     if not path.is_file():
+        again = "diloco serve" if cfg.runtime == "server" else "diloco train"
+        finish = (
+            f"finish it with {again} --resume {run_dir}"
+            if checkpoint.latest(run_dir / "checkpoints") is not None
+            else f"it saved no checkpoint to finish from, so train it again with {again}"
+        )
         raise UserError(
-            f"{run_dir} has no model.safetensors: the run has not finished; finish it with "
-            f"diloco train --resume {run_dir}, or give a finished run."
+            f"{run_dir} has no model.safetensors: the run has not finished; {finish}, or give a finished run."
         )
     if cfg.data.tokenizer != "byte" and not (run_dir / TOKENIZER_FILE).is_file():
         raise UserError(
@@ -81,8 +87,13 @@ def evaluate_run(
         text = user_text(paths, text_field=text_field or d.text_field, source_field="")
         tokens = eval_corpus(text, run.tokenizer, d, progress).split(True)
     else:
-        check_data(run_dir, data_record(run.cfg))
+        check_data(run_dir, data_record(run.cfg), "evaluate its model on the text as it is with --data")
         tokens = validation(run.cfg, run.tokenizer, progress)
+    if paths and len(tokens) <= run.cfg.model.seq_len:  # eval has no --seq-len: the run's is fixed
+        raise UserError(
+            f"--data holds {len(tokens)} tokens, fewer than one window of this run's model "
+            f"({run.cfg.model.seq_len + 1} tokens); give more text."
+        )
     windows = eval_windows(tokens, run.cfg.model.seq_len)
     loss = evaluate(run.model, windows)
     return {"val_loss": loss, "val_ppl": perplexity(loss), "tokens": windows.tokens_predicted()}
@@ -153,7 +164,9 @@ def export(run_dir: Path, out_dir: Path) -> Path:
     from diloco.hf import export_model
     from diloco.tokenizer import export_tokenizer
 
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir} is a file; give as OUT_DIR a new (or an empty) folder.")
+    if out_dir.exists() and any(out_dir.iterdir()):
         raise UserError(f"{out_dir} already exists and is not empty; choose a new OUT_DIR or delete it.")
     run = open_run(run_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")

@@ -276,7 +276,7 @@ def test_a_checkpoint_of_the_earlier_layout_is_refused_in_one_sentence(tiny, tmp
         (["serve", "--max-update-norm-ratio", "0.5"], "give a number above 1"),
         (["serve", "--method", "async", "--max-staleness", "-1"], "--max-staleness) must be"),
         (["worker", "--server", "localhost:1", "--tls-ca", "missing.pem"], "missing.pem is not a file"),
-        (["train", "--round-timeout-s", "5"], "applies only with --runtime server"),
+        (["train", "--round-timeout-s", "5"], "run it with diloco serve (docs/server.md), or drop it"),
         (["worker", "--server", "localhost:1", "--threads", "0"], "needs --threads >= 1"),
         pytest.param(
             ["worker", "--server", "localhost:1", "--device", "cuda:0"],

@@ -152,6 +152,9 @@ def test_a_dead_worker_process_is_a_clear_error(tmp_path):
         in proc.stderr
     )
     assert "EOFError" not in proc.stderr and "Traceback" not in proc.stderr
+    # the run saved no checkpoint: its step is to start again, never a --resume that would fail
+    assert "it saved no checkpoint (--checkpoint-every N saves them), so start the run again" in proc.stderr
+    assert "--resume" not in proc.stderr
 
 
 @pytest.mark.timeout(90)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from diloco.build import build_worker, prepare_data
-from diloco.errors import WorkerDied
+from diloco.errors import RESUME_OR, WorkerDied
 from diloco.runtime.pool import ProcessPool
 
-RESUME = "resume the run from its last checkpoint (diloco train --resume RUN_DIR)"
+RESUME = RESUME_OR + "start the run again"  # train.py names the run's command in it
 
 
 @pytest.fixture

@@ -3,8 +3,10 @@
 import dataclasses
 import importlib
 import json
+import os
 
 import pytest
+import torch
 
 from diloco import settings
 from diloco.cli import build_parser, main
@@ -435,3 +437,54 @@ def test_serve_resume_of_a_run_whose_token_came_from_the_environment_needs_it(
     code, out = _exit(capsys, ["serve", "--resume", str(run)])
     assert code == 2 and "the run's token came from $DILOCO_TOKEN, which is not set" in out.err
     assert out.err.count("\n") == 1 and not captured
+
+
+def _commands() -> dict:
+    return next(a for a in build_parser()._actions if a.dest == "command").choices
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    for name, parser in _commands().items():
+        for action in parser._actions:
+            if action.option_strings:
+                assert action.help, f"diloco {name} {action.option_strings[0]} has no help"
+
+
+def test_help_lists_what_each_flag_accepts(capsys):
+    train = {a.dest: a.help for a in _train_parser()._actions}
+    assert "sim | collective;" in train["runtime"] and "server |" not in train["runtime"]
+    assert "diloco serve" in train["runtime"]
+    assert "save_pretrained" in train["init_from"]
+    assert "--stop-after" in train["resume"]
+    plot = {a.dest: a for a in _commands()["plot"]._actions}
+    assert all(x in plot["x"].help for x in ("sim_time_s", "local_steps", "bytes_sent"))
+    assert _commands()["plot"].parse_args(["r", "--x", "local_steps"]).x == "local_steps"
+    code, out = _exit(capsys, ["plot", "r", "--x", "wall"])
+    assert code == 2 and "invalid choice: 'wall'" in out.err
+    assert _commands()["eval"].parse_args(["r", "--threads", "1"]).threads == 1
+    assert _commands()["generate"].parse_args(["r", "--prompt", "p", "--threads", "1"]).threads == 1
+
+
+def test_negative_numbers_in_exponent_form_are_values(captured, capsys):
+    code, out = _exit(capsys, ["train", "--inner-lr", "-1e-3"])
+    assert code == 2 and "inner.lr (--inner-lr) must be a finite number > 0.0, got -0.001" in out.err
+    assert _commands()["plot"].parse_args(["r", "--ymax", "-2.5E+1"]).ymax == -25.0
+    assert main(["train", "--outer-lr", "7e-1", "--no-progress"]) == 0
+    assert captured[-1][0].outer.lr == 0.7
+    code, out = _exit(capsys, ["train", "--inner-lr", "-x"])  # an option it is not: still refused
+    assert code == 2 and "expected one argument" in out.err
+
+
+def test_more_threads_than_cores_warns(capsys):
+    from diloco.train import set_threads
+
+    cores = len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    try:
+        set_threads(cores)
+        assert capsys.readouterr().err == ""
+        set_threads(cores + 1)
+        err = capsys.readouterr().err
+        assert f"--threads {cores + 1} is more than the {cores} cores" in err and f"--threads {cores}" in err
+    finally:
+        torch.set_num_threads(before)

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from diloco import faults
 from diloco.codec import Encoded, build_codec, codec_for
 from diloco.config import TrainConfig
-from diloco.errors import ReplicaMismatch, RunFailed, WorkerDied
+from diloco.errors import RESUME_OR, ReplicaMismatch, RunFailed, WorkerDied
 from diloco.outer_side import OuterSide
 from diloco.runtime import is_main_process
 from diloco.runtime.sim import RoundStats
@@ -420,7 +420,7 @@ class CollectiveDiLoCo:
             )
             raise WorkerDied(
                 f"rank {self.rank}: {what} failed after round {self.side.rounds_done}: {cause}; "
-                "continue the run from its last checkpoint with --resume."
+                f"{RESUME_OR}start the run again."
             ) from None
 
     def summary_extras(self) -> dict[str, Any]:

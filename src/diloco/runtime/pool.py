@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from diloco.errors import WorkerDied
+from diloco.errors import RESUME_OR, WorkerDied
 from diloco.inner import InnerResult, Worker
 
 WorkerFactory = Callable[[int], Worker]
@@ -309,10 +309,7 @@ class ProcessPool:
     def _fail(self, p: int, what: str) -> WorkerDied:
         """Record process p as gone; the error that says so (raised again by later calls)."""
         if self._failed[p] is None:
-            self._failed[p] = (
-                f"{self._name(p)} {what}; resume the run from its last checkpoint "
-                "(diloco train --resume RUN_DIR)"
-            )
+            self._failed[p] = f"{self._name(p)} {what}; {RESUME_OR}start the run again"
         return WorkerDied(self._failed[p])
 
     def _died(self, p: int, doing: str) -> WorkerDied:

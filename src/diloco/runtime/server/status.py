@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from diloco.errors import UserError
+from diloco.metrics import to_json
 from diloco.runtime.server import security
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ def _handler(page: StatusPage):
             elif url.path == "/":
                 self._send(200, page.html, "text/html; charset=utf-8")
             elif url.path == "/status":
-                self._send(200, json.dumps(page.snapshot()).encode(), "application/json")
+                self._send(200, to_json(page.snapshot()).encode(), "application/json")
             elif url.path == "/metrics":
                 self._send(200, generate_latest(page.registry), "text/plain; version=0.0.4")
             else:
