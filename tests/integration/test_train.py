@@ -133,7 +133,9 @@ def test_non_iid_weights_reach_the_outer_step(tiny):
 def test_with_a_worker_dropping_out_the_summary_counts_each_workers_steps(tiny):
     # 3 workers for rounds 1-2, 2 for rounds 3-4 (worker 2 drops out), a third of the outer_grads
     # dropped on arrival: workers 0 and 1 ran 20 steps, worker 2 10
-    cfg = tiny(num_workers=3, workers_schedule="0:3,0.5:2", drop_prob=0.3, inner_steps=5, rounds=4, eval_every=0)
+    cfg = tiny(
+        num_workers=3, workers_schedule="0:3,0.5:2", drop_prob=0.3, inner_steps=5, rounds=4, eval_every=0
+    )
     summary = train(cfg, progress=False)
     assert summary["inner_steps_per_worker"] == [20, 20, 10] and summary["inner_steps"] == 50
     assert summary["dp_bytes_ratio"] == pytest.approx(5.0, rel=1e-3)  # H: one message per 5 steps

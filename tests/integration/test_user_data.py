@@ -140,7 +140,7 @@ def test_bpe_is_saved_in_the_run_and_a_resumed_run_equals_a_straight_one(tmp_pat
     assert not list((tmp_path / "cache").glob("bpe-*.json"))  # no BPE was trained on resume
     assert json.loads((stopped / "data.json").read_text()) == {
         "text": prepare_data_fingerprint(data),
-        "rules": {"val_split": 2},
+        "rules": {"val_split": 3},
     }
     # a model trained with one BPE cannot start a run whose BPE (same size, other text) differs
     other = _jsonl(tmp_path / "other.jsonl", _docs(120)[60:])
@@ -330,7 +330,7 @@ def test_a_run_whose_text_an_older_diloco_cut_differently_is_refused(tmp_path):
     data = _jsonl(tmp_path / "d.jsonl", _docs(40))
     cfg = from_dict({"data": {"paths": [str(data)], "shards": "kmeans"}})
     record = data_record(cfg)
-    assert record["rules"] == {"val_split": 2, "kmeans_units": 2}
+    assert record["rules"] == {"val_split": 3, "kmeans_units": 2}
     run = tmp_path / "run"
     run.mkdir()
     (run / "data.json").write_text(json.dumps(record))
