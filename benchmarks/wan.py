@@ -12,8 +12,7 @@ about as long as H inner steps. Rows (`--configs`, comma-separated; collective r
   --download-codec bf16`): `diloco serve --method diloco --workers 2` and two `diloco worker`s;
   `utilisation_<row>` is the mean over workers of summary.json's `workers[i].compute_utilisation`
   (compute ÷ time registered, which includes the first job's start-up and the server's final
-  evaluation); the row also has the server's per-round figure (`round_compute_utilisation`,
-  compute ÷ round wall time) and the bytes each worker sent and received, payload and wire.
+  evaluation); the row also has the bytes each worker sent and received, payload and wire.
 
 Each row reports its final validation loss (`final_loss_<row>`: `val_loss`, the whole split,
 evaluated once at the end: `--eval-every` R × H).
@@ -522,8 +521,6 @@ def run_server_config(star: Star, flags: list[str], *, run_dir: Path, port: int,
         # compute ÷ time registered, per worker (docs/server.md), averaged
         "compute_utilisation": round(sum(each) / len(each), 4) if None not in each else None,
         "workers_compute_utilisation": each,
-        # the server's own per-round measure, as the collective rows': compute ÷ round wall time
-        "round_compute_utilisation": s.get("compute_utilisation"),
         "val_loss": s["val_loss"],
         "compute_s": s.get("compute_s"),
         "comm_s": s.get("comm_s"),

@@ -67,3 +67,45 @@ def user_files(folder) -> tuple[str, str]:
 @pytest.fixture
 def tiny(tmp_path):
     return lambda **kw: tiny_config(tmp_path, **kw)
+
+
+def check_summary(summary: dict, run_dir, tokens_per_step: int, inner_steps: int) -> None:
+    """summary.json's figures and its printed lines add up, with each other and with metrics.jsonl
+    (docs/server.md, "The summary"): inner steps per worker from what arrived, tokens from those
+    steps, "per worker" as the mean over the k workers on every figure of the bytes line, and the
+    compute utilisation as the workers' rows."""
+    import re
+
+    from diloco.metrics import read_metrics
+    from diloco.summary import format_summary
+
+    k, each = summary["num_workers"], summary["inner_steps_per_worker"]
+    assert len(each) == k and summary["inner_steps"] == sum(each)
+    assert summary["tokens"] == summary["inner_steps"] * tokens_per_step
+    lines = read_metrics(run_dir)
+    assert lines[-1]["tokens"] == summary["tokens"]
+    steps = [0] * k  # per worker, from the metrics: async `worker` lines, sync `inner` lines (H each)
+    for m in lines:
+        if m["kind"] in ("inner", "worker"):
+            steps[m["worker"]] += m.get("steps", inner_steps)
+    assert steps == each
+    assert summary["bytes_sent_per_worker"] == round(summary["bytes_sent"] / k)
+    dp = round(summary["inner_steps"] * summary["params"] * 4 / k)
+    assert summary["dp_bytes_sent_per_worker"] == dp
+    assert summary["dp_bytes_ratio"] == pytest.approx(dp / summary["bytes_sent_per_worker"])
+    printed = format_summary(summary)
+    shown = "/".join(f"{n:,}" for n in each) if len(set(each)) > 1 else f"{each[0]:,}"
+    assert f"inner steps {summary['inner_steps']:,} ({shown} per worker)" in printed
+    found = re.search(r"per worker ([\d.]+) MB \(mean of \d+\): ([\d.]+)x fewer .* \(([\d.]+) MB\)", printed)
+    sent_mb, ratio, dp_mb = map(float, found.groups())  # each rounded as printed
+    assert (dp_mb - 0.005) / (sent_mb + 0.005) - 0.05 <= ratio <= (dp_mb + 0.005) / (sent_mb - 0.005) + 0.05
+    rows = summary.get("workers")
+    if rows:
+        assert [r["inner_steps"] for r in rows] == each
+        compute = sum(r["compute_s"] for r in rows)
+        assert summary["compute_utilisation"] == pytest.approx(
+            compute / sum(r["present_s"] for r in rows), abs=1e-4
+        )
+        shares = [r["compute_utilisation"] for r in rows if r["compute_utilisation"] is not None]
+        assert min(shares) - 1e-3 <= summary["compute_utilisation"] <= max(shares) + 1e-3
+        assert f"compute utilisation {summary['compute_utilisation']:.1%}" in printed

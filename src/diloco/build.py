@@ -123,7 +123,7 @@ def small_shards(cfg: TrainConfig, data: Data) -> str | None:
 # Versions of the rules that cut a run's text, bumped when one changes what a run trains or
 # validates on (data.json keeps those that apply; older runs are refused rather than changed).
 RULES = {
-    "val_split": 2,  # user data: whole documents by hash, tails when that holds out > 2 × val_fraction
+    "val_split": 3,  # user data: whole documents by hash, tails when that holds out < ½ or > 2 × val_fraction
     "kmeans_units": 2,  # kmeans clusters ~4,096-token parts of documents, not whole documents
 }
 

@@ -7,8 +7,9 @@ once into a memory-mapped cache (tokens.py), and cut into shards that are views 
 Validation:
 - the bundled corpus: the last `val_fraction` (5%) of every work, so every genre is represented;
 - --data: whole documents, about `val_fraction` of them, chosen by a hash of their text (so the
-  choice survives added files), or the end of every document when that picks none of the text
-  or more than twice `val_fraction` of it (a handful of books); or all of --val-data.
+  choice survives added files), or the end of every document when that picks less than half of
+  `val_fraction` of the text (a few short documents) or more than twice it (a handful of books);
+  or all of --val-data.
 No worker ever trains on it. Shards (one per worker), of the training pieces:
 
 - `iid`: the training stream cut into 4096-token blocks, shuffled with the seed, dealt out in
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from diloco.config import DataConfig
 
 IID_BLOCK_TOKENS = 4096
-VAL_SHARE_LIMIT = 2.0  # whole documents are held out only if they make at most 2 × val_fraction
+VAL_SHARE_LIMIT = 2.0  # whole documents are held out only if they make val_fraction within this factor
 KMEANS_UNIT_TOKENS = 4096  # what kmeans clusters: documents, long ones cut into parts this long
 
 
@@ -274,9 +275,10 @@ def _folder_size(folder: Path) -> int:
 def training_pieces(text: Text, val_fraction: float, *, separate_val: bool) -> Callable[[], Iterator[Piece]]:
     """The pieces of a run's training text: the bundled corpus holds out the tail of every work;
     user data holds out whole documents (`is_val_document`: about `val_fraction` of them), or
-    the tail of each one when that rule picks none of the text or more than VAL_SHARE_LIMIT ×
-    `val_fraction` of it (too few documents for the rule: two books, one held out, would hold
-    out half); with a separate validation text, none."""
+    the tail of each one when that rule's share of the text is not within a factor
+    VAL_SHARE_LIMIT of `val_fraction` (too few documents for the rule: two books, one held out,
+    would hold out half; 91 rows of which the hash picks one short one, almost nothing); with a
+    separate validation text, none."""
     held = bytearray()  # per document: validation? (decided once, on the first call)
     share = [0.0]  # the held documents' share of the text (characters)
 
@@ -291,7 +293,7 @@ def training_pieces(text: Text, val_fraction: float, *, separate_val: bool) -> C
                 held.append(is_val_document(doc.text, val_fraction))
                 sizes.append(len(doc.text))
             share[0] = sum(n for n, h in zip(sizes, held, strict=True) if h) / max(1, sum(sizes))
-        whole = 0 < share[0] < 1 and share[0] <= VAL_SHARE_LIMIT * val_fraction
+        whole = val_fraction / VAL_SHARE_LIMIT <= share[0] <= VAL_SHARE_LIMIT * val_fraction and share[0] < 1
         return pieces(text.documents(), val_fraction=val_fraction, whole=whole, held=held)
 
     return make

@@ -87,15 +87,15 @@ class OuterSide:
         self.rounds_done = 0  # sync rounds finished (with or without an update)
         self.inner_step = 0  # inner steps each (always active) worker has taken, sync
         self.total_steps = 0  # inner steps summed over workers whose outer_grad arrived
-        self.worker_steps = [0] * k  # inner steps per worker: sync, every round it took part in
-        # (its outer_grad lost or not); async, its jobs that arrived
+        self.worker_steps = [0] * k  # inner steps per worker whose outer_grad arrived (dropped
+        # or applied): their sum is total_steps
         self.own_start = [False] * k  # workers that start their next job from their own parameters
         self.bytes_sent = [0] * k  # per worker, cumulative: its encoded outer_grads
         self.bytes_received = [0] * k  # per worker, cumulative: global parameters it pulled
         self.nonfinite_dropped = 0  # outer_grads dropped for NaN/Inf (with on_nonfinite "drop")
         self._active: list[int] = []  # this round's active workers, in order
         self._kept: dict[int, bool] = {}  # reported so far: whose outer_grad counts
-        self._arrived = 0  # outer_grads of this round that arrived (their steps count)
+        self._arrived: list[int] = []  # workers whose outer_grad of this round arrived (their steps count)
 
     @property
     def num_workers(self) -> int:
@@ -149,7 +149,7 @@ class OuterSide:
             starts.append(not self.own_start[w])
             if starts[-1]:
                 self.bytes_received[w] += self.pull_bytes
-        self._active, self._kept, self._arrived = members, {}, 0
+        self._active, self._kept, self._arrived = members, {}, []
         return starts
 
     def report(self, w: int, nbytes: int, finite: bool = True, *, lost: bool = False) -> bool:
@@ -164,7 +164,7 @@ class OuterSide:
             self._kept[w] = self.own_start[w] = False
             return False
         self.bytes_sent[w] += nbytes
-        self._arrived += 1
+        self._arrived.append(w)
         dropped = outer_grad_dropped(self.seed, self.rounds_done, w, self.drop_prob)
         self.own_start[w] = dropped and self.after_drop == "own"
         if not finite:
@@ -217,17 +217,18 @@ class OuterSide:
 
     def end_round(self, summed: list[torch.Tensor], inner_steps: int) -> bool:
         """Apply the outer step on the summed contributions (if any outer_grad counted); every
-        active worker ran `inner_steps`. Returns whether θ changed."""
+        active worker ran `inner_steps` (counted for those whose outer_grad arrived). Returns
+        whether θ changed."""
         changed = any(self._kept.values())
         if changed:
             self.update.step(self.params, summed)
             self.version += 1
         self.rounds_done += 1
         self.inner_step += inner_steps
-        self.total_steps += self._arrived * inner_steps
-        for w in self._active:
+        self.total_steps += len(self._arrived) * inner_steps
+        for w in self._arrived:
             self.worker_steps[w] += inner_steps
-        self._arrived = 0
+        self._arrived = []
         return changed
 
     # -- Streaming DiLoCo (streaming.py): one fragment at a time, every worker, no drops --------

@@ -13,18 +13,17 @@ from diloco.metrics import perplexity
 
 
 def summarize(cfg: TrainConfig, run, val_loss: float, step: int) -> dict[str, Any]:
-    """summary.json's fields, from the runtime interface (runtime/__init__.py) alone."""
+    """summary.json's fields, from the runtime interface (runtime/__init__.py) alone. Each figure
+    has one definition in every runtime (docs/server.md, "The summary"): counts are what
+    happened (inner steps whose outer_grad arrived, per worker and summed), and "per worker"
+    means the mean over the run's k workers."""
     trainer = run.trainer
     side = trainer.side
     k = trainer.num_workers
-    steps_total = side.total_steps
-    # The busiest worker (workers may come and go, or run at different speeds): its steps, its
-    # bytes, and what data parallel would have sent for those steps, a gradient each (with one
-    # worker, nothing).
-    busiest = max(range(k), key=lambda w: side.worker_steps[w])
-    per_worker = max(side.bytes_sent)
-    dp_per_worker = side.worker_steps[busiest] * side.param_bytes if k > 1 else 0
-    sent = side.bytes_sent[busiest]  # what that worker sent, against what data parallel would have
+    # data parallel would have sent a gradient for every one of those inner steps (one worker: nothing)
+    dp_bytes = side.total_steps * side.param_bytes if k > 1 else 0
+    sent_per_worker, dp_per_worker = round(sum(side.bytes_sent) / k), round(dp_bytes / k)
+    extras = trainer.summary_extras()
     return {
         "run_dir": cfg.out,
         "method": cfg.method,
@@ -33,9 +32,9 @@ def summarize(cfg: TrainConfig, run, val_loss: float, step: int) -> dict[str, An
         "val_loss": val_loss,
         "val_ppl": perplexity(val_loss),
         "final_subset_val_loss": run.val_loss,
-        "tokens": run.tokens,
-        "inner_steps": steps_total,  # summed over workers; data parallel: a gradient per worker per step
-        "inner_steps_per_worker": side.worker_steps[busiest],
+        "tokens": run.tokens,  # inner steps × tokens per inner step
+        "inner_steps": side.total_steps,  # summed over workers; data parallel: a gradient per worker per step
+        "inner_steps_per_worker": list(side.worker_steps),
         # each worker's shard: its training tokens and its outer_grad weight |D_i| / Σ|D_j|
         "shards": [
             {"tokens": len(s), "weight": w} for s, w in zip(run.data.shards, run.data.weights, strict=True)
@@ -44,9 +43,9 @@ def summarize(cfg: TrainConfig, run, val_loss: float, step: int) -> dict[str, An
         "nonfinite_dropped": side.nonfinite_dropped,
         "bytes_sent": sum(side.bytes_sent),
         "bytes_received": sum(side.bytes_received),
-        "bytes_sent_per_worker": per_worker,
+        "bytes_sent_per_worker": sent_per_worker,
         "dp_bytes_sent_per_worker": dp_per_worker,
-        "dp_bytes_ratio": dp_per_worker / sent if sent and dp_per_worker else None,
+        "dp_bytes_ratio": dp_per_worker / sent_per_worker if sent_per_worker and dp_per_worker else None,
         "target_loss": cfg.target_loss or None,
         "time_to_target_s": run.target["sim_time_s"] if run.target else None,
         "steps_to_target": run.target["inner_step"] if run.target else None,
@@ -54,13 +53,24 @@ def summarize(cfg: TrainConfig, run, val_loss: float, step: int) -> dict[str, An
         "eval_time_s": round(run.eval_time_s, 3),
         "sim_time_s": trainer.sim_time_s,
         "runtime": cfg.runtime,
-        **_utilisation(run.timing_total),
-        **trainer.summary_extras(),
+        **_utilisation(_timing(run.timing_total, extras.get("workers"), k)),
+        **extras,
     }
 
 
+def _timing(measured: dict[str, float], rows: list[dict[str, Any]] | None, k: int) -> dict[str, float]:
+    """A worker's mean compute and other seconds: from the runtime's per-worker rows where it
+    has them (the server: computing, and registered), else as the rounds measured them
+    (torchrun: every worker in every round)."""
+    if not rows:
+        return measured
+    compute_s = sum(r["compute_s"] for r in rows)
+    return {"compute_s": compute_s / k, "comm_s": (sum(r["present_s"] for r in rows) - compute_s) / k}
+
+
 def _utilisation(timing: dict[str, float]) -> dict[str, float]:
-    """Measured compute and communication time of a real runtime (none in the simulator)."""
+    """A worker's mean compute and other (communicating, waiting) seconds, and the share computing,
+    in a real runtime (none in the simulator)."""
     total = timing["compute_s"] + timing["comm_s"]
     if not total:
         return {}
@@ -82,15 +92,16 @@ def format_summary(s: dict[str, Any]) -> str:
         + (f"{s['val_ppl']:.3f}" if s["val_ppl"] is not None else "overflow")
         + "   (whole validation split)",
         f"  tokens {s['tokens']:,}   inner steps {s['inner_steps']:,} "
-        f"({s['inner_steps_per_worker']:,} per worker)   outer updates {s['outer_updates']}",
+        f"({_each(s['inner_steps_per_worker'])} per worker)   outer updates {s['outer_updates']}",
     ]
     sent = s["bytes_sent_per_worker"]
     if s["method"] == "dp" and sent:
         lines.append(f"  bytes sent per worker {sent / mb:.2f} MB (a gradient every step)")
     elif s["dp_bytes_ratio"] is not None:
         lines.append(
-            f"  bytes sent per worker {sent / mb:.2f} MB: {s['dp_bytes_ratio']:.1f}x fewer than data "
-            f"parallel ({s['dp_bytes_sent_per_worker'] / mb:.2f} MB) for the same inner steps"
+            f"  bytes sent per worker {sent / mb:.2f} MB (mean of {s['num_workers']}): "
+            f"{s['dp_bytes_ratio']:.1f}x fewer than data parallel "
+            f"({s['dp_bytes_sent_per_worker'] / mb:.2f} MB) for the same inner steps"
         )
     else:
         lines.append(
@@ -107,3 +118,12 @@ def format_summary(s: dict[str, Any]) -> str:
             )
         )
     return "\n".join(lines)
+
+
+def _each(counts: list[int]) -> str:
+    """Per-worker counts: one number if they are equal, each (a few workers) or the range."""
+    if min(counts) == max(counts):
+        return f"{counts[0]:,}"
+    if len(counts) <= 8:
+        return "/".join(f"{n:,}" for n in counts)
+    return f"{min(counts):,}–{max(counts):,}"

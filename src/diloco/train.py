@@ -183,8 +183,9 @@ def _run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Pa
     try:
         for r in range(start_round + 1, cfg.rounds + 1):
             active = active_workers(schedule, r - 1, cfg.rounds) if schedule else trainer.num_workers
+            steps_before = trainer.side.total_steps
             stats = trainer.round(active=active)
-            run.tokens += active * H * tokens_per_step
+            run.tokens += (trainer.side.total_steps - steps_before) * tokens_per_step  # what arrived
             now = run.clock(stats.inner_step)
             for w, loss in zip(stats.workers or range(len(stats.losses)), stats.losses, strict=True):
                 writer.log(

@@ -5,6 +5,7 @@ import dataclasses
 import math
 
 import pytest
+from conftest import check_summary
 from safetensors.torch import load_file
 
 from diloco.config import ServerConfig, SimConfig
@@ -280,3 +281,15 @@ def test_without_grace_pushes_landing_together_are_not_grouped(tiny, tmp_path):
         lines = [m for m in read_metrics(tmp_path / f"g{grace}") if m["kind"] == "worker"]
         stale[grace] = [m["staleness"] for m in lines if m["worker"] == 0][1]
     assert stale == {0.0: 1, 1.0: 0}
+
+
+@pytest.mark.timeout(60)
+def test_async_summary_with_workers_of_different_speeds_counts_each_one(tiny):
+    """Workers of very different speeds push different numbers of jobs and steps: the summary
+    lists each worker's steps, and every figure of the bytes line is a mean over the k workers,
+    so the ratio is the printed data parallel bytes over the printed bytes."""
+    cfg = tiny(method="async", num_workers=3, inner_steps=10, rounds=6, sim=SimConfig(speeds=(0.5, 1.5, 4.0)))
+    summary = train(cfg, progress=False)
+    each = summary["inner_steps_per_worker"]
+    assert each[0] > each[1] > each[2] > 0 and summary["inner_steps"] == 3 * 6 * 10
+    check_summary(summary, cfg.out, tokens_per_step=4 * 32, inner_steps=10)

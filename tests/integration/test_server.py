@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import user_files
+from conftest import check_summary, user_files
 
 from diloco.cli import main
 from diloco.runtime.server.replay import replay
@@ -185,6 +185,7 @@ def test_async_worker_joins_and_one_is_killed_mid_job(tmp_path):
     assert len(joins) == 3 and joins[-1] > min(i for i, e in enumerate(log) if e["kind"] == "push")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["inner_steps"] == 3 * 8 * 10  # the abandoned job's steps were re-offered
+    check_summary(summary, run_dir, tokens_per_step=4 * 32, inner_steps=10)  # each worker's own counts
     assert replay(run_dir)["bitwise_equal"]
 
 
@@ -290,6 +291,9 @@ def test_sync_round_timeout_drops_the_late_worker(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [w["jobs"] for w in summary["workers"]] == [summary["outer_updates"], 0]
     assert summary["outer_updates"] >= 2  # every round the fast worker made in time
+    # the slow worker was in every round but none of its steps arrived: they count nowhere
+    assert summary["inner_steps_per_worker"] == [4 * summary["outer_updates"], 0]
+    check_summary(summary, run_dir, tokens_per_step=4 * 32, inner_steps=4)
     assert replay(run_dir)["bitwise_equal"]
 
 

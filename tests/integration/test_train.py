@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import check_summary
 from safetensors.torch import load_file
 
 from diloco.metrics import read_metrics
@@ -129,13 +130,16 @@ def test_non_iid_weights_reach_the_outer_step(tiny):
 
 
 @pytest.mark.timeout(60)
-def test_with_workers_coming_the_summary_reports_the_busiest_worker(tiny):
-    # 2 workers for rounds 1-2, 4 for rounds 3-4: workers 0 and 1 ran 20 steps, 2 and 3 ran 10.
-    cfg = tiny(num_workers=4, workers_schedule="0:2,0.5:4", inner_steps=5, rounds=4, eval_every=0)
+def test_with_a_worker_dropping_out_the_summary_counts_each_workers_steps(tiny):
+    # 3 workers for rounds 1-2, 2 for rounds 3-4 (worker 2 drops out), a third of the outer_grads
+    # dropped on arrival: workers 0 and 1 ran 20 steps, worker 2 10
+    cfg = tiny(
+        num_workers=3, workers_schedule="0:3,0.5:2", drop_prob=0.3, inner_steps=5, rounds=4, eval_every=0
+    )
     summary = train(cfg, progress=False)
-    assert summary["inner_steps_per_worker"] == 20 and summary["inner_steps"] == 60
-    assert summary["dp_bytes_sent_per_worker"] == 20 * summary["params"] * 4
+    assert summary["inner_steps_per_worker"] == [20, 20, 10] and summary["inner_steps"] == 50
     assert summary["dp_bytes_ratio"] == pytest.approx(5.0, rel=1e-3)  # H: one message per 5 steps
+    check_summary(summary, cfg.out, tokens_per_step=4 * 32, inner_steps=5)
 
 
 @pytest.mark.timeout(60)

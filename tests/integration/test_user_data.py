@@ -140,7 +140,7 @@ def test_bpe_is_saved_in_the_run_and_a_resumed_run_equals_a_straight_one(tmp_pat
     assert not list((tmp_path / "cache").glob("bpe-*.json"))  # no BPE was trained on resume
     assert json.loads((stopped / "data.json").read_text()) == {
         "text": prepare_data_fingerprint(data),
-        "rules": {"val_split": 2},
+        "rules": {"val_split": 3},
     }
     # a model trained with one BPE cannot start a run whose BPE (same size, other text) differs
     other = _jsonl(tmp_path / "other.jsonl", _docs(120)[60:])
@@ -330,7 +330,7 @@ def test_a_run_whose_text_an_older_diloco_cut_differently_is_refused(tmp_path):
     data = _jsonl(tmp_path / "d.jsonl", _docs(40))
     cfg = from_dict({"data": {"paths": [str(data)], "shards": "kmeans"}})
     record = data_record(cfg)
-    assert record["rules"] == {"val_split": 2, "kmeans_units": 2}
+    assert record["rules"] == {"val_split": 3, "kmeans_units": 2}
     run = tmp_path / "run"
     run.mkdir()
     (run / "data.json").write_text(json.dumps(record))
@@ -340,3 +340,24 @@ def test_a_run_whose_text_an_older_diloco_cut_differently_is_refused(tmp_path):
         check_data(run, record)
     bundled = from_dict({})
     assert "rules" not in data_record(bundled)  # iid shards of the bundled works: nothing changed
+
+
+@pytest.mark.timeout(60)
+def test_rows_of_mixed_length_whose_hash_picks_a_short_one_validate_on_about_val_fraction(tmp_path):
+    """91 parquet rows (~280 K characters, 200 to 6,000 each) of which the hash picks one short
+    row: whole documents would validate on 0.01% of the text (shorter than one window at the
+    default --seq-len), so the end of every row is held out instead, 5% of the text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    line = "to be or not to be, that is the question. "
+    rows = [f"row {i}: " + line * (5 + i * 37 % 140) for i in range(200)]
+    rows = [t for t in rows if not is_val_document(t, 0.05)][:90]
+    rows.insert(40, next(t for j in range(1000) if is_val_document(t := f"short row {j}.", 0.05)))
+    pq.write_table(pa.Table.from_pylist([{"text": t} for t in rows]), tmp_path / "d.parquet")
+    data = {"paths": [str(tmp_path / "d.parquet")], "cache_dir": str(tmp_path / "cache")}
+    prepared = prepare_data(from_dict({"data": data, "num_workers": 2}))  # the default --seq-len
+    total = sum(len(t) for t in rows)
+    val = len(prepared.corpus.split(True))
+    assert val == sum(int(len(t) * 0.05) for t in rows) and 0.049 < val / total <= 0.05
+    assert len(prepared.eval_full) == (val - 1) // 128  # every window of the split

@@ -189,14 +189,16 @@ class ServerRuntime(SideView):
         now, c = time.time(), self.coord
         rows = []
         for w, tot in enumerate(c.totals):
-            present = tot["present_s"] + (now - c.workers[w]["joined_t"] if w in c.workers else 0.0)
+            present_s = tot["present_s"] + (now - c.workers[w]["joined_t"] if w in c.workers else 0.0)
+            compute_s, present_s = round(tot["compute_s"], 3), round(present_s, 3)
             rows.append(
                 {
                     "worker": w,
                     "jobs": tot["jobs"],
-                    "inner_steps": tot["steps"],
-                    "compute_s": round(tot["compute_s"], 3),
-                    "compute_utilisation": round(tot["compute_s"] / present, 4) if present > 0 else None,
+                    "inner_steps": self.side.worker_steps[w],  # as summary.json's inner_steps_per_worker
+                    "compute_s": compute_s,
+                    "present_s": present_s,  # registered
+                    "compute_utilisation": round(compute_s / present_s, 4) if present_s > 0 else None,
                     "mean_staleness": tot["staleness"] / tot["jobs"] if tot["jobs"] and not c.sync else None,
                     "step_s": c.workers[w]["step_s"] if w in c.workers else tot["step_s"],
                     "wire_bytes_sent": self.wire[w]["sent"],
