@@ -77,6 +77,7 @@ def load_model_config(text_or_path: str) -> dict:
         with torch.device("meta"):  # shapes only: a config transformers cannot build fails here
             HFCausalLM(config)
     except (ValueError, TypeError, KeyError, RuntimeError, StrictDataclassError) as e:
+        e = e.__cause__ if isinstance(e, StrictDataclassError) and e.__cause__ else e  # what failed
         why = " ".join(str(e).split()).rstrip(".")  # transformers' messages span lines
         raise UserError(f"{where} is not a valid {model_type!r} config ({why}): fix that field.") from None
     return config
