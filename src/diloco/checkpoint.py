@@ -59,9 +59,10 @@ def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "", seen: di
     is an earlier one (tied weights) is stored once: both places name the first one's key."""
     seen = {} if seen is None else seen
     if isinstance(obj, torch.Tensor):
-        if (first := seen.get(_same(obj))) is not None:
-            return {"__tensor__": first}
-        seen[_same(obj)] = path
+        if (same := _same(obj)) in seen:
+            return {"__tensor__": seen[same]}
+        if same is not None:
+            seen[same] = path
         tensors[path] = obj.detach().cpu().clone().contiguous()
         return {"__tensor__": path}
     if isinstance(obj, dict):

@@ -314,8 +314,10 @@ def test_tied_weights_are_saved_once_and_tied_again_on_load(tmp_path):
     with torch.device("meta"):  # shapes only, as --init-from checks them
         assert checkpoint.with_tied(HFCausalLM(config), saved).keys() == state.keys()
     # a checkpoint keeps one copy too, and gives both names back
-    path = checkpoint.save(tmp_path / "checkpoints", 1, {"model": state})
-    assert len(load_file(path / "state.safetensors")) == len(saved)
+    empty = [torch.zeros(0), torch.zeros(0, 3, dtype=torch.int64)]  # no memory, and not one tensor
+    path = checkpoint.save(tmp_path / "checkpoints", 1, {"model": state, "empty": empty})
+    assert len(load_file(path / "state.safetensors")) == len(saved) + 2
+    assert [(t.shape, t.dtype) for t in checkpoint.load(path)["empty"]] == [(t.shape, t.dtype) for t in empty]
     back = checkpoint.load(path)["model"]
     assert back.keys() == state.keys() and torch.equal(
         back["model.lm_head.weight"], state["model.lm_head.weight"]
