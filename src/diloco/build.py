@@ -19,7 +19,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from diloco import faults
+from diloco import checkpoint, faults
 from diloco.async_rules import build_async_rule
 from diloco.codec import build_codec, codec_for
 from diloco.config import InnerConfig, TrainConfig
@@ -316,8 +316,6 @@ def load_init(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> dict[str,
     from diloco import hf
 
     path = Path(cfg.init_from)
-    if tokenizer is not None:
-        check_init_tokenizer(path if path.is_dir() else path.parent, tokenizer)
     fix = (
         "give a finished run directory, a model.safetensors file, or a save_pretrained directory "
         "of the same model"
@@ -342,7 +340,9 @@ def load_init(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> dict[str,
         except (SafetensorError, OSError) as e:
             raise UserError(f"--init-from {path} is not a readable safetensors file ({e}); {fix}.") from None
     with torch.device("meta"):  # shapes only: nothing allocated
-        want = {k: v.shape for k, v in build_model(cfg).state_dict().items()}
+        model = build_model(cfg)
+    tensors = checkpoint.with_tied(model, tensors)
+    want = {k: v.shape for k, v in model.state_dict().items()}
     got = {k: v.shape for k, v in tensors.items()}
     vocab = (
         cfg.model.vocab_size if not cfg.model.hf_config else json.loads(cfg.model.hf_config).get("vocab_size")
@@ -365,23 +365,48 @@ def load_init(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> dict[str,
                 f"--init-from {path} does not fit this model: {name} is {shapes}; "
                 "use the model settings (--model, --model-config) of the run it came from."
             )
+    if tokenizer is None:
+        return tensors
+    known = check_init_tokenizer(path if path.is_dir() else path.parent, tokenizer)
+    # diloco's GPT has the rows this tokenizer gives it (checked above); a Hugging Face model
+    # learned its vocabulary's tokens, unknown here unless its folder names this tokenizer
+    if cfg.model.hf_config and not known and model.vocab_size != tokenizer.vocab_size:
+        raise UserError(
+            f"--init-from {path} has a vocabulary of {model.vocab_size} but this run's tokenizer "
+            f"({cfg.data.tokenizer}) has {tokenizer.vocab_size}, and its folder has no {TOKENIZER_FILE} "
+            "to show they match; give --tokenizer the tokenizer.json the model was trained with."
+        )
     return tensors
 
 
-def check_init_tokenizer(folder: Path, tokenizer: Tokenizer) -> None:
-    """A model to start from was trained with its folder's tokenizer.json (if any): this run's
-    tokenizer must give the same ids, or the model would read other tokens than it learned."""
-    from diloco.tokenizer import load_tokenizer_file
+def check_init_tokenizer(folder: Path, tokenizer: Tokenizer) -> bool:
+    """A model to start from was trained with the tokenizer its folder names (its tokenizer.json,
+    or a diloco run's config.json saying byte): this run's tokenizer must give the same ids, or
+    the model would read other tokens than it learned. Returns whether the folder names one."""
+    from diloco.tokenizer import ByteTokenizer, load_tokenizer_file
 
-    if not (folder / TOKENIZER_FILE).is_file():
-        return
-    theirs = load_tokenizer_file(folder / TOKENIZER_FILE)
+    if (folder / TOKENIZER_FILE).is_file():
+        theirs: Tokenizer = load_tokenizer_file(folder / TOKENIZER_FILE)
+        why, use = f"its {TOKENIZER_FILE} splits text differently", folder / TOKENIZER_FILE
+    elif _run_tokenizer(folder) == "byte":
+        theirs, why, use = ByteTokenizer(), "bytes, its config.json says", "byte"
+    else:
+        return False
     probe = [PROBE_TEXT]
     if theirs.encode_batch(probe)[0].tolist() != tokenizer.encode_batch(probe)[0].tolist():
         raise UserError(
-            f"--init-from {folder} was trained with another tokenizer (its {TOKENIZER_FILE} splits text "
-            f"differently); give --tokenizer {folder / TOKENIZER_FILE}."
+            f"--init-from {folder} was trained with another tokenizer ({why}); give --tokenizer {use}."
         )
+    return True
+
+
+def _run_tokenizer(folder: Path) -> str | None:
+    """The --tokenizer of the diloco run in `folder` (from its config.json), if it is one."""
+    try:
+        data = json.loads((folder / "config.json").read_text()).get("data")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return data.get("tokenizer") if isinstance(data, dict) else None
 
 
 # text every tokenizer must split the same way to be the same tokenizer (a sample, not a proof)

@@ -22,6 +22,9 @@ A process killed at any moment leaves a run that can be resumed from a valid che
 `latest_valid` skips a corrupt newest checkpoint (with a warning) and falls back to an older one.
 Other files the run writes whole (config.json, summary.json, model.safetensors) go through
 `atomic_write_text`, `atomic_write_json` and `atomic_save_safetensors`.
+Tied weights (one tensor under two names, as Hugging Face models tie the output head to the
+token embedding) are written once, under the first name; `with_tied` fills in the others on load.
+Every file gets the mode `open` gives a new file (the umask's), safetensors' 0600 included.
 
     diloco train --checkpoint-every 2 --rounds 4 && diloco train --resume runs/...
 """
@@ -51,17 +54,23 @@ _FILES = ("state.safetensors", "state.json")
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
-def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
-    """Move tensors out of `obj` into `tensors`; return a strict-JSON-able skeleton."""
+def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "", seen: dict | None = None) -> Any:
+    """Move tensors out of `obj` into `tensors`; return a strict-JSON-able skeleton. A tensor that
+    is an earlier one (tied weights) is stored once: both places name the first one's key."""
+    seen = {} if seen is None else seen
     if isinstance(obj, torch.Tensor):
+        if (same := _same(obj)) in seen:
+            return {"__tensor__": seen[same]}
+        if same is not None:
+            seen[same] = path
         tensors[path] = obj.detach().cpu().clone().contiguous()
         return {"__tensor__": path}
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj):
-            return {k: flatten(v, tensors, f"{path}.{k}") for k, v in obj.items()}
-        return {"__items__": [[k, flatten(v, tensors, f"{path}.{k}")] for k, v in obj.items()]}
+            return {k: flatten(v, tensors, f"{path}.{k}", seen) for k, v in obj.items()}
+        return {"__items__": [[k, flatten(v, tensors, f"{path}.{k}", seen)] for k, v in obj.items()]}
     if isinstance(obj, (list, tuple)):
-        return [flatten(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+        return [flatten(v, tensors, f"{path}.{i}", seen) for i, v in enumerate(obj)]
     if isinstance(obj, float) and not math.isfinite(obj):
         return {"__float__": repr(obj)}  # 'nan', 'inf', '-inf'
     if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -127,21 +136,64 @@ def atomic_write_json(path: Path, obj: Any, *, indent: int | None = 2) -> None:
     atomic_write_text(path, to_json(obj, indent=indent) + "\n")
 
 
+def _same(t: torch.Tensor) -> tuple | None:
+    """What makes two tensors one (the same memory, seen the same way); None for an empty one."""
+    if t.numel() == 0:
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+
+
+def _save_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, leaving the file the mode `open` gives a new one (save_file makes it
+    0600, readable by its owner only)."""
+    with open(path, "wb"):
+        pass
+    mode = os.stat(path).st_mode & 0o777
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, mode)
+
+
 def atomic_save_safetensors(
     tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
 ) -> None:
     """Write a safetensors file whole or not at all (e.g. the run's model.safetensors): a
-    temporary file in the same folder, fsync, os.replace, fsync the folder."""
+    temporary file in the same folder, fsync, os.replace, fsync the folder. A tensor that is an
+    earlier one (tied weights) is written once, under the earlier name (see `with_tied`)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
+    once: dict[str, torch.Tensor] = {}
+    seen: set = set()
+    for name, t in tensors.items():
+        if (same := _same(t)) is None or same not in seen:
+            once[name] = t.contiguous()
+            seen.add(same)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        _save_file(once, tmp, metadata)
         _fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def with_tied(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (a state dict of `model` saved with each tied weight once) with every name of a
+    tied weight filled in, as `model.load_state_dict` wants them. Works on the meta device."""
+    keys = model.state_dict().keys()
+    names: dict[int, list[str]] = {}  # each parameter or buffer: the state dict names it has
+    for name, t in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        if name in keys:
+            names.setdefault(id(t), []).append(name)
+    full = dict(tensors)
+    for group in names.values():
+        if len(group) > 1 and (have := next((n for n in group if n in full), None)) is not None:
+            for name in group:
+                full.setdefault(name, full[have])
+    return full
 
 
 def _round_dirs(checkpoint_dir: Path) -> dict[int, Path]:
@@ -197,7 +249,7 @@ def save(checkpoint_dir: Path, round_: int, state: dict[str, Any], *, keep: int 
     try:
         tensors: dict[str, torch.Tensor] = {}
         skeleton = flatten(state, tensors)
-        save_file(tensors, str(tmp / "state.safetensors"))
+        _save_file(tensors, tmp / "state.safetensors")
         (tmp / "state.json").write_text(json.dumps(skeleton, allow_nan=False))
         sums = {f: _sha256(tmp / f) for f in _FILES}
         (tmp / "checksums.json").write_text(json.dumps(sums, indent=1))

@@ -120,6 +120,9 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "150m": ModelConfig(name="150m", vocab_size=32_000, n_layer=12, n_head=16, d_model=896, seq_len=256),
 }
 assert tuple(MODEL_PRESETS) == PRESETS
+# the longest window diloco's GPT takes: attention's cost grows with the square of the window
+# (one of 100,000 tokens costs as much as 150 of 8,192), so a longer one would never finish here
+GPT_MAX_SEQ_LEN = 8192
 
 
 @dataclass(frozen=True)
@@ -511,6 +514,11 @@ def validate(cfg: TrainConfig) -> None:
     for key in ("model.n_layer", "model.n_head", "model.d_model"):
         settings.at_least(cfg, key, minimum=1)
     settings.at_least(cfg, "model.seq_len", minimum=2)
+    if m.seq_len > GPT_MAX_SEQ_LEN and not m.hf_config:
+        raise UserError(
+            f"model.seq_len (--seq-len) is {m.seq_len}, longer than diloco's GPT takes ({GPT_MAX_SEQ_LEN}); "
+            f"use --seq-len {GPT_MAX_SEQ_LEN} or less, or a --model-config with that many positions."
+        )
     if m.d_model % m.n_head:
         raise UserError(
             f"model.d_model ({m.d_model}) must be divisible by model.n_head ({m.n_head}); change one of them."
@@ -741,9 +749,11 @@ def _inline_model(values: dict[str, Any]) -> dict[str, Any]:
     init = values.get("init_from")
     if not given and isinstance(init, str) and init and hf.is_pretrained_dir(init):
         given = str(Path(init) / "config.json")
-    if isinstance(given, str) and given and not given.lstrip().startswith("{"):
-        model["hf_config"] = json.dumps(hf.load_model_config(given), sort_keys=True)
-        values = {**values, "model": model}
+    if isinstance(given, str) and given:
+        loaded = hf.load_model_config(given)  # JSON text too: refused here if it cannot be built
+        if not given.lstrip().startswith("{"):
+            model["hf_config"] = json.dumps(loaded, sort_keys=True)
+            values = {**values, "model": model}
     return values
 
 

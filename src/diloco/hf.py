@@ -1,7 +1,8 @@
 """Hugging Face models: train any transformers causal LM, export diloco's GPT for transformers.
 
 - `load_model_config` reads a transformers model config (a config.json path or JSON text) and
-  refuses, with a `UserError`, anything AutoModelForCausalLM cannot build as a causal LM.
+  refuses, with a `UserError`, anything AutoModelForCausalLM cannot build as a causal LM (it
+  builds the model on the meta device: sizes that do not fit fail there, not in a run).
 - `HFCausalLM(config)` builds that model from the config alone (random weights, nothing
   downloaded; deterministic under `torch.manual_seed`) behind diloco's model interface:
   `forward(idx_BT, targets_BT)` is the mean cross-entropy, `logits(idx_BT)` float32 logits.
@@ -70,10 +71,15 @@ def load_model_config(text_or_path: str) -> dict:
     if not isinstance(model_type, str) or not model_type:
         raise UserError(f'{where} has no \'model_type\': add one, such as "llama", "gpt2" or "qwen2".')
     _check_causal_lm(config, where)
+    from huggingface_hub.errors import StrictDataclassError  # a config's own checks fail with it
+
     try:
-        hf_config(config)
-    except (ValueError, TypeError, KeyError) as e:
-        raise UserError(f"{where} is not a valid {model_type!r} config ({e}): fix that field.") from None
+        with torch.device("meta"):  # shapes only: a config transformers cannot build fails here
+            HFCausalLM(config)
+    except (ValueError, TypeError, KeyError, RuntimeError, StrictDataclassError) as e:
+        e = e.__cause__ if isinstance(e, StrictDataclassError) and e.__cause__ else e  # what failed
+        why = " ".join(str(e).split()).rstrip(".")  # transformers' messages span lines
+        raise UserError(f"{where} is not a valid {model_type!r} config ({why}): fix that field.") from None
     return config
 
 
@@ -217,29 +223,47 @@ def gpt_to_gpt2(model: nn.Module) -> tuple[transformers.GPT2Config, dict[str, to
     return config, sd
 
 
-def export_model(model: nn.Module, out_dir: Path) -> None:
-    """Save `model` (diloco's GPT or an HFCausalLM) as a transformers save_pretrained directory."""
+def export_model(model: nn.Module, out_dir: Path, *, eos_id: int | None = None) -> None:
+    """Save `model` (diloco's GPT or an HFCausalLM) as a transformers save_pretrained directory.
+
+    `eos_id`, the tokenizer's end-of-text id (None: it has none), becomes the model's
+    `eos_token_id` and `bos_token_id` (every document ends with it, so text starts after it).
+    Tied weights are saved once and tied again by from_pretrained; the weight files get the mode
+    config.json has (safetensors makes them 0600)."""
     from diloco.model import GPT
 
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     if isinstance(model, HFCausalLM):
         hf_model = model.model
-        training_use_cache, hf_model.config.use_cache = hf_model.config.use_cache, model._use_cache
+        settings = {"use_cache": model._use_cache}
     elif isinstance(model, GPT):
         from transformers import GPT2LMHeadModel
 
         config, sd = gpt_to_gpt2(model)
         hf_model = GPT2LMHeadModel(config)
         hf_model.load_state_dict(sd, strict=True)
+        settings = {}
     else:
         raise TypeError(f"export_model takes diloco's GPT or an HFCausalLM, not {type(model).__name__}")
+    ids = {"bos_token_id": eos_id, "eos_token_id": eos_id}
+    changes = [(hf_model.config, {**settings, **ids})]
+    if getattr(hf_model, "generation_config", None) is not None:
+        changes.append((hf_model.generation_config, ids))
+    before = [(c, {k: getattr(c, k, None) for k in new}) for c, new in changes]
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     try:
+        for c, new in changes:
+            for k, v in new.items():
+                setattr(c, k, v)
         with _quiet():
             hf_model.save_pretrained(out_dir, safe_serialization=True)
-    finally:
-        if isinstance(model, HFCausalLM):
-            hf_model.config.use_cache = training_use_cache
+    finally:  # an HFCausalLM goes on training as it was
+        for c, old in before:
+            for k, v in old.items():
+                setattr(c, k, v)
+    mode = (Path(out_dir) / "config.json").stat().st_mode & 0o777
+    for weights in Path(out_dir).glob("*.safetensors"):
+        weights.chmod(mode)
 
 
 @contextlib.contextmanager

@@ -109,6 +109,11 @@ def plot_runs(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kind = out.suffix[1:].lower()
+    if kind and kind not in FigureCanvasBase.get_supported_filetypes():
+        raise UserError(f"--out {out}: a plot cannot be written as .{kind}; name a .png, .pdf or .svg file.")
 
     axis_label = X_AXES[x][1]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)

@@ -154,9 +154,8 @@ def load_tokenizer_file(path: str | Path) -> HFTokenizer:
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
-    """A byte-level BPE (GPT-2 style) of at most `vocab_size` tokens, "<|endoftext|>" as id 0.
-
-    Fewer tokens only when the text has too few distinct pairs to merge. Deterministic.
+    """A byte-level BPE (GPT-2 style) of `vocab_size` tokens, "<|endoftext|>" as id 0.
+    Deterministic. UserError if the text yields fewer (every word is one token before that).
     """
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -171,7 +170,14 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return HFTokenizer(tok)
+    trained = HFTokenizer(tok)
+    if trained.vocab_size < vocab_size:
+        raise UserError(
+            f"the training text yields at most {trained.vocab_size} BPE tokens (every word is one "
+            f"token by then), fewer than --tokenizer bpe:{vocab_size}; use bpe:{trained.vocab_size} "
+            "or less, or more text."
+        )
+    return trained
 
 
 def build_tokenizer(spec: str, train_texts: Callable[[], Iterable[str]]) -> Tokenizer:

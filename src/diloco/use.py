@@ -10,6 +10,7 @@ model.safetensors and, for bpe:N or a tokenizer file, tokenizer.json) and never 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 from pathlib import Path
@@ -21,6 +22,7 @@ from safetensors.torch import load_file
 
 from diloco import checkpoint
 from diloco.build import build_model, check_data, data_record, validation
+from diloco.checkpoint import with_tied
 from diloco.config import TrainConfig
 from diloco.data import TOKENIZER_FILE, bundled_text, eval_corpus, eval_windows, load_tokenizer, user_text
 from diloco.errors import UserError
@@ -60,7 +62,7 @@ def open_run(run_dir: Path) -> Finished:
     tokenizer = load_tokenizer(cfg.data, bundled_text(), lambda: iter(()), run_dir)
     model = build_model(cfg)
     try:
-        model.load_state_dict(load_file(str(path)))
+        model.load_state_dict(with_tied(model, load_file(str(path))))
     except (SafetensorError, OSError, RuntimeError) as e:
         raise UserError(
             f"{path} does not load into the model of {run_dir / 'config.json'} ({str(e)[:120]}); "
@@ -133,10 +135,13 @@ def generate(
     run_dir: Path, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int, seed: int
 ) -> str:
     """The prompt and what the run's final model writes after it."""
-    if max_new_tokens < 0 or temperature < 0 or top_k < 0:
-        raise UserError(
-            "--max-new-tokens, --temperature and --top-k must not be negative; fix the one that is."
-        )
+    for flag, value, example in (
+        ("--max-new-tokens", max_new_tokens, 200),
+        ("--temperature", temperature, 0.8),
+        ("--top-k", top_k, 0),
+    ):
+        if not 0 <= value < math.inf:  # nan and inf too
+            raise UserError(f"{flag} must be a finite number >= 0, got {value}; use e.g. {flag} {example}.")
     run = open_run(run_dir)
     ids = [int(i) for i in run.tokenizer.encode_batch([prompt])[0]]
     if not ids:
@@ -175,7 +180,7 @@ def export(run_dir: Path, out_dir: Path) -> Path:
     except OSError as e:
         raise UserError(f"cannot create {tmp} ({e.strerror}); choose another OUT_DIR.") from None
     try:
-        export_model(run.model, tmp)
+        export_model(run.model, tmp, eos_id=run.tokenizer.eos_id)
         export_tokenizer(run.tokenizer, tmp, model_max_length=run.cfg.model.seq_len)
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above)

@@ -385,7 +385,7 @@ def test_eval_generate_and_export_refuse_bad_input(tmp_path, capsys, monkeypatch
     code, err = _run_in_process(capsys, ["eval", "run", "--data", "latin1.txt"])
     assert code == 2 and "latin1.txt is not UTF-8" in err
     code, err = _run_in_process(capsys, ["generate", "run", "--prompt", "x", "--temperature", "-1"])
-    assert code == 2 and "must not be negative" in err
+    assert code == 2 and "--temperature must be a finite number >= 0, got -1.0" in err
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep").write_text("mine")
     code, err = _run_in_process(capsys, ["export", "run", "taken"])

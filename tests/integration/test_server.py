@@ -332,6 +332,8 @@ def test_user_data_bpe_and_a_hugging_face_model_through_the_server_equal_the_sim
     """The model config travels inside the run's settings; each worker reads the same --data
     files and tokenises them itself (its own cache), and the run equals the simulator's."""
     data, llama = user_files(tmp_path)
+    tied = {**json.loads(Path(llama).read_text()), "tie_word_embeddings": True}  # saved once, replayed
+    Path(llama).write_text(json.dumps(tied))
     data = ["--data", data, "--tokenizer", "bpe:280"]
     run = [
         "--workers",

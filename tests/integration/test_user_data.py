@@ -252,6 +252,9 @@ def test_export_loads_in_transformers_with_the_same_logits_and_ids(tmp_path, cap
         flags += ["--model-config", str(tmp_path / "llama.json")]
     run = _train(tmp_path, "run", *flags, gpt_sizes=model == "gpt")
     assert main(["export", str(run), str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 0  # <|endoftext|>
+    modes = {p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert len(modes) == 1  # model.safetensors like every other file
     finished = open_run(run)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")

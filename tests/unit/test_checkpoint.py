@@ -285,3 +285,53 @@ def test_sigkill_at_any_moment_leaves_a_valid_checkpoint(tmp_path, capsys):
         last = r
     assert last >= 3, last  # the runs made progress
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.timeout(60)
+def test_tied_weights_are_saved_once_and_tied_again_on_load(tmp_path):
+    from diloco.hf import HFCausalLM
+
+    torch.manual_seed(0)
+    config = {
+        "model_type": "gpt2",
+        "n_layer": 1,
+        "n_embd": 16,
+        "n_head": 2,
+        "vocab_size": 300,
+        "n_positions": 32,
+    }
+    model = HFCausalLM(config)  # GPT-2 ties its output head to the token embedding
+    assert model.model.lm_head.weight is model.model.transformer.wte.weight
+    state = model.state_dict()
+    checkpoint.atomic_save_safetensors(state, tmp_path / "model.safetensors")
+    saved = load_file(tmp_path / "model.safetensors")
+    assert "model.transformer.wte.weight" in saved and "model.lm_head.weight" not in saved
+    torch.manual_seed(1)
+    again = HFCausalLM(config)
+    again.load_state_dict(checkpoint.with_tied(again, saved))
+    assert again.model.lm_head.weight is again.model.transformer.wte.weight
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in state.items())
+    with torch.device("meta"):  # shapes only, as --init-from checks them
+        assert checkpoint.with_tied(HFCausalLM(config), saved).keys() == state.keys()
+    # a checkpoint keeps one copy too, and gives both names back
+    empty = [torch.zeros(0), torch.zeros(0, 3, dtype=torch.int64)]  # no memory, and not one tensor
+    path = checkpoint.save(tmp_path / "checkpoints", 1, {"model": state, "empty": empty})
+    assert len(load_file(path / "state.safetensors")) == len(saved) + 2
+    assert [(t.shape, t.dtype) for t in checkpoint.load(path)["empty"]] == [(t.shape, t.dtype) for t in empty]
+    back = checkpoint.load(path)["model"]
+    assert back.keys() == state.keys() and torch.equal(
+        back["model.lm_head.weight"], state["model.lm_head.weight"]
+    )
+
+
+@pytest.mark.timeout(30)
+def test_safetensors_files_get_the_mode_of_every_other_file(tmp_path):
+    old = os.umask(0o022)
+    try:
+        checkpoint.atomic_save_safetensors({"a": torch.ones(2)}, tmp_path / "model.safetensors")
+        checkpoint.atomic_write_json(tmp_path / "summary.json", {})
+        path = checkpoint.save(tmp_path / "checkpoints", 1, {"a": torch.ones(2)})
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [*tmp_path.iterdir(), *path.iterdir()] if p.is_file()}
+    assert set(modes.values()) == {0o644}, modes

@@ -152,8 +152,17 @@ def test_bert_is_not_a_causal_lm(tmp_path):
         ({"hidden_size": 32}, "no 'model_type'"),
         ([1, 2], "not a JSON object"),
         ("{not json", "not valid JSON"),
+        (
+            {**LLAMA, "hidden_size": 30, "num_attention_heads": 4},
+            r"hidden size \(30\) is not a multiple of the number of attention heads",
+        ),
+        (
+            {**GPT2, "n_embd": 30, "n_head": 4},
+            "must be divisible by num_heads",
+        ),  # found when the model is built
+        ({**LLAMA, "hidden_size": -32}, "negative dimension -32"),
     ],
-    ids=["unknown", "vision", "no-type", "array", "bad-json"],
+    ids=["unknown", "vision", "no-type", "array", "bad-json", "heads", "gpt2-heads", "negative"],
 )
 def test_bad_config_files(tmp_path, content, match):
     path = tmp_path / "model.json"
@@ -161,6 +170,25 @@ def test_bad_config_files(tmp_path, content, match):
     with pytest.raises(UserError, match=match) as e:
         load_model_config(str(path))
     assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_hf_export_writes_the_tokenizers_end_of_text_id_and_ties_weights_once(tmp_path, tie):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = HFCausalLM({**LLAMA, "tie_word_embeddings": tie})  # Llama's own ids: bos 1, eos 2
+    export_model(model, tmp_path / "out", eos_id=0)
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert saved["eos_token_id"] == saved["bos_token_id"] == generation["eos_token_id"] == 0
+    assert model.model.config.eos_token_id == 2  # the training model is left as it was
+    weights = tmp_path / "out" / "model.safetensors"
+    assert ("lm_head.weight" in load_file(weights)) != tie
+    assert weights.stat().st_mode & 0o777 == (tmp_path / "out" / "config.json").stat().st_mode & 0o777
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
+    tied = loaded.get_output_embeddings().weight.data_ptr() == loaded.get_input_embeddings().weight.data_ptr()
+    assert tied == tie
 
 
 def test_missing_config_file(tmp_path):

@@ -226,3 +226,8 @@ def test_a_vocabulary_with_gaps_counts_up_to_its_largest_id(tmp_path):
     loaded = load_tokenizer_file(tmp_path / "tokenizer.json")
     assert loaded.vocab_size == 301  # ids 0..300, not the 3 entries
     assert loaded.encode_batch(["a b"])[0].tolist() == [0, 300]
+
+
+def test_a_bpe_larger_than_the_text_yields_is_refused():
+    with pytest.raises(UserError, match=r"yields at most \d+ BPE tokens .* fewer than --tokenizer bpe:1000"):
+        train_bpe(["to be or not to be, that is the question"] * 9, 1000)

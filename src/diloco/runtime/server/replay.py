@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from diloco.build import build_side, build_worker, load_init, prepare_data
+from diloco.checkpoint import with_tied
 from diloco.errors import UserError
 from diloco.rundir import load_run_config
 from diloco.runtime.server.coordinator import Coordinator
@@ -97,7 +98,7 @@ def replay(run_dir: Path, *, progress: bool | None = None) -> dict[str, Any]:
         raise UserError(
             f"the event log of {run_dir} stops before the run's end; replay a finished server run."
         )
-    final = load_file(str(final_path))
+    final = with_tied(coord.side.model, load_file(str(final_path)))
     mine = coord.side.model.state_dict()
     diff = max((mine[k] - final[k]).abs().max().item() for k in final)
     return {
