@@ -54,5 +54,7 @@ def test_a_plan_round_trips_and_a_damaged_or_foreign_one_is_refused():
     with pytest.raises(UserError, match="is damaged"):
         ShardPlan.from_json("not json", "shards.json")
     plan.check("kmeans", 2, 0)
-    with pytest.raises(UserError, match=r"is for kmeans shards of 2 workers \(seed 0\), but the run has kmeans shards of 3"):
+    with pytest.raises(
+        UserError, match=r"is for kmeans shards of 2 workers \(seed 0\), but the run has kmeans shards of 3"
+    ):
         plan.check("kmeans", 3, 0)
