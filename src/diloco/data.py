@@ -266,11 +266,11 @@ def make_shards(corpus: Corpus, plan: ShardPlan) -> tuple[list[View], list[float
     fits = len(units) == plan.units and all(0 <= u < len(units) for g in plan.groups for u in g)
     shards = [_ranges(stream, [units[u] for u in g]) for g in plan.groups] if fits else []
     if not fits or [len(s) for s in shards] != list(plan.tokens):
+        mine = f"{sum(map(len, shards)):,} tokens in " if fits else ""
         raise UserError(
-            f"the shard plan of {plan.source} does not fit this training text (its {plan.units} units "
-            f"make shards of {list(plan.tokens)} tokens; this text makes {len(units)} units"
-            + (f" and shards of {[len(s) for s in shards]}" if fits else "")
-            + "); use the same --data files, tokenizer and diloco as the machine that made it."
+            f"the shard plan of {plan.source} does not fit this training text (its shards hold "
+            f"{sum(plan.tokens):,} tokens in {plan.units} units, here {mine}{len(units)}); use the same "
+            "--data files, tokenizer and diloco as the machine that made it."
         )
     if plan.kind == "iid":
         return shards, [1.0 / len(shards)] * len(shards)

@@ -1,14 +1,18 @@
 """The shard plan (shard_plan.py) and the k-means that makes `kmeans` plans: the same answer
 whatever the order of its input or the threads it may use, and a digest that does not move."""
 
+import dataclasses
 import random
 
 import pytest
 from threadpoolctl import threadpool_limits
 
-from diloco.data import kmeans_groups
+from diloco.build import training_corpus
+from diloco.config import TrainConfig
+from diloco.data import kmeans_groups, make_shards, plan_shards
 from diloco.errors import UserError
 from diloco.shard_plan import ShardPlan
+from diloco.tokenizer import ByteTokenizer
 
 
 def _texts() -> list[str]:
@@ -58,3 +62,17 @@ def test_a_plan_round_trips_and_a_damaged_or_foreign_one_is_refused():
         UserError, match=r"is for kmeans shards of 2 workers \(seed 0\), but the run has kmeans shards of 3"
     ):
         plan.check("kmeans", 3, 0)
+
+
+@pytest.mark.parametrize("kind", ["iid", "genre"])
+def test_a_plan_cuts_only_the_text_it_was_made_for(kind):
+    corpus = training_corpus(TrainConfig(), ByteTokenizer(), False)
+    plan = plan_shards(corpus, 3, kind=kind, seed=0)
+    shards, _ = make_shards(corpus, plan)
+    assert [len(s) for s in shards] == list(plan.tokens)
+    for other in (
+        dataclasses.replace(plan, units=plan.units + 1),
+        dataclasses.replace(plan, tokens=(1, 2, 3)),
+    ):
+        with pytest.raises(UserError, match="does not fit this training text"):
+            make_shards(corpus, other)
