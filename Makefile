@@ -3,15 +3,23 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test test-all lint bench bench-async bench-server bench-communication bench-data bench-reproduce browser clean
+.PHONY: setup lock run test test-all lint bench bench-async bench-server bench-communication bench-data bench-reproduce browser clean
 
 setup: $(VENV)/.installed
 
-# torch is pinned to 2.13.0 in pyproject.toml (see the comment there about CPU and CUDA wheels).
-$(VENV)/.installed: pyproject.toml
+# torch is pinned to 2.13.0 in pyproject.toml (see the comment there about CPU and CUDA wheels);
+# constraints.txt pins every other package to the version the test suite passed with.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	touch $@
+
+# Newer versions: upgrade .venv as far as pyproject.toml allows and write them to constraints.txt
+# (torch without its +cpu/+cuXXX label, so either build matches); then `make test` before committing.
+lock: setup
+	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade --upgrade-strategy eager -e '.[dev]'
+	{ grep '^#' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -iv '^diloco==' | \
+	  sed -E 's/^(torch==[^+]*)\+.*/\1/'; } > constraints.txt.new && mv constraints.txt.new constraints.txt
 
 run: setup
 	$(VENV)/bin/diloco train

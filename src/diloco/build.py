@@ -35,6 +35,7 @@ from diloco.data import (
     eval_windows,
     load_tokenizer,
     make_shards,
+    plan_shards,
     tokenised,
     training_pieces,
     user_text,
@@ -49,6 +50,7 @@ from diloco.runtime.clock import Clock, parse_slowdown, profile
 from diloco.runtime.pool import InlinePool, ProcessPool, balanced_assignment
 from diloco.runtime.sim import DataParallel, DiLoCo, make_worker
 from diloco.schedule import warmup_cosine
+from diloco.shard_plan import ShardPlan, recorded_plan
 from diloco.streaming import Schedule
 from diloco.tokenizer import Tokenizer
 from diloco.tokens import Corpus, View
@@ -63,11 +65,19 @@ class Data:
     tokenizer: Tokenizer
     corpus: Corpus  # the training text, tokenised
     record: dict  # fingerprints of the text it came from (RUN_DIR/data.json)
+    plan: ShardPlan  # which units of the text each shard holds (RUN_DIR/shards.json)
 
 
-def prepare_data(cfg: TrainConfig, *, run_dir: Path | None = None, progress: bool | None = None) -> Data:
+def prepare_data(
+    cfg: TrainConfig,
+    *,
+    run_dir: Path | None = None,
+    progress: bool | None = None,
+    plan: ShardPlan | None = None,
+) -> Data:
     """The run's tokenizer (from `run_dir` when it holds one), tokens (cached), shards and
-    validation windows."""
+    validation windows. The shards are cut by `plan` (a server's), else by the one recorded in
+    `run_dir`, else by a plan made now."""
     d = cfg.data
     text = training_text(cfg)
     record = data_record(cfg, text)
@@ -83,9 +93,10 @@ def prepare_data(cfg: TrainConfig, *, run_dir: Path | None = None, progress: boo
     tokenizer = load_tokenizer(d, text, train, run_dir)
     corpus = training_corpus(cfg, tokenizer, progress, text=text, train=train)
     k = 1 if cfg.method == "single" else cfg.num_workers
-    shards, weights = make_shards(corpus, k, kind=d.shards, seed=cfg.seed, decode=tokenizer.decode)
-    for i in range(k):
-        sampler(cfg, shards, i)  # a shard too small for one batch is a UserError now, not later
+    plan = plan or (recorded_plan(run_dir) if run_dir is not None else None)
+    plan = plan or plan_shards(corpus, k, kind=d.shards, seed=cfg.seed, decode=tokenizer.decode)
+    plan.check(d.shards, k, cfg.seed)
+    shards, weights = cut_shards(cfg, corpus, plan)
     val = validation(cfg, tokenizer, progress, corpus=corpus)
     return Data(
         shards,
@@ -95,7 +106,25 @@ def prepare_data(cfg: TrainConfig, *, run_dir: Path | None = None, progress: boo
         tokenizer,
         corpus,
         record,
+        plan,
     )
+
+
+def cut_shards(cfg: TrainConfig, corpus: Corpus, plan: ShardPlan) -> tuple[list[View], list[float]]:
+    """The shards and their weights, cut by `plan`."""
+    shards, weights = make_shards(corpus, plan)
+    for i in range(len(shards)):
+        sampler(cfg, shards, i)  # a shard too small for one batch is a UserError now, not later
+    return shards, weights
+
+
+def use_plan(cfg: TrainConfig, data: Data, plan: ShardPlan) -> Data:
+    """`data` with its shards cut by `plan` (rank 0's, under torchrun) where its own differs."""
+    if plan == data.plan:
+        return data
+    plan.check(cfg.data.shards, len(data.shards), cfg.seed)
+    shards, weights = cut_shards(cfg, data.corpus, plan)
+    return dataclasses.replace(data, shards=shards, weights=weights, plan=plan)
 
 
 def small_shards(cfg: TrainConfig, data: Data) -> str | None:
@@ -124,7 +153,8 @@ def small_shards(cfg: TrainConfig, data: Data) -> str | None:
 # validates on (data.json keeps those that apply; older runs are refused rather than changed).
 RULES = {
     "val_split": 3,  # user data: whole documents by hash, tails when that holds out < ½ or > 2 × val_fraction
-    "kmeans_units": 2,  # kmeans clusters ~4,096-token parts of documents, not whole documents
+    # kmeans clusters ~4,096-token parts of documents (2), on one thread, ties of words broken by word (3)
+    "kmeans_units": 3,
 }
 
 
@@ -462,7 +492,8 @@ def build_trainer(
         from diloco.runtime.server.service import ServerRuntime
 
         assert run_dir is not None, "the server runtime needs its run directory"
-        return ServerRuntime(cfg, build_side(cfg, data, init), [len(s) for s in data.shards], run_dir, serve)
+        side, sizes = build_side(cfg, data, init), [len(s) for s in data.shards]
+        return ServerRuntime(cfg, side, sizes, run_dir, serve, shard_plan=data.plan.to_json())
     if cfg.method in ("single", "dp"):
         model = initial_model(cfg, init)
         k = len(data.shards)

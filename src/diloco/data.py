@@ -20,6 +20,7 @@ No worker ever trains on it. Shards (one per worker), of the training pieces:
   as the DiLoCo paper clustered its documents.
 
 Non-i.i.d. shards weight each worker's outer_grad by its shard's token count (ALGORITHMS.md §1).
+Which units go to which shard (the shard plan, shard_plan.py) is decided once per run and recorded.
 
     python -c "from diloco.data import load_corpus; print(len(load_corpus()))"
 """
@@ -44,6 +45,7 @@ import numpy as np
 import torch
 
 from diloco.errors import UserError
+from diloco.shard_plan import ShardPlan
 from diloco.sources import Document
 from diloco.tokens import Corpus, Piece, View, cache_root, digest, is_val_document, locked, pieces, tokenise
 
@@ -146,15 +148,35 @@ def genre_groups(works: tuple[Work, ...], k: int) -> list[list[int]]:
     return source_groups([len(w.text) for w in works], [w.genre for w in works], k)
 
 
-def kmeans_groups(texts: Iterable[str], k: int, seed: int) -> list[list[int]]:
+def kmeans_groups(texts: list[str], k: int, seed: int) -> list[list[int]]:
     """Text indices per worker: k-means (scikit-learn) over TF-IDF features of each text, as the
-    DiLoCo paper clustered its documents."""
-    from sklearn.cluster import KMeans
-    from sklearn.feature_extraction.text import TfidfVectorizer
+    DiLoCo paper clustered its documents; groups in the order of their first text.
 
-    features = TfidfVectorizer(max_features=4096, sublinear_tf=True).fit_transform(texts)
-    labels = KMeans(n_clusters=k, n_init=10, random_state=seed).fit_predict(features)
-    return [sorted(np.flatnonzero(labels == c).tolist()) for c in range(k)]
+    As machine-independent as it can be (issue 29): the texts are clustered in sorted order, so
+    the caller's order does not matter; the features are the 4,096 most frequent words with ties
+    broken by the word (TfidfVectorizer's max_features breaks them with numpy's unstable sort,
+    whose order depends on the CPU's SIMD: 183 words tie for the last 36 places in the bundled
+    corpus); they stay sparse float64, so k-means runs scikit-learn's own loops rather than a
+    BLAS whose kernels differ between CPUs; k-means++ is seeded with `seed` (numpy's
+    MT19937, the same everywhere), Lloyd's algorithm, on one thread (threads split the sums
+    differently). Logarithms (numpy's, SIMD too) and other library versions can still change a
+    last bit, so a run makes its plan once and records and sends it (shard_plan.py)."""
+    from sklearn.cluster import KMeans
+    from sklearn.feature_extraction.text import CountVectorizer, TfidfTransformer
+    from threadpoolctl import threadpool_limits
+
+    order = sorted(range(len(texts)), key=texts.__getitem__)
+    counts = CountVectorizer().fit_transform([texts[i] for i in order])  # words in sorted order
+    totals = np.asarray(counts.sum(axis=0)).ravel()
+    top = np.sort(np.lexsort((np.arange(len(totals)), -totals))[:4096])  # most frequent, ties by word
+    features = TfidfTransformer(sublinear_tf=True).fit_transform(counts[:, top].astype(np.float64))
+    with threadpool_limits(1):
+        km = KMeans(n_clusters=k, init="k-means++", n_init=10, random_state=seed, algorithm="lloyd")
+        labels_sorted = km.fit_predict(features)
+    labels = np.empty(len(texts), np.int64)
+    labels[order] = labels_sorted
+    groups = [np.flatnonzero(labels == c).tolist() for c in range(k)]
+    return sorted(groups, key=lambda g: g[0] if g else len(texts))
 
 
 def kmeans_units(corpus: Corpus) -> tuple[View, list[tuple[int, int]]]:
@@ -162,11 +184,9 @@ def kmeans_units(corpus: Corpus) -> tuple[View, list[tuple[int, int]]]:
     of it. A unit is a document, or a stretch of about KMEANS_UNIT_TOKENS of one (a long document
     is cut into equal parts), so a corpus of a few long works (the bundled one: 42) clusters like
     the paper's many web documents, into shards of comparable size, and not into whole works."""
-    train = np.flatnonzero(~corpus.val)
-    stream = corpus.view(train)  # pieces are in document order
-    sizes = np.bincount(corpus.doc[train], weights=corpus.length[train], minlength=corpus.meta["documents"])
+    stream, sizes = _training_stream(corpus)
     units, lo = [], 0
-    for size in sizes.astype(np.int64).tolist():
+    for size in sizes.tolist():
         if size:
             cuts = np.linspace(lo, lo + size, max(1, round(size / KMEANS_UNIT_TOKENS)) + 1).round()
             units += [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
@@ -174,50 +194,87 @@ def kmeans_units(corpus: Corpus) -> tuple[View, list[tuple[int, int]]]:
     return stream, units
 
 
-def make_shards(
-    corpus: Corpus, k: int, *, kind: str, seed: int, decode: Callable[[np.ndarray], str] | None = None
-) -> tuple[list[View], list[float]]:
-    """Token shards (views of the corpus's training pieces), one per worker, and the outer_grad
-    weights w_i. `decode` (the tokenizer's) gives the text of the units `kmeans` clusters."""
+def _training_stream(corpus: Corpus) -> tuple[View, np.ndarray]:
+    """The training pieces as one sequence (they are in document order) and each document's
+    training tokens in it."""
     train = np.flatnonzero(~corpus.val)
+    weights = corpus.length[train]
+    sizes = np.bincount(corpus.doc[train], weights=weights, minlength=corpus.meta["documents"])
+    return corpus.view(train), sizes.astype(np.int64)
+
+
+def shard_units(corpus: Corpus, kind: str) -> tuple[View, list[tuple[int, int]]]:
+    """The training text as one sequence and the units (lo, hi) that `kind` deals out to
+    workers: 4,096-token blocks (`iid`), `kmeans_units`, or documents with training text."""
+    if kind == "kmeans":
+        return kmeans_units(corpus)
+    stream, sizes = _training_stream(corpus)
     if kind == "iid":
-        stream = corpus.view(train)  # the training pieces as one sequence, cut into blocks
-        n_blocks = len(stream) // IID_BLOCK_TOKENS // k * k
+        return stream, [
+            (b * IID_BLOCK_TOKENS, (b + 1) * IID_BLOCK_TOKENS) for b in range(len(stream) // IID_BLOCK_TOKENS)
+        ]
+    ends = np.cumsum(sizes)
+    docs = np.unique(corpus.doc[~corpus.val])  # documents with training text (not held out whole)
+    return stream, list(zip((ends - sizes)[docs].tolist(), ends[docs].tolist(), strict=True))
+
+
+def plan_shards(
+    corpus: Corpus, k: int, *, kind: str, seed: int, decode: Callable[[np.ndarray], str] | None = None
+) -> ShardPlan:
+    """Which units go to which of the k workers (shard_plan.py): made once per run, by the
+    process that starts it. `decode` (the tokenizer's) gives the text of the units `kmeans`
+    clusters."""
+    stream, units = shard_units(corpus, kind)
+    if kind == "iid":
+        n_blocks = len(units) // k * k
         if n_blocks == 0:
             raise UserError(f"the corpus is too small for {k} i.i.d. shards; use fewer --workers.")
         perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-        blocks = [(b * IID_BLOCK_TOKENS, (b + 1) * IID_BLOCK_TOKENS) for b in range(n_blocks)]
-        shards = [_ranges(stream, [blocks[b] for b in perm[i::k]]) for i in range(k)]
-        return shards, [1.0 / k] * k
-    if kind == "kmeans":
+        groups = [perm[i::k] for i in range(k)]
+    elif kind == "kmeans":
         assert decode is not None, "kmeans shards need the tokenizer's decode"
-        stream, units = kmeans_units(corpus)
         if k > len(units):
             raise UserError(
                 f"kmeans shards need a unit of text per worker (a document, or a ~{KMEANS_UNIT_TOKENS}-token "
                 f"part of a long one), but the training text makes {len(units)} for {k} workers; use "
                 f"--workers {len(units)} or fewer, or --shards iid."
             )
-        texts = (decode(stream[torch.arange(a, b)].numpy()) for a, b in units)
-        shards = [_ranges(stream, [units[u] for u in g]) for g in kmeans_groups(texts, k, seed)]
+        texts = [decode(stream[torch.arange(a, b)].numpy()) for a, b in units]
+        groups = kmeans_groups(texts, k, seed)
     else:
-        docs = np.unique(corpus.doc[train])  # documents with training text (not held out whole)
-        unit = "works" if kind == "genre" else "documents with training text"
+        docs = np.unique(corpus.doc[~corpus.val])  # the documents `shard_units` made units of
+        what = "works" if kind == "genre" else "documents with training text"
         if k > len(docs):
             raise UserError(
                 f"{kind} shards need at least one whole document per worker, but there are {len(docs)} "
-                f"{unit} for {k} workers; use --workers {len(docs)} or fewer, or --shards iid."
+                f"{what} for {k} workers; use --workers {len(docs)} or fewer, or --shards iid."
             )
         labels = [corpus.sources[s] for s in corpus.doc_sources()[docs]]
-        found = source_groups(corpus.doc_sizes()[docs].tolist(), labels, k)
-        groups = [docs[g].tolist() for g in found]
-        train_docs = corpus.doc[train]  # pieces are in document order, so each shard is too
-        shards = [corpus.view(train[np.isin(train_docs, g)]) for g in groups]
-    if empty := [i for i, s in enumerate(shards) if len(s) == 0]:
+        groups = source_groups(corpus.doc_sizes()[docs].tolist(), labels, k)
+    tokens = [sum(units[u][1] - units[u][0] for u in g) for g in groups]
+    if empty := [i for i, n in enumerate(tokens) if n == 0]:
         raise UserError(
             f"{kind} shards leave worker {empty[0]} without training text at --workers {k}; "
             f"use fewer --workers or --shards iid."
         )
+    return ShardPlan(kind, seed, len(units), tuple(map(tuple, groups)), tuple(tokens))
+
+
+def make_shards(corpus: Corpus, plan: ShardPlan) -> tuple[list[View], list[float]]:
+    """Token shards (views of the corpus's training pieces), one per worker, cut by `plan`, and
+    the outer_grad weights w_i. A plan made for another text is a UserError."""
+    stream, units = shard_units(corpus, plan.kind)
+    fits = len(units) == plan.units and all(0 <= u < len(units) for g in plan.groups for u in g)
+    shards = [_ranges(stream, [units[u] for u in g]) for g in plan.groups] if fits else []
+    if not fits or [len(s) for s in shards] != list(plan.tokens):
+        mine = f"{sum(map(len, shards)):,} tokens in " if fits else ""
+        raise UserError(
+            f"the shard plan of {plan.source} does not fit this training text (its shards hold "
+            f"{sum(plan.tokens):,} tokens in {plan.units} units, here {mine}{len(units)}); use the same "
+            "--data files, tokenizer and diloco as the machine that made it."
+        )
+    if plan.kind == "iid":
+        return shards, [1.0 / len(shards)] * len(shards)
     total = sum(len(s) for s in shards)
     return shards, [len(s) / total for s in shards]
 

@@ -21,13 +21,14 @@ from typing import Any
 import torch
 
 from diloco import checkpoint, rundir
-from diloco.build import Data, build_trainer, fit_model, load_init, prepare_data, small_shards
+from diloco.build import Data, build_trainer, fit_model, load_init, prepare_data, small_shards, use_plan
 from diloco.config import TrainConfig
 from diloco.data import DATA_FILE, TOKENIZER_FILE
 from diloco.errors import Interrupted, RunFailed, UserError, resume_step
 from diloco.metrics import MetricsWriter, NullWriter, perplexity
 from diloco.runtime import is_main_process
 from diloco.schedule import active_workers, parse_workers_schedule
+from diloco.shard_plan import SHARDS_FILE, ShardPlan
 from diloco.summary import summarize
 
 EVAL_BATCH = 64
@@ -321,19 +322,22 @@ def train(
     )  # a resumed run's θ is in its checkpoint
     found: dict[str, Any] = {}
 
-    def decide() -> tuple[str, bool]:  # rank 0's: the checkpoint stays in `found`
+    def decide() -> tuple[str, bool, str]:  # rank 0's: the checkpoint stays in `found`
         run_dir, found["state"] = rundir.open_run(cfg, resume, restarted=restarted)
-        return str(run_dir), found["state"] is not None
+        return str(run_dir), found["state"] is not None, data.plan.to_json()
 
     if collective:
-        run_dir_text, resuming = coll.agree(decide, main=main)
+        run_dir_text, resuming, plan = coll.agree(decide, main=main)
     else:
-        run_dir_text, resuming = decide()
+        run_dir_text, resuming, plan = decide()
     run_dir = Path(run_dir_text)
+    data = use_plan(cfg, data, ShardPlan.from_json(plan, "rank 0"))  # every rank trains on rank 0's shards
     if main and not (run_dir / TOKENIZER_FILE).exists():  # eval, generate, export and --resume read it
         data.tokenizer.save(run_dir)
     if main and not (run_dir / DATA_FILE).exists():  # --resume and eval check the text against it
         checkpoint.atomic_write_json(run_dir / DATA_FILE, data.record)
+    if main and not (run_dir / SHARDS_FILE).exists():  # --resume, replay and server workers use it
+        checkpoint.atomic_write_text(run_dir / SHARDS_FILE, plan)
     if main and (warning := small_shards(cfg, data)):  # the run is set up: it will start
         print(f"diloco: warning: {warning}", file=sys.stderr, flush=True)
     trainer = build_trainer(cfg, data, init, run_dir=run_dir, serve=serve)

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import user_files
@@ -318,3 +319,23 @@ def test_user_data_bpe_and_a_hugging_face_model_equal_the_simulator(tmp_path, mo
     )
     assert real.keys() == ref.keys() and all(real[k].equal(ref[k]) for k in ref)
     assert (tmp_path / "c" / "tokenizer.json").read_text() == (tmp_path / "s" / "tokenizer.json").read_text()
+
+
+@pytest.mark.timeout(90)
+def test_every_rank_trains_on_rank_0s_shard_plan(tiny, tmp_path):
+    """Rank 1 on "another machine", whose own k-means would come out otherwise (tests/
+    other_machine, for RANK=1 only), cuts its shards by rank 0's plan, which shards.json records:
+    the run equals the simulator bit for bit. Before issue 29 rank 1 trained on its own shards."""
+    import dataclasses
+
+    other = os.pathsep.join(
+        p for p in (str(Path(__file__).parents[1] / "other_machine"), os.environ.get("PYTHONPATH")) if p
+    )
+    proc = _torchrun(
+        tmp_path, 2, "--shards", "kmeans", "--out", str(tmp_path / "c"), env={"PYTHONPATH": other}
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    real = load_file(str(tmp_path / "c" / "model.safetensors"))
+    sim = _sim(tiny, tmp_path, "s", num_workers=2, data=dataclasses.replace(tiny().data, shards="kmeans"))
+    assert all(real[k].equal(sim[k]) for k in sim)
+    assert (tmp_path / "c" / "shards.json").read_text() == (tmp_path / "s" / "shards.json").read_text()

@@ -175,3 +175,38 @@ def test_a_checkpoint_moves_between_the_simulator_and_torchrun_both_ways(tmp_pat
         assert moved["outer_updates"] == 4 and moved["bytes_sent"] == straight["bytes_sent"]
         cfg = json.loads((tmp_path / name / "config.json").read_text())
         assert cfg["runtime"] == runtime  # config.json records where the run went on
+
+
+@pytest.mark.timeout(120)
+def test_a_kmeans_run_resumed_where_k_means_differs_keeps_its_recorded_shards(tmp_path, capsys, monkeypatch):
+    """The run records its shard plan (shards.json) and --resume cuts the shards by it, so a run
+    resumed where k-means comes out otherwise (here: its clusters in reverse order, as another
+    machine's might) ends bit for bit as it would have; a plan made for other settings is refused."""
+    import dataclasses
+
+    from diloco import data
+    from diloco.shard_plan import ShardPlan
+
+    flags = [*_config(tmp_path), "--shards", "kmeans", "--workers", "2", "--rounds", "2", "--procs", "1"]
+    assert main(["train", *flags, "--out", str(tmp_path / "straight")]) == 0
+    stop = ["--checkpoint-every", "1", "--stop-after", "1", "--out", str(tmp_path / "r")]
+    assert main(["train", *flags, *stop]) == 0
+    recorded = (tmp_path / "r" / "shards.json").read_text()
+    assert recorded == (tmp_path / "straight" / "shards.json").read_text()
+    plan = ShardPlan.from_json(recorded, "r")
+    assert plan.kind == "kmeans" and len(plan.groups) == 2 and sum(plan.tokens) > 4_000_000
+
+    own = data.kmeans_groups
+    monkeypatch.setattr(data, "kmeans_groups", lambda texts, k, seed: own(texts, k, seed)[::-1])
+    (tmp_path / "r" / "shards.json").write_text(dataclasses.replace(plan, seed=1).to_json())
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "is for kmeans shards of 2 workers (seed 1), but the run has kmeans shards of 2 workers (seed 0)"
+        in err
+    )
+    assert err.count("\n") == 1 and "Traceback" not in err
+    (tmp_path / "r" / "shards.json").write_text(recorded)
+    assert main(["train", "--resume", str(tmp_path / "r")]) == 0
+    assert _equal(_params(tmp_path / "r"), _params(tmp_path / "straight"))

@@ -360,3 +360,22 @@ def test_user_data_bpe_and_a_hugging_face_model_through_the_server_equal_the_sim
         tmp_path / "sim" / "model.safetensors"
     ).read_bytes()
     assert replay(tmp_path / "run")["bitwise_equal"]
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_whose_k_means_differs_trains_on_the_servers_shard_plan(tmp_path):
+    """A worker on "another machine", whose own k-means would come out otherwise (tests/
+    other_machine: its clusters in reverse order), cuts its shards by the plan the server sent,
+    which the server recorded in shards.json: the run replays bit for bit from that file. Before
+    issue 29 each worker made its own shards, and this one refused to join ("shards differ")."""
+    other = str(Path(__file__).parents[1] / "other_machine")
+    env = {**ENV, "PYTHONPATH": os.pathsep.join(p for p in (other, ENV.get("PYTHONPATH")) if p)}
+    check = [sys.executable, "-c", "from diloco import data; print(data.kmeans_groups.__name__)"]
+    assert subprocess.run(check, env=env, capture_output=True, text=True).stdout == "<lambda>\n"
+    srv = serve(tmp_path, "--workers", "2", "--inner-steps", "4", "--rounds", "2", "--shards", "kmeans")
+    addr = address(tmp_path / "run")
+    results = finish(srv, worker(addr), worker(addr, env=env))
+    assert [rc for rc, _ in results] == [0, 0, 0], results
+    plan = json.loads((tmp_path / "run" / "shards.json").read_text())
+    assert plan["kind"] == "kmeans" and len(plan["groups"]) == 2
+    assert replay(tmp_path / "run")["bitwise_equal"]

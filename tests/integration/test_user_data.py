@@ -333,7 +333,7 @@ def test_a_run_whose_text_an_older_diloco_cut_differently_is_refused(tmp_path):
     data = _jsonl(tmp_path / "d.jsonl", _docs(40))
     cfg = from_dict({"data": {"paths": [str(data)], "shards": "kmeans"}})
     record = data_record(cfg)
-    assert record["rules"] == {"val_split": 3, "kmeans_units": 2}
+    assert record["rules"] == {"val_split": 3, "kmeans_units": 3}
     run = tmp_path / "run"
     run.mkdir()
     (run / "data.json").write_text(json.dumps(record))

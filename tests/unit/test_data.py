@@ -16,6 +16,7 @@ from diloco.data import (
     kmeans_units,
     load_corpus,
     make_shards,
+    plan_shards,
 )
 from diloco.errors import UserError
 from diloco.tokenizer import ByteTokenizer
@@ -27,7 +28,8 @@ def _corpus():
 
 
 def _shards(k, kind, seed=0):
-    return make_shards(_corpus(), k, kind=kind, seed=seed, decode=ByteTokenizer().decode)
+    corpus = _corpus()
+    return make_shards(corpus, plan_shards(corpus, k, kind=kind, seed=seed, decode=ByteTokenizer().decode))
 
 
 def test_corpus_is_bundled_whole():

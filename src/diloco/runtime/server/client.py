@@ -38,6 +38,7 @@ from diloco.runtime.server import diloco_pb2 as pb
 from diloco.runtime.server import diloco_pb2_grpc as rpc
 from diloco.runtime.server import security
 from diloco.runtime.server.handlers import CHUNK_BYTES, PROTOCOL
+from diloco.shard_plan import ShardPlan
 
 T = TypeVar("T")
 # the server is down, restarting or overloaded: wait and try again (for --retry-s seconds)
@@ -250,7 +251,7 @@ def run_worker(
     dev = _device(device)
     link = Link(server, retry_s, token, tls_ca)
     name = f"{socket.gethostname()}:{os.getpid()}"
-    built: dict[str, tuple] = {}  # the run's settings -> (config, data), kept across rejoins
+    built: dict[str, tuple] = {}  # the run's settings and shard plan -> (config, data), kept across rejoins
     acked: set[int] = set()  # jobs whose push the server acknowledged
     try:
         while True:
@@ -273,10 +274,13 @@ def run_worker(
             ref = pb.WorkerRef(worker=reg.worker, run_id=reg.run_id, token=reg.token)
             beat = _Heartbeat(link, ref, reg.heartbeat_s)
             try:
-                if reg.config_json not in built:
+                run = reg.config_json + reg.shard_plan
+                if run not in built:
                     cfg = from_dict(json.loads(reg.config_json), where=f"the settings sent by {server}")
-                    built = {reg.config_json: (cfg, prepare_data(cfg))}
-                cfg, data = built[reg.config_json]
+                    # the server's shard plan, not one of this machine's own (older servers send none)
+                    plan = reg.shard_plan and ShardPlan.from_json(reg.shard_plan, f"the server at {server}")
+                    built = {run: (cfg, prepare_data(cfg, plan=plan or None))}
+                cfg, data = built[run]
                 if [len(s) for s in data.shards] != list(reg.shard_tokens):
                     raise UserError(
                         f"this worker's data shards differ from the server's ({server}); run the same "

@@ -85,6 +85,7 @@ class Handlers(rpc.ParameterServerServicer):
             run_id=rt.run_id,
             config_json=json.dumps(rt.cfg.to_dict()),
             shard_tokens=rt.coord.shard_sizes,
+            shard_plan=rt.shard_plan,
             heartbeat_s=max(0.1, rt.cfg.worker_timeout_s / 4),
             token=token,
         )

@@ -63,12 +63,14 @@ class ServerRuntime(SideView):
         shard_sizes: list[int],
         run_dir: Path,
         opts: ServeOptions | None,
+        shard_plan: str = "",
     ):
         opts = opts or ServeOptions()
         self.cfg, self.side, self.run_dir, self.opts = cfg, side, run_dir, opts
         self._lock = rundir.lock(run_dir)  # one server per run directory, before anything is written
         self._fresh = not (run_dir / "checkpoints").exists()  # a new run, not a resumed one
         self._discard = False  # a new run that could not start serving leaves no run directory
+        self.shard_plan = shard_plan  # RUN_DIR/shards.json, sent to every worker that registers
         self.listen = opts.listen
         self.token = security.server_token(opts, run_dir)  # None: --insecure-no-token
         self.refusals = security.Refusals(log)
