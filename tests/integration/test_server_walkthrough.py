@@ -42,21 +42,24 @@ def test_the_docs_walkthrough_two_machines_tls_and_a_token(tmp_path):
     walk = walk.replace("dl-server", server_ns).replace("dl-worker", worker_ns)
     walk = re.sub(r"\bdiloco (serve|worker)\b", rf"{sys.executable} -m diloco \1", walk)
     walk = re.sub(r"^python ", f"{sys.executable} ", walk, flags=re.M)
+    log = tmp_path / "walkthrough.log"  # a file, not a pipe: a failed step ends the script at once
     try:
-        done = subprocess.run(
-            ["bash", "-ec", recipe + walk],
-            cwd=tmp_path,
-            env={**NO_TOKEN_ENV, "OMP_NUM_THREADS": "1"},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        with open(log, "w") as out:
+            rc = subprocess.run(
+                ["bash", "-ec", recipe + walk],
+                cwd=tmp_path,
+                env={**NO_TOKEN_ENV, "OMP_NUM_THREADS": "1"},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=300,
+            ).returncode
     finally:
         _kill_and_delete(server_ns)
         _kill_and_delete(worker_ns)
-    assert done.returncode == 0, done.stderr
+    said = log.read_text()
+    assert rc == 0, said
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert server_ns not in namespaces and worker_ns not in namespaces
-    assert "joined 10.99.0.1:7000 as worker" in done.stderr
-    assert done.stderr.count("the run at 10.99.0.1:7000 is done") == 2, done.stderr
+    assert "joined 10.99.0.1:7000 as worker" in said
+    assert said.count("the run at 10.99.0.1:7000 is done") == 2, said
     assert (tmp_path / "runs" / "two" / "summary.json").exists()
