@@ -4,11 +4,12 @@ status page's HTTP endpoints behind the same token."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
+import re
+import shutil
 import ssl
 import stat
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 from test_server import ENV, address, events, finish, free_port, serve, wait_for, worker
 
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "server.md"
 NO_TOKEN_ENV = {k: v for k, v in ENV.items() if k != "DILOCO_TOKEN"}
 RUN = ["--workers", "1", "--inner-steps", "4", "--rounds", "2"]
 
@@ -69,9 +71,11 @@ def test_a_generated_token_keeps_out_workers_without_it(tmp_path):
     status = json.loads(get(url + "/status", token)[1])
     assert status["version"] == 0 and status["workers"] == [] and status["unauthenticated"] >= 8
 
-    (tmp_path / "ca.pem").write_bytes(make_certificate(tmp_path, "ca")[0].read_bytes())
-    rc, err = finish(worker(addr, "--tls-ca", str(tmp_path / "ca.pem"), env=NO_TOKEN_ENV))[0]
+    ca = make_certificates(tmp_path / "tls", "IP:127.0.0.1") / "ca.pem"
+    t0 = time.time()
+    rc, err = finish(worker(addr, "--tls-ca", str(ca), env=NO_TOKEN_ENV))[0]
     assert rc == 2 and "does not speak TLS; drop --tls-ca" in err, err
+    assert time.time() - t0 < 30  # at once, not after --retry-s 60
     good = worker(addr, "--token-file", str(token_path), env=NO_TOKEN_ENV)
     (rc_srv, err_srv), (rc_w, err_w) = finish(srv, good)
     assert (rc_srv, rc_w) == (0, 0), (err_srv, err_w)
@@ -105,68 +109,60 @@ def test_status_and_metrics_follow_the_run(tmp_path):
     assert [rc for rc, _ in results] == [0, 0, 0], results
 
 
-def make_certificate(directory: Path, name: str) -> tuple[Path, Path]:
-    """A self-signed certificate for localhost and 127.0.0.1, and its key (PEM files)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+def docs_block(heading: str) -> str:
+    """The first bash block after `heading` in docs/server.md."""
+    return re.search(r"```bash\n(.*?)```", DOCS.read_text().split(heading, 1)[1], re.S).group(1)
 
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return cert_path, key_path
+
+def make_certificates(directory: Path, san: str) -> Path:
+    """A CA (ca.pem) and the server's certificate for `san` (server.pem, server.key) in
+    `directory`, made by docs/server.md's commands (its SAN line set to `san`)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: the certificates are made with docs/server.md's commands")
+    recipe = re.sub(r"^SAN=.*$", f'SAN="{san}"', docs_block("### Certificates"), count=1, flags=re.M)
+    directory.mkdir(parents=True)
+    done = subprocess.run(["bash", "-ec", recipe], cwd=directory, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return directory
 
 
 @pytest.mark.timeout(120)
 def test_tls_workers_trust_the_servers_certificate_and_refuse_another(tmp_path):
-    cert, key = make_certificate(tmp_path, "server")
-    other, _ = make_certificate(tmp_path, "other")
+    """The server's certificate is for the host name localhost (docs/server.md's recipe). A worker
+    that dials localhost with the CA works; told at once with one sentence (exit 2, not after
+    --retry-s 60): a worker with another CA, one that dials 127.0.0.1 (an address the certificate
+    does not list), one without --tls-ca."""
+    tls = make_certificates(tmp_path / "tls", "DNS:localhost")
+    other = make_certificates(tmp_path / "other", "DNS:localhost") / "ca.pem"
     run_dir = tmp_path / "run"
-    srv = serve(tmp_path, *RUN, "--tls-cert", str(cert), "--tls-key", str(key))
-    addr = address(run_dir)
+    srv = serve(tmp_path, *RUN, "--tls-cert", str(tls / "server.pem"), "--tls-key", str(tls / "server.key"))
+    port = address(run_dir).rsplit(":", 1)[1]
     assert json.loads((run_dir / "server.json").read_text())["tls"] is True
 
     t0 = time.time()
-    rc, err = finish(worker(addr, "--tls-ca", str(other), "--retry-s", "30"), timeout=60)[0]
-    assert rc == 2 and "the TLS handshake with" in err and f"--tls-ca {other}" in err, err
-    assert err.count("\n") == 1, err  # one sentence, no gRPC log lines
-    assert time.time() - t0 < 25  # told at once, not after retrying for --retry-s
-    rc, err = finish(worker(addr, "--retry-s", "3"), timeout=60)[0]  # plaintext to a TLS server
-    assert rc == 2 and "if it serves TLS, pass --tls-ca" in err, err
+    refused = [
+        worker(f"localhost:{port}", "--tls-ca", str(other)),
+        worker(f"127.0.0.1:{port}", "--tls-ca", str(tls / "ca.pem")),
+        worker(f"localhost:{port}"),  # plaintext to a TLS server
+    ]
+    (rc1, err1), (rc2, err2), (rc3, err3) = finish(*refused, timeout=45)
+    assert time.time() - t0 < 30, (err1, err2, err3)  # at once: the retries would take 60 s
+    assert (rc1, rc2, rc3) == (2, 2, 2), (err1, err2, err3)
+    assert all(e.count("\n") == 1 for e in (err1, err2, err3)), (err1, err2, err3)  # one sentence
+    assert "the TLS handshake with" in err1 and f"--tls-ca {other}" in err1, err1
+    assert (
+        f"the certificate of the server at 127.0.0.1:{port} is for DNS localhost, not for 127.0.0.1" in err2
+    )
+    assert f"the server at localhost:{port} serves TLS; pass --tls-ca" in err3
 
-    url = http_url(run_dir)
+    url = http_url(run_dir).replace("127.0.0.1", "localhost")
     assert url.startswith("https://")
-    context = ssl.create_default_context(cafile=str(cert))
+    context = ssl.create_default_context(cafile=str(tls / "ca.pem"))
     assert get(url + "/status", ENV["DILOCO_TOKEN"], context)[0] == 200
     with pytest.raises(urllib.error.URLError):
         get(url + "/status", ENV["DILOCO_TOKEN"], ssl.create_default_context(cafile=str(other)))
 
-    good = worker(addr, "--tls-ca", str(cert))
+    good = worker(f"localhost:{port}", "--tls-ca", str(tls / "ca.pem"))
     results = finish(srv, good)
     assert [rc for rc, _ in results] == [0, 0], results
 

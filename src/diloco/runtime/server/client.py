@@ -32,7 +32,7 @@ import torch
 from diloco.build import build_worker, prepare_data
 from diloco.codec import Encoded, build_codec
 from diloco.config import from_dict
-from diloco.errors import UserError
+from diloco.errors import Interrupted, UserError
 from diloco.inner import Worker
 from diloco.runtime.server import diloco_pb2 as pb
 from diloco.runtime.server import diloco_pb2_grpc as rpc
@@ -75,54 +75,63 @@ class RunOver(Exception):
     already be gone, so nothing is pushed or retried)."""
 
 
+# gRPC reconnects on its own schedule, under the retries of Link.call: by default 1 s growing by
+# 1.6x to 2 minutes apart, which found a server back after 16 s down only 5-10 s later and may
+# miss one within --retry-s. So it tries as documented, 0.1 s growing to 2 s apart, giving one
+# attempt (TCP and TLS handshakes) up to 5 s.
+OPTIONS = [
+    ("grpc.max_receive_message_length", 4 * CHUNK_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.min_reconnect_backoff_ms", 5000),  # gRPC's name for the time one attempt may take
+]
+
+
 class Link:
     """The channel to the server (TLS with `tls_ca`), the token every call carries, and the
     retry policy of every call."""
 
     def __init__(self, server: str, retry_s: float, token: str | None = None, tls_ca: Path | None = None):
         self.server, self.retry_s, self.tls_ca, self.token = server, retry_s, tls_ca, token
-        options = [("grpc.max_receive_message_length", 4 * CHUNK_BYTES)]
         if tls_ca is not None:
-            self.channel = grpc.secure_channel(server, security.channel_credentials(tls_ca), options=options)
+            self.channel = grpc.secure_channel(server, security.channel_credentials(tls_ca), options=OPTIONS)
         else:
-            self.channel = grpc.insecure_channel(server, options=options)
+            self.channel = grpc.insecure_channel(server, options=OPTIONS)
+        self.ready = threading.Event()  # the channel is connected
+        self.channel.subscribe(self._state)
         self.stub = rpc.ParameterServerStub(self.channel)
         self.meta = ((security.HEADER, f"Bearer {token}"),) if token else ()
+
+    def _state(self, state: grpc.ChannelConnectivity) -> None:
+        if state == grpc.ChannelConnectivity.READY:
+            self.ready.set()
+        else:
+            self.ready.clear()
+
+    def _pause(self, seconds: float) -> None:
+        """Wait `seconds` before the next try, or less: until a lost connection is back."""
+        if self.ready.is_set():  # connected, and yet the call failed: wait it out
+            time.sleep(seconds)
+        else:
+            self.ready.wait(seconds)
 
     def call(self, what: str, fn: Callable[[], T], over: threading.Event | None = None) -> T:
         """fn() until it succeeds; while the server is unreachable, retry with backoff (0.1 s up
         to 2 s) for --retry-s seconds, then a UserError. A refusal is a UserError at once. With
         `over` set (the run is over) it stops retrying: RunOver."""
-        start, delay, warned = time.monotonic(), 0.1, False
+        start, delay, warned = 0.0, 0.1, False  # start: when the first try failed
         while True:
             if over is not None and over.is_set():
                 raise RunOver
             try:
-                return fn()
+                result = fn()
             except grpc.RpcError as e:
                 code, details = e.code(), e.details() or ""
-                if code == grpc.StatusCode.UNAUTHENTICATED:
-                    given = "a token that is not the run's" if self.token else "no token"
-                    raise UserError(
-                        f"the server at {self.server} refused this worker, which sent {given}; pass the "
-                        "run's token with --token-file FILE or DILOCO_TOKEN (diloco serve printed where "
-                        "it is)."
-                    ) from None
+                if (error := self._hopeless(what, code, details)) is not None:
+                    raise error from None
                 if code not in RETRYABLE:
-                    if code in REFUSED:
-                        raise Refused(f"the server at {self.server} refused {what}: {details}.") from None
                     raise
-                if self.tls_ca is not None and "WRONG_VERSION_NUMBER" in details:
-                    raise UserError(
-                        f"the server at {self.server} does not speak TLS; drop --tls-ca, or start the "
-                        "server with --tls-cert and --tls-key."
-                    ) from None
-                if self.tls_ca is not None and _tls_failure(details):
-                    raise UserError(
-                        f"the TLS handshake with {self.server} failed: its certificate is not signed by "
-                        f"--tls-ca {self.tls_ca} or is not for this address ({details}); give the CA that "
-                        "signed the server's certificate."
-                    ) from None
+                start = start or time.monotonic()
                 waited = time.monotonic() - start
                 if waited >= self.retry_s:
                     hint = "" if self.tls_ca else " (if it serves TLS, pass --tls-ca)"
@@ -137,17 +146,33 @@ class Link:
                         f"retrying for up to {self.retry_s:g} s"
                     )
                     warned = True
-                time.sleep(min(delay, max(0.0, self.retry_s - waited)))
+                self._pause(min(delay, max(0.0, self.retry_s - waited)))
                 delay = min(2 * delay, 2.0)
+                continue
+            if warned:
+                down_s = time.monotonic() - start
+                _log(f"the server at {self.server} answers again ({what}) after {down_s:.1f} s")
+            return result
+
+    def _hopeless(self, what: str, code: grpc.StatusCode, details: str) -> UserError | None:
+        """The error of a failed call that retrying does not fix (None: retry): a refusal, a wrong
+        token, TLS on one side only, a certificate this worker does not trust."""
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            given = "a token that is not the run's" if self.token else "no token"
+            return UserError(
+                f"the server at {self.server} refused this worker, which sent {given}; pass the "
+                "run's token with --token-file FILE or DILOCO_TOKEN (diloco serve printed where "
+                "it is)."
+            )
+        if code in REFUSED:
+            return Refused(f"the server at {self.server} refused {what}: {details}.")
+        if code not in RETRYABLE:
+            return None
+        problem = security.tls_problem(self.server, self.tls_ca, details)
+        return UserError(problem) if problem else None
 
     def close(self) -> None:
         self.channel.close()
-
-
-def _tls_failure(details: str) -> bool:
-    """Whether gRPC's message says the TLS handshake failed (a certificate not trusted)."""
-    text = details.lower()
-    return any(s in text for s in ("handshake", "certificate", "ssl", "tls"))
 
 
 class _Heartbeat:
@@ -304,15 +329,23 @@ def run_worker(
                 if done:
                     _log(f"the run at {server} is done; {len(acked)} pushes of this worker were acknowledged")
                     return 0
-            except (KeyboardInterrupt, UserError):  # stopping: tell the server (best effort)
+            except (KeyboardInterrupt, UserError) as e:  # stopping: tell the server (best effort)
                 try:
                     link.stub.Leave(ref, timeout=2.0, metadata=link.meta)
+                    left = f"left the run at {server}, which drops its job in hand"
                 except grpc.RpcError:
-                    pass
+                    left = f"could not tell {server}, which drops its job when its lease runs out"
+                if isinstance(e, KeyboardInterrupt):
+                    raise Interrupted(
+                        f"worker {reg.worker} stopped by Ctrl-C and {left}; start diloco worker again "
+                        "to take its slot."
+                    ) from None
                 raise
             finally:
                 beat.stop()
             _log(f"worker {reg.worker}'s lease ran out; joining again as a fresh worker")
+    except KeyboardInterrupt:
+        raise Interrupted(f"this worker stopped by Ctrl-C before it joined the run at {server}.") from None
     finally:
         link.close()
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -123,6 +125,57 @@ def server_credentials(cert: Path, key: Path) -> grpc.ServerCredentials:
 
 def channel_credentials(ca: Path) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(root_certificates=_read(ca, "--tls-ca"))
+
+
+def _handshake(server: str, ca: Path | None) -> dict | None:
+    """A TLS handshake with the server at HOST:PORT, checking its certificate against `ca` but not
+    its name: the certificate (as ssl's getpeercert; empty without `ca`), None when it fails."""
+    host, _, port = server.rpartition(":")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.set_alpn_protocols(["h2"])
+    context.verify_mode = ssl.CERT_NONE if ca is None else ssl.CERT_REQUIRED
+    try:
+        if ca is not None:
+            context.load_verify_locations(cafile=ca)
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=5.0) as sock:
+            with context.wrap_socket(sock) as tls:
+                return tls.getpeercert() or {}
+    except (OSError, ValueError):  # ssl.SSLError is an OSError
+        return None
+
+
+def tls_problem(server: str, ca: Path | None, details: str) -> str | None:
+    """What gRPC's message (`details`) of a failed connection to `server` says about TLS, as one
+    sentence: TLS on one side only, a certificate not signed by `ca` (the worker's --tls-ca) or not
+    for the name or address dialled. None when it says nothing about TLS: retrying may help."""
+    if ca is None:  # a TLS server closes a plaintext connection: ask it for a handshake
+        closed = "Socket closed" in details or "reset by peer" in details
+        if closed and _handshake(server, None) is not None:
+            return (
+                f"the server at {server} serves TLS; pass --tls-ca with the CA that signed its "
+                "certificate (or the certificate itself)."
+            )
+        return None
+    if "WRONG_VERSION_NUMBER" in details:
+        return (
+            f"the server at {server} does not speak TLS; drop --tls-ca, or start the server with "
+            "--tls-cert and --tls-key."
+        )
+    if "Hostname Verification" in details:
+        cert = _handshake(server, ca) or {}
+        names = ", ".join(f"{kind} {value}" for kind, value in cert.get("subjectAltName", ()))
+        return (
+            f"the certificate of the server at {server} is for {names or 'other names'}, not for "
+            f"{server.rpartition(':')[0]}; give --server one of those, or the server a certificate "
+            "for this address (docs/server.md, Certificates)."
+        )
+    if any(s in details.lower() for s in ("handshake", "certificate", "ssl", "tls")):
+        return (
+            f"the TLS handshake with {server} failed: its certificate is not signed by --tls-ca {ca} "
+            f"or is not for this address ({details}); give the CA that signed the server's certificate."
+        )
+    return None
 
 
 class Refusals:
