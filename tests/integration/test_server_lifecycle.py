@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_server import TOKEN, finish, free_port, serve, wait_for, worker
 from test_server_hostile import Client, _serving
-from test_server_security import NO_TOKEN_ENV, make_certificate
+from test_server_security import NO_TOKEN_ENV, make_certificates
 
 from diloco.cli import main
 from diloco.runtime.server import service
@@ -42,7 +42,8 @@ def served(run_dir: Path, pid: int) -> dict:
 
 @pytest.mark.timeout(240)
 def test_a_hardened_server_stopped_with_sigterm_resumes_as_its_hint_says(tmp_path, capsys):
-    cert, key = make_certificate(tmp_path, "server")
+    tls = make_certificates(tmp_path / "tls", "IP:127.0.0.1")  # docs/server.md's recipe
+    cert, key, ca = tls / "server.pem", tls / "server.key", tls / "ca.pem"
     (tmp_path / "token.txt").write_text(TOKEN + "\n")
     port, run_dir = free_port(), tmp_path / "run"
     hardened = ["--tls-cert", str(cert), "--tls-key", str(key), "--token-file", str(tmp_path / "token.txt")]
@@ -78,7 +79,7 @@ def test_a_hardened_server_stopped_with_sigterm_resumes_as_its_hint_says(tmp_pat
     cmd = [sys.executable, "-m", *hint.split(), "--workers", "1"]
     again = subprocess.Popen(cmd, env=NO_TOKEN_ENV, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert served(run_dir, again.pid)["address"] == f"0.0.0.0:{port}"
-    joined = ["--tls-ca", str(cert), "--token-file", str(tmp_path / "token.txt")]
+    joined = ["--tls-ca", str(ca), "--token-file", str(tmp_path / "token.txt")]
     results = finish(again, worker(f"127.0.0.1:{port}", *joined, env=NO_TOKEN_ENV))
     assert [rc for rc, _ in results] == [0, 0], results
     assert not (run_dir / "token").exists()  # the token is still the file's, none was generated
