@@ -563,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"diloco: error: {e}", file=sys.stderr)
         return 3
     except (KeyboardInterrupt, Interrupted) as e:
-        print(f"diloco: {e or 'interrupted'}", file=sys.stderr)
+        print(f"diloco: {str(e) or 'interrupted (Ctrl-C)'}", file=sys.stderr)
         return 130
     raise AssertionError(args.command)
 

@@ -488,3 +488,15 @@ def test_more_threads_than_cores_warns(capsys):
         assert f"--threads {cores + 1} is more than the {cores} cores" in err and f"--threads {cores}" in err
     finally:
         torch.set_num_threads(before)
+
+
+def test_ctrl_c_before_the_run_starts_says_so(monkeypatch, capsys):
+    """A bare KeyboardInterrupt (Ctrl-C while the data is prepared) has no message of its own: the
+    CLI says what happened, not an empty `diloco: `."""
+
+    def interrupted(cfg, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module("diloco.train"), "train", interrupted)
+    code, out = _exit(capsys, ["train", "--no-progress"])
+    assert code == 130 and out.err == "diloco: interrupted (Ctrl-C)\n"
