@@ -12,11 +12,16 @@ Internal bugs raise ordinary exceptions instead.
 RESUME_OR = "its last checkpoint is intact: continue with --resume RUN_DIR if the cause was passing, or "
 
 
-def resume_step(message: str, command: str | None) -> str:
+def resume_step(message: str, command: str | None, run_dir: object) -> str:
     """A RunFailed `message` with RESUME_OR made real: `command` continues the run (e.g.
-    "diloco train --resume runs/x"); None: the run has no checkpoint to continue from."""
+    "diloco train --resume runs/x"); None: the run has no checkpoint to continue from, and a new
+    start needs its folder `run_dir` gone (or another --out)."""
     if command is None:
-        return message.replace(RESUME_OR, "it saved no checkpoint (--checkpoint-every N saves them), so ")
+        return message.replace(
+            RESUME_OR,
+            f"it saved no checkpoint (--checkpoint-every N saves them), so delete {run_dir} (or give "
+            "another --out) and ",
+        )
     return message.replace(RESUME_OR, RESUME_OR.replace("--resume RUN_DIR", command))
 
 

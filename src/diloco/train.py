@@ -340,10 +340,10 @@ def train(
         checkpoint.atomic_write_text(run_dir / SHARDS_FILE, plan)
     if main and (warning := small_shards(cfg, data)):  # the run is set up: it will start
         print(f"diloco: warning: {warning}", file=sys.stderr, flush=True)
-    trainer = build_trainer(cfg, data, init, run_dir=run_dir, serve=serve)
-    del init  # the model holds its own copy
-    clean = False
+    trainer, clean = None, False
     try:
+        trainer = build_trainer(cfg, data, init, run_dir=run_dir, serve=serve)
+        del init  # the model holds its own copy
         result = _train(
             cfg,
             trainer,
@@ -356,8 +356,20 @@ def train(
         )
         clean = True
         return result
+    except RunFailed as e:  # its step names this run, or drops --resume where there is no checkpoint
+        if not main:
+            raise
+        raise type(e)(resume_step(str(e), _resume_command(cfg, run_dir), run_dir)) from None
     finally:
-        trainer.close(clean=clean)
+        if trainer is not None:
+            trainer.close(clean=clean)
+
+
+def _resume_command(cfg: TrainConfig, run_dir: Path) -> str | None:
+    """The command that continues the run from its latest checkpoint (None: it has none)."""
+    if checkpoint.latest(run_dir / "checkpoints") is None:
+        return None
+    return f"{'diloco serve' if cfg.runtime == 'server' else 'diloco train'} --resume {run_dir}"
 
 
 def _restore(trainer, state: dict[str, Any] | None, run_dir: Path) -> None:
@@ -428,11 +440,6 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
     if cfg.runtime == "server":
         trainer.attach_run(run)  # refused pushes get metrics lines
     loop = _run_async if cfg.method == "async" else _run_sync
-    again = "diloco serve" if cfg.runtime == "server" else "diloco train"
-
-    def has_checkpoint() -> bool:
-        return checkpoint.latest(run_dir / "checkpoints") is not None
-
     try:
         finished = loop(
             run, start_round=start_round, stop_after=stop_after, run_dir=run_dir, progress=progress
@@ -441,18 +448,13 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
         run.writer.close()
         if not main:  # rank 0 says where the run can go on
             raise Interrupted(f"rank {trainer.rank} interrupted") from None
+        command = _resume_command(cfg, run_dir)
         raise Interrupted(
-            f"interrupted; continue with: {again} --resume {run_dir}"
-            if has_checkpoint()
-            else f"interrupted before any checkpoint, so {run_dir} cannot be resumed: start it again "
-            "(with --checkpoint-every N to be able to resume)"
+            f"interrupted; continue with: {command}"
+            if command
+            else f"interrupted before any checkpoint, so {run_dir} cannot be resumed: delete it (or give "
+            "another --out) and start again, with --checkpoint-every N to be able to resume"
         ) from None
-    except RunFailed as e:  # its step names this run, or drops --resume where there is no checkpoint
-        run.writer.close()
-        if not main:
-            raise
-        command = f"{again} --resume {run_dir}" if has_checkpoint() else None
-        raise type(e)(resume_step(str(e), command)) from None
     except BaseException:
         run.writer.close()
         raise

@@ -49,7 +49,8 @@ def open_run(run_dir: Path) -> Finished:
         finish = (
             f"finish it with {again} --resume {run_dir}"
             if checkpoint.latest(run_dir / "checkpoints") is not None
-            else f"it saved no checkpoint to finish from, so train it again with {again}"
+            else f"it saved no checkpoint to finish from, so train it again with {again} (another --out, "
+            f"or delete {run_dir} first)"
         )
         raise UserError(
             f"{run_dir} has no model.safetensors: the run has not finished; {finish}, or give a finished run."

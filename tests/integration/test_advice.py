@@ -3,6 +3,7 @@ work (or get past that refusal)."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,12 +79,14 @@ def test_a_non_finite_stop_advises_resume_only_where_a_checkpoint_exists(tmp_pat
     nan = [*small, "--inner-lr", "1e30"]
     proc = _cli(tmp_path, "train", *nan, "--out", "bare")
     assert proc.returncode == 3 and "--resume" not in proc.stderr
-    assert "saved no checkpoint" in proc.stderr and "start again with a lower --inner-lr" in proc.stderr
-    assert main(["train", *small, "--inner-lr", "1e-3", "--out", "again"]) == 0  # the step
+    step = "so delete bare (or give another --out) and start again with a lower --inner-lr"
+    assert "saved no checkpoint" in proc.stderr and step in proc.stderr
     code, err = _run_in_process(capsys, ["eval", "bare"])
     assert code == 2 and "saved no checkpoint to finish from, so train it again" in err
-    assert "--resume" not in err
-    assert main(["eval", "again"]) == 0  # the step: a finished run
+    assert "or delete bare first" in err and "--resume" not in err
+    shutil.rmtree(tmp_path / "bare")  # the step, as said: the same --out, a lower --inner-lr
+    assert main(["train", *small, "--inner-lr", "1e-3", "--out", "bare"]) == 0
+    assert main(["eval", "bare"]) == 0  # the step: a finished run
     code, err = _run_in_process(capsys, ["train", *nan, "--out", "kept", "--checkpoint-every", "1"])
     assert code == 3 and "continue with diloco train --resume kept if" in err
     assert main(["train", "--resume", "kept", "--no-progress"]) == 3  # the step: it resumes (and stops)
@@ -167,3 +170,37 @@ def test_eval_json_of_a_diverged_model_is_strict_json_with_null(tmp_path, small)
 
     result = json.loads(proc.stdout, parse_constant=refuse)
     assert result["val_loss"] is None and result["val_ppl"] is None and result["tokens"] > 0
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_before_any_checkpoint_advises_a_new_start_that_works(tmp_path, small):
+    """Ctrl-C of a run that saved no checkpoint: no --resume (it has nothing to continue from),
+    but a new start in the same folder once it is deleted, which then runs."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "diloco",
+        "train",
+        *small,
+        "--rounds",
+        "100000",
+        "--threads",
+        "1",
+        "--out",
+        "cut",
+    ]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / "cut" / "metrics.jsonl").exists():  # the loop has started
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.1)
+        time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130, err
+    assert "interrupted before any checkpoint, so cut cannot be resumed" in err and "--resume" not in err
+    assert "delete it (or give another --out) and start again" in err
+    shutil.rmtree(tmp_path / "cut")  # the step
+    assert main(["train", *small, "--out", "cut"]) == 0

@@ -153,7 +153,8 @@ def test_a_dead_worker_process_is_a_clear_error(tmp_path):
     )
     assert "EOFError" not in proc.stderr and "Traceback" not in proc.stderr
     # the run saved no checkpoint: its step is to start again, never a --resume that would fail
-    assert "it saved no checkpoint (--checkpoint-every N saves them), so start the run again" in proc.stderr
+    step = f"it saved no checkpoint (--checkpoint-every N saves them), so delete {tmp_path / 'r'} (or give"
+    assert step in proc.stderr and "another --out) and start the run again" in proc.stderr
     assert "--resume" not in proc.stderr
 
 
