@@ -349,6 +349,18 @@ def _resumed_config(
     return from_dict(values, where=f"{args.resume / 'config.json'} with the flags")  # validated once
 
 
+def _finished(run_dir: Path) -> bool:
+    """A finished run (`rundir.finished`) is left as it is: --resume says so (rank 0 alone, under
+    torchrun) and exits 0, with nothing left to do, rather than redo its final evaluation."""
+    from diloco.rundir import finished
+
+    if not finished(run_dir):
+        return False
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{run_dir} is a finished run (its summary.json says how it ended); nothing to resume.")
+    return True
+
+
 def _train(args: argparse.Namespace) -> int:
     from diloco.train import train
 
@@ -362,6 +374,8 @@ def _train(args: argparse.Namespace) -> int:
             raise UserError(
                 f"{args.resume} is a parameter server run; continue it with diloco serve --resume."
             )
+        if _finished(args.resume):
+            return 0
     else:
         values = load_toml(args.config) if args.config is not None else {}
         for path, value in overrides.items():
@@ -407,9 +421,11 @@ def _serve(args: argparse.Namespace) -> int:
         cfg = _resumed_config(args, overrides, SERVE_RESUME_OVERRIDES)
         if cfg.runtime != "server":
             raise UserError(f"{args.resume} is not a server run; continue it with diloco train --resume.")
-        if (args.resume / "summary.json").is_file():  # exit 0: there is nothing left to do
-            print(f"{args.resume} is a finished run (its summary.json says how it ended); nothing to resume.")
+        if _finished(args.resume):
             return 0
+        from diloco.rundir import lock
+
+        lock(args.resume, probe=True)  # a live server's directory: refused before the data is made
     else:
         values = load_toml(args.config) if args.config is not None else {}
         if values.pop("runtime", "server") != "server":
@@ -434,21 +450,14 @@ def _serve_options(args: argparse.Namespace):
     """Where and how diloco serve faces the network: the flags given, else (--resume) what the run
     had (the "serve" record of RUN_DIR/server.json: host, port, status page, TLS files, where the
     token came from), else the defaults; so a plain --resume continues the same run."""
-    import json
-
     from diloco.runtime.server import security
     from diloco.runtime.server.security import ServeOptions
 
-    saved: dict[str, Any] = {}
-    if args.resume is not None:
-        try:  # absent when the server stopped before it served: no worker knows it yet
-            saved = json.loads((args.resume / "server.json").read_text()).get("serve", {})
-        except (OSError, ValueError, AttributeError):
-            pass
+    saved = _served(args.resume, args) if args.resume is not None else {}
     host = args.host if args.host is not None else saved.get("host", "127.0.0.1")
     port = args.port if args.port is not None else saved.get("port", 7000)
     http_port = args.http_port  # a server moved with --port takes its status page along (port + 1)
-    if http_port is None and args.port is None:
+    if http_port is None and (args.port is None or saved.get("http_port") == -1):  # none stays none
         http_port = saved.get("http_port")
     tls_cert, tls_key = args.tls_cert, args.tls_key
     if tls_cert is None and tls_key is None and saved.get("tls_cert"):
@@ -458,7 +467,7 @@ def _serve_options(args: argparse.Namespace):
         kind = saved.get("token")
         if kind == "file":
             token_file = Path(saved["token_file"])
-        elif kind == "generated":
+        elif kind == "generated" and (args.resume / "token").is_file():  # deleted: a new one is made
             token_file = args.resume / "token"
         elif kind == "none":
             no_token = True
@@ -467,13 +476,21 @@ def _serve_options(args: argparse.Namespace):
                 f"the run's token came from ${security.ENV}, which is not set; set it as when the run "
                 "started (or give --token-file FILE for a new token)."
             )
+    recorded = f"recorded in {args.resume / 'server.json'} as this run's" if args.resume else ""
+    for path, flag, given in (
+        (token_file, "--token-file", args.token_file),
+        (tls_cert, "--tls-cert", args.tls_cert),
+        (tls_key, "--tls-key", args.tls_key),
+    ):
+        if path is not None and given is None and not path.is_file():
+            raise UserError(f"{path}, {recorded} {flag}, is not a file; put it back or give {flag} FILE.")
     if not 0 <= port < 65536:
         raise UserError(f"--port must be from 0 to 65535, got {port}.")
     if http_port is not None and not -1 <= http_port < 65536:
         raise UserError(f"--http-port must be from 0 to 65535, or -1 for no status page; got {http_port}.")
     if (tls_cert is None) != (tls_key is None):
         raise UserError("--tls-cert and --tls-key go together: give both (or neither, for no TLS).")
-    for path in (token_file, tls_cert, tls_key):
+    for path in (args.token_file, args.tls_cert, args.tls_key):
         if path is not None and not path.is_file():
             raise UserError(f"{path} is not a file; give the path of an existing file.")
     return ServeOptions(
@@ -484,6 +501,28 @@ def _serve_options(args: argparse.Namespace):
         tls_key=tls_key,
         http_port=http_port,
     )
+
+
+def _served(run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """How the run at `run_dir` last served: server.json's "serve" record; for a server.json of a
+    diloco before issue 29 (no record), its address, and a refusal where it served TLS or kept a
+    token that nothing here can name; {} for a run that never served (no worker knows it yet)."""
+    import json
+
+    try:
+        info = json.loads((run_dir / "server.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(info, dict) or isinstance(info.get("serve"), dict):
+        return info.get("serve", {}) if isinstance(info, dict) else {}
+    host, _, port = str(info.get("address", "")).rpartition(":")
+    saved: dict[str, Any] = {"host": host, "port": int(port)} if host and port.isdigit() else {}
+    if info.get("tls") and args.tls_cert is None:
+        raise UserError(
+            f"{run_dir} served TLS, and its server.json (from an older diloco) does not say with which "
+            "files; give --tls-cert and --tls-key as when it started."
+        )
+    return saved
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -270,8 +270,8 @@ def make_shards(corpus: Corpus, plan: ShardPlan) -> tuple[list[View], list[float
         mine = f"{sum(map(len, shards)):,} tokens in " if fits else ""
         raise UserError(
             f"the shard plan of {plan.source} does not fit this training text (its shards hold "
-            f"{sum(plan.tokens):,} tokens in {plan.units} units, here {mine}{len(units)}); use the same "
-            "--data files, tokenizer and diloco as the machine that made it."
+            f"{sum(plan.tokens):,} tokens in {plan.units} units, here {mine}{len(units)} units); use the "
+            "same --data files, tokenizer and diloco as the machine that made it."
         )
     if plan.kind == "iid":
         return shards, [1.0 / len(shards)] * len(shards)

@@ -123,10 +123,16 @@ def open_run(cfg: TrainConfig, resume: Path | None, *, restarted: bool) -> tuple
     return run_dir, state
 
 
-def lock(run_dir: Path) -> IO[str]:
+def finished(run_dir: Path) -> bool:
+    """Whether the run has ended: its summary.json is written last, after the final evaluation."""
+    return (run_dir / "summary.json").is_file()
+
+
+def lock(run_dir: Path, *, probe: bool = False) -> IO[str] | None:
     """An exclusive lock on `run_dir` (flock of RUN_DIR/server.lock), held while the returned file
     stays open, and so released when the process ends, however it ends. A second server on the
-    same directory is refused before it writes anything, naming the live one (`say_holder`)."""
+    same directory is refused before it writes anything, naming the live one (`say_holder`).
+    `probe`: only refuse a live one's directory (early, before the data is prepared), hold nothing."""
     f = open(run_dir / LOCK_FILE, "a+")  # neither creates nor changes anything when it is there
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -138,6 +144,9 @@ def lock(run_dir: Path) -> IO[str]:
             f"run directory {run_dir} is in use by a live server ({holder}); stop that one first "
             "(Ctrl-C), or give another run directory."
         ) from None
+    if probe:
+        f.close()
+        return None
     say_holder(f, f"pid {os.getpid()}")
     return f
 

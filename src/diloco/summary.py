@@ -120,8 +120,10 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _each(counts: list[int]) -> str:
-    """Per-worker counts: one number if they are equal, each (a few workers) or the range."""
+def _each(counts: list[int] | int) -> str:
+    """Per-worker counts: one number if they are equal, each (a few workers) or the range. (A
+    summary.json written before issue 29 holds one number, the busiest worker's.)"""
+    counts = [counts] if isinstance(counts, int) else counts
     if min(counts) == max(counts):
         return f"{counts[0]:,}"
     if len(counts) <= 8:

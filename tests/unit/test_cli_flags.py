@@ -500,3 +500,70 @@ def test_ctrl_c_before_the_run_starts_says_so(monkeypatch, capsys):
     monkeypatch.setattr(importlib.import_module("diloco.train"), "train", interrupted)
     code, out = _exit(capsys, ["train", "--no-progress"])
     assert code == 130 and out.err == "diloco: interrupted (Ctrl-C)\n"
+
+
+def test_serve_resume_with_recorded_files_gone_names_the_record_and_the_flag(
+    captured, tiny, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.delenv("DILOCO_TOKEN", raising=False)
+    record = {"host": "127.0.0.1", "port": 7000, "http_port": -1, "token": "generated"}
+    record |= {"tls_cert": str(tmp_path / "gone.pem"), "tls_key": str(tmp_path / "gone.key")}
+    run = _saved_server_run(tmp_path, tiny, record)
+    code, out = _exit(capsys, ["serve", "--resume", str(run)])
+    assert code == 2 and out.err.count("\n") == 1 and not captured
+    assert f"{tmp_path / 'gone.pem'}, recorded in {run / 'server.json'} as this run's --tls-cert" in out.err
+    assert "put it back or give --tls-cert FILE" in out.err
+    for name in ("cert.pem", "key.pem"):  # the step: give the files
+        (tmp_path / name).write_text("x\n")
+    tls = ["--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")]
+    assert main(["serve", "--resume", str(run), *tls]) == 0
+    # a generated token that was deleted: a new one is made (as the token's refusal advises), not a
+    # refusal of a --token-file nobody gave; a status page turned off stays off when --port moves it
+    opts = captured[-1][1]["serve"]
+    assert opts.token_file is None and not opts.insecure_no_token and opts.http_port == -1
+    assert main(["serve", "--resume", str(run), *tls, "--port", "7300"]) == 0
+    assert captured[-1][1]["serve"].http_port == -1
+
+
+def test_serve_resume_of_a_run_from_an_older_diloco_keeps_its_address_and_asks_for_its_tls(
+    captured, tiny, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.delenv("DILOCO_TOKEN", raising=False)
+    run = _saved_server_run(tmp_path, tiny, {})
+    (run / "server.json").write_text(json.dumps({"address": "0.0.0.0:7400", "pid": 1, "tls": False}))
+    assert main(["serve", "--resume", str(run)]) == 0
+    assert captured[-1][1]["serve"].listen == "0.0.0.0:7400"
+    (run / "server.json").write_text(json.dumps({"address": "0.0.0.0:7400", "pid": 1, "tls": True}))
+    code, out = _exit(capsys, ["serve", "--resume", str(run)])
+    assert code == 2 and "served TLS" in out.err and "give --tls-cert and --tls-key" in out.err
+
+
+def test_resume_of_a_finished_run_says_so_and_changes_nothing(captured, tiny, tmp_path, capsys):
+    from diloco.config import SimConfig
+
+    for command, runtime in (("train", "sim"), ("serve", "server")):
+        (tmp_path / command).mkdir()
+        run = _saved_run(tmp_path / command, tiny, runtime=runtime, checkpoint_every=1, sim=SimConfig())
+        (run / "summary.json").write_text("{}\n")
+        before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+        code, out = _exit(capsys, [command, "--resume", str(run)])
+        said = f"{run} is a finished run (its summary.json says how it ended); nothing to resume.\n"
+        assert code == 0 and out.out == said
+        assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before and not captured
+
+
+def test_serve_resume_of_a_live_run_directory_is_refused_before_its_data_is_prepared(
+    captured, tiny, tmp_path, capsys
+):
+    from diloco.rundir import lock, say_holder
+
+    run = _saved_server_run(tmp_path, tiny, {"host": "127.0.0.1", "port": 7000, "token": "none"})
+    held = lock(run)
+    say_holder(held, "pid 4242, serving on 127.0.0.1:7000")
+    try:
+        code, out = _exit(capsys, ["serve", "--resume", str(run)])
+    finally:
+        held.close()
+    assert code == 2 and "in use by a live server (pid 4242, serving on 127.0.0.1:7000)" in out.err
+    assert not captured  # refused before train() (its data preparation) was reached
+    assert main(["serve", "--resume", str(run)]) == 0 and captured  # released: it resumes

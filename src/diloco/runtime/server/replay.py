@@ -47,37 +47,54 @@ def replay(run_dir: Path, *, progress: bool | None = None) -> dict[str, Any]:
     if not final_path.is_file() or not (run_dir / "events.jsonl").is_file():
         raise UserError(f"{run_dir} has no model.safetensors or events.jsonl; replay a finished server run.")
     try:
-        with open(run_dir / "events.jsonl") as f:
-            events = [json.loads(line) for line in f if line.strip()]
+        with open(run_dir / "events.jsonl") as f:  # (line number, event): the log's own numbering
+            events = [(n, json.loads(line)) for n, line in enumerate(f, 1) if line.strip()]
     except ValueError:
         raise UserError(
-            f"{run_dir / 'events.jsonl'} is damaged (a line is not JSON); it cannot be replayed."
+            f"{run_dir / 'events.jsonl'} is damaged (a line is not JSON); it cannot be replayed: restore "
+            "it from a copy, or replay another run."
         ) from None
+
+    def damaged(line: int, e: Exception) -> UserError:  # not one server's log, in order
+        return UserError(
+            f"{run_dir / 'events.jsonl'} is damaged at line {line} ({e}): its events do not follow one "
+            "another as one server's do (two servers wrote to it, or it was edited), so it cannot be "
+            "replayed: restore it from a copy, or replay another run."
+        )
+
     set_threads(1)
     data = prepare_data(cfg, run_dir=run_dir)
     coord = Coordinator(cfg, build_side(cfg, data, load_init(cfg)), [len(s) for s in data.shards])
     workers: dict[int, Any] = {}  # slot -> its current worker
     handed: dict[int, tuple] = {}  # job -> (worker object, start, steps, lr_step, shard, position)
     first_loss_mismatch = None
-    for line, event in enumerate(
-        tqdm(events, desc="replay", unit="event", disable=None if progress is None else not progress), 1
+    for line, event in tqdm(
+        events, desc="replay", unit="event", disable=None if progress is None else not progress
     ):
-        try:  # a log that is not one server's, in order (two servers wrote to it, or it was edited)
-            kind, message = event["kind"], None
+        message, ran = None, None
+        try:
+            kind = event["kind"]
             if kind == "join":
-                workers[event["worker"]] = build_worker(event["worker"], cfg, data.shards)
+                slot = event["worker"]
             elif kind in ("push", "late") or (kind == "reject" and event["abandon"]):
                 # the worker ran the job whether its push was applied, came late or was refused
-                worker, start, steps, lr_step, shard, position = handed.pop(event["job"])
-                result = worker.run(start, steps, lr_step=lr_step, shard=shard, position=position)
-                message = result.message
-                if kind == "push" and first_loss_mismatch is None and result.mean_loss != event["loss"]:
-                    first_loss_mismatch = {
-                        "job": event["job"],
-                        "worker": event["worker"],
-                        "reported": event["loss"],
-                        "replayed": result.mean_loss,
-                    }
+                ran = handed.pop(event["job"])
+        except (KeyError, TypeError) as e:
+            raise damaged(line, e) from None
+        if kind == "join":
+            workers[slot] = build_worker(slot, cfg, data.shards)
+        elif ran is not None:
+            worker, start, steps, lr_step, shard, position = ran
+            result = worker.run(start, steps, lr_step=lr_step, shard=shard, position=position)
+            message = result.message
+            if kind == "push" and first_loss_mismatch is None and result.mean_loss != event["loss"]:
+                first_loss_mismatch = {
+                    "job": event["job"],
+                    "worker": event["worker"],
+                    "reported": event["loss"],
+                    "replayed": result.mean_loss,
+                }
+        try:
             coord.apply(event, message)
             if kind == "dispatch":
                 job = coord.jobs[event["job"]]
@@ -90,10 +107,7 @@ def replay(run_dir: Path, *, progress: bool | None = None) -> dict[str, Any]:
                     job.position,
                 )
         except (KeyError, ValueError, TypeError) as e:
-            raise UserError(
-                f"{run_dir / 'events.jsonl'} is damaged at line {line} ({e}): its events do not follow "
-                "one another as one server's do, so it cannot be replayed."
-            ) from None
+            raise damaged(line, e) from None
     if not coord.finished:
         raise UserError(
             f"the event log of {run_dir} stops before the run's end; replay a finished server run."
