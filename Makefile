@@ -14,12 +14,15 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	touch $@
 
-# Newer versions: upgrade .venv as far as pyproject.toml allows and write them to constraints.txt
-# (torch without its +cpu/+cuXXX label, so either build matches); then `make test` before committing.
-lock: setup
-	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade --upgrade-strategy eager -e '.[dev]'
-	{ grep '^#' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -iv '^diloco==' | \
+# Newer versions: install the project afresh in a scratch venv, as far as pyproject.toml allows,
+# and write what it got to constraints.txt (torch without its +cpu/+cuXXX label, so either build
+# matches; a package no longer needed drops out); then `make test` (which reinstalls .venv).
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	{ grep '^#' constraints.txt; .venv-lock/bin/pip freeze --exclude-editable | grep -iv '^diloco==' | \
 	  sed -E 's/^(torch==[^+]*)\+.*/\1/'; } > constraints.txt.new && mv constraints.txt.new constraints.txt
+	rm -rf .venv-lock
 
 run: setup
 	$(VENV)/bin/diloco train

@@ -129,9 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         type=Path,
         metavar="RUN_DIR",
-        help="restart a server run from its checkpoint and write-ahead log; only "
+        help="restart a server run from its checkpoint and write-ahead log, on the host, port, TLS "
+        "files and token it had (unless given); only "
         + ", ".join(settings.find(TrainConfig, p).flag for p in SERVE_RESUME_OVERRIDES)
-        + " may change",
+        + " may change (and --progress); a finished run is left as it is",
     )
     groups["parameter_server"].add_argument(
         "--host",

@@ -33,11 +33,11 @@ def listening(port: int) -> bool:
 
 @pytest.mark.timeout(150)
 def test_a_worker_reconnects_within_2_s_of_the_server_back_on_the_same_port(tmp_path):
-    """kill -9 of the server mid-run, down 16 s, then `diloco serve --resume` on the same port:
+    """kill -9 of the server mid-run, down 20 s, then `diloco serve --resume` on the same port:
     the worker (--retry-s 40), retrying at most 2 s (and gRPC's ±20% jitter) apart as documented,
     is back within that of the server listening again, and the run finishes. With gRPC's own
     reconnect backoff (1 s growing by 1.6x to 120 s: tries about 9, 16 and 26 s after the kill)
-    it came back 5-10 s after the server did (measured), or missed it within --retry-s."""
+    it came back 5-12 s after the server did (measured), or missed it within --retry-s."""
     port = free_port()
     run = ["--workers", "1", "--inner-steps", "4", "--rounds", "8", "--eval-every", "32"]
     srv = serve(tmp_path, *run, port=port)
@@ -47,7 +47,7 @@ def test_a_worker_reconnects_within_2_s_of_the_server_back_on_the_same_port(tmp_
     wait_for(lambda: sum(e["kind"] == "push" for e in events(run_dir)) >= 2, what="two pushes")
     srv.send_signal(signal.SIGKILL)
     srv.communicate()
-    time.sleep(16.0)  # the server is down
+    time.sleep(20.0)  # the server is down
     again = serve(tmp_path, "--resume", str(run_dir), port=port)
     wait_for(lambda: listening(port) or again.poll() is not None, what="the resumed server")
     up = time.monotonic()
