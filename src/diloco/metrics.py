@@ -7,8 +7,9 @@ output.
 
 metrics.jsonl is strict JSON: a non-finite number (a diverged loss, its perplexity) is written as
 `null` (`json_safe`), never as the `NaN`/`Infinity` literals that other JSON readers reject; other
-JSON a run writes or prints goes through `to_json` too (checkpoint.atomic_write_json, `diloco eval
---json`, the server's event log and status page). TensorBoard gets such
+JSON a run writes or prints as results goes through `to_json` too (checkpoint.atomic_write_json,
+`diloco eval --json`, `diloco replay`, the status page); the server's event log keeps its numbers
+exactly as they were, for replay. TensorBoard gets such
 values as they are (it plots NaN and Inf), so a divergence stays visible there.
 
     tensorboard --logdir runs/

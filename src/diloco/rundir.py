@@ -123,6 +123,13 @@ def open_run(cfg: TrainConfig, resume: Path | None, *, restarted: bool) -> tuple
     return run_dir, state
 
 
+def resume_command(cfg: TrainConfig, run_dir: Path) -> str | None:
+    """The command that continues the run from its latest checkpoint (None: it has none)."""
+    if checkpoint.latest(run_dir / "checkpoints") is None:
+        return None
+    return f"{'diloco serve' if cfg.runtime == 'server' else 'diloco train'} --resume {run_dir}"
+
+
 def finished(run_dir: Path) -> bool:
     """Whether the run has ended: its summary.json is written last, after the final evaluation."""
     return (run_dir / "summary.json").is_file()

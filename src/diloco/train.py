@@ -359,17 +359,10 @@ def train(
     except RunFailed as e:  # its step names this run, or drops --resume where there is no checkpoint
         if not main:
             raise
-        raise type(e)(resume_step(str(e), _resume_command(cfg, run_dir), run_dir)) from None
+        raise type(e)(resume_step(str(e), rundir.resume_command(cfg, run_dir), run_dir)) from None
     finally:
         if trainer is not None:
             trainer.close(clean=clean)
-
-
-def _resume_command(cfg: TrainConfig, run_dir: Path) -> str | None:
-    """The command that continues the run from its latest checkpoint (None: it has none)."""
-    if checkpoint.latest(run_dir / "checkpoints") is None:
-        return None
-    return f"{'diloco serve' if cfg.runtime == 'server' else 'diloco train'} --resume {run_dir}"
 
 
 def _restore(trainer, state: dict[str, Any] | None, run_dir: Path) -> None:
@@ -448,7 +441,7 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
         run.writer.close()
         if not main:  # rank 0 says where the run can go on
             raise Interrupted(f"rank {trainer.rank} interrupted") from None
-        command = _resume_command(cfg, run_dir)
+        command = rundir.resume_command(cfg, run_dir)
         raise Interrupted(
             f"interrupted; continue with: {command}"
             if command

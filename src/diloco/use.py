@@ -20,14 +20,13 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from diloco import checkpoint
 from diloco.build import build_model, check_data, data_record, validation
 from diloco.checkpoint import with_tied
 from diloco.config import TrainConfig
 from diloco.data import TOKENIZER_FILE, bundled_text, eval_corpus, eval_windows, load_tokenizer, user_text
 from diloco.errors import UserError
 from diloco.metrics import perplexity
-from diloco.rundir import load_run_config
+from diloco.rundir import load_run_config, resume_command
 from diloco.tokenizer import Tokenizer
 
 
@@ -45,10 +44,11 @@ def open_run(run_dir: Path) -> Finished:
     cfg = load_run_config(run_dir)
     path = run_dir / "model.safetensors"
     if not path.is_file():
+        command = resume_command(cfg, run_dir)
         again = "diloco serve" if cfg.runtime == "server" else "diloco train"
         finish = (
-            f"finish it with {again} --resume {run_dir}"
-            if checkpoint.latest(run_dir / "checkpoints") is not None
+            f"finish it with {command}"
+            if command
             else f"it saved no checkpoint to finish from, so train it again with {again} (another --out, "
             f"or delete {run_dir} first)"
         )

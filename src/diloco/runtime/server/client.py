@@ -76,7 +76,7 @@ class RunOver(Exception):
 
 
 # gRPC reconnects on its own schedule, under the retries of Link.call: by default 1 s growing by
-# 1.6x to 2 minutes apart, which found a server back after 16 s down only 5-10 s later and may
+# 1.6x to 2 minutes apart, which found a server back after 16–20 s down only 5–12 s later and may
 # miss one within --retry-s. So it tries as documented, 0.1 s growing to 2 s apart, giving one
 # attempt (TCP and TLS handshakes) up to 5 s.
 OPTIONS = [

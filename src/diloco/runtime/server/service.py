@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 import torch
 
-from diloco import rundir
+from diloco import checkpoint, rundir
 from diloco.codec import Encoded
 from diloco.config import TrainConfig
 from diloco.errors import UserError
@@ -477,7 +477,7 @@ class ServerRuntime(SideView):
                 "token_file": str(opts.token_file.resolve()) if token == "file" else None,
             },
         }
-        (self.run_dir / "server.json").write_text(json.dumps(info) + "\n")
+        checkpoint.atomic_write_json(self.run_dir / "server.json", info, indent=None)  # --resume reads it
         rundir.say_holder(self._lock, f"pid {os.getpid()}, serving on {self.address}")
         self._discard = False
         shown = reachable_hosts() if host in ("0.0.0.0", "::", "[::]", "") else [host]
