@@ -264,8 +264,10 @@ def test_a_paused_worker_loses_its_slot_and_cannot_act_for_its_successor(tmp_pat
         e["job"] for e in log if e["kind"] == "push" and e["seq"] > joined and e["worker"] == slot
     }
     assert pushed_after and pushed_after <= successor_jobs  # the old holder pushed nothing that counted
-    if results[3][0] == 0:  # it was heard: told its push was late, or that its lease ran out
-        assert "lease ran out" in results[3][1] or "came too late" in results[3][1], results[3][1]
+    if results[3][0] == 0:  # it was heard: told its push was late, that its lease ran out, or (its
+        # heartbeat answered before its job ended, on a slower machine) that the run is over
+        heard = ("lease ran out", "came too late", "the server says the run is over")
+        assert any(said in results[3][1] for said in heard), results[3][1]
     assert json.loads((run_dir / "summary.json").read_text())["inner_steps"] == 2 * 16 * 10
     assert replay(run_dir)["bitwise_equal"]
 
