@@ -38,10 +38,10 @@ import statistics
 import time
 from pathlib import Path
 
+from diloco.cli.plots import plot_runs
 from diloco.config import OuterConfig, ServerConfig, SimConfig, TrainConfig
-from diloco.metrics import read_metrics
-from diloco.plots import plot_runs
-from diloco.train import train
+from diloco.run.train import train
+from diloco.rundir.metrics import read_metrics
 
 SPEEDS = (0.58, 0.75, 1.51, 3.33)
 K = 4

@@ -32,16 +32,16 @@ def _rank_main(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from diloco.build import adamw, lr_schedule, prepare_data, sampler
     from diloco.config import TrainConfig
-    from diloco.model import GPT
+    from diloco.model.gpt import GPT
+    from diloco.run.assemble import adamw, lr_schedule, prepare_data, sampler
     from diloco.runtime import collective, torchrun
 
     torch.set_num_threads(1)
     cfg = TrainConfig(num_workers=2, runtime="collective", inner_steps=H, rounds=args.rounds, out=args.out)
     torchrun.init(cfg)
     data = prepare_data(cfg)
-    from diloco.build import build_worker
+    from diloco.run.assemble import build_worker
 
     trainer = collective.CollectiveDiLoCo(cfg, data.shards, data.weights, build_worker=build_worker)
     rank = dist.get_rank()

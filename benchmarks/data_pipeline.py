@@ -55,11 +55,12 @@ from pathlib import Path
 
 import torch
 
-from diloco.build import build_trainer, fit_model, prepare_data, training_text
 from diloco.config import DataConfig, SimConfig, TrainConfig
-from diloco.data import ShardSampler, load_corpus, load_tokenizer, training_pieces
-from diloco.sources import read_documents
-from diloco.train import set_threads
+from diloco.data.batches import ShardSampler
+from diloco.data.sources import read_documents
+from diloco.data.text import load_corpus, load_tokenizer, training_pieces
+from diloco.run.assemble import build_trainer, fit_model, prepare_data, training_text
+from diloco.run.train import set_threads
 
 MB = 1 << 20
 FILES = 8

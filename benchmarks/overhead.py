@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from diloco.build import prepare_data
 from diloco.config import TrainConfig
-from diloco.data import ShardSampler
-from diloco.model import GPT
+from diloco.core.lr import warmup_cosine
+from diloco.data.batches import ShardSampler
+from diloco.model.gpt import GPT
+from diloco.run.assemble import prepare_data
 from diloco.runtime.sim import DiLoCo
-from diloco.schedule import warmup_cosine
 
 sys.path.insert(0, str(Path(__file__).parent))
 from plain import plain_chunk  # noqa: E402

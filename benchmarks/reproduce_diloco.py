@@ -910,7 +910,7 @@ def part_drop(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
 
 def _schedule_average(ctx: Ctx, text: str) -> float:
     """Mean active workers over the rounds of a schedule (total worker-steps / steps)."""
-    from diloco.schedule import active_workers, parse_workers_schedule
+    from diloco.core.membership import active_workers, parse_workers_schedule
 
     rounds = ctx.steps // ctx.H
     sched = parse_workers_schedule(text, 8)

@@ -331,7 +331,7 @@ def main() -> None:
         log=lambda text: print(text, file=sys.stderr, flush=True),
     )
     if not args.no_replay and report["server_finished"]:  # the applied updates, recomputed
-        from diloco.runtime.server.replay import replay
+        from diloco.run.replay import replay
 
         report["replay_bitwise_equal"] = replay(Path(report["run_dir"]), progress=False)["bitwise_equal"]
         report["ok"] = report["ok"] and report["replay_bitwise_equal"]

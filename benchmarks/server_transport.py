@@ -79,12 +79,12 @@ def main() -> None:
 
     import torch
 
-    from diloco.codec import Fp32Codec
     from diloco.config import MODEL_PRESETS
-    from diloco.model import GPT
+    from diloco.core.codec import Fp32Codec
+    from diloco.model.gpt import GPT
+    from diloco.run.worker import _push_chunks
     from diloco.runtime.server import diloco_pb2 as pb
     from diloco.runtime.server import diloco_pb2_grpc as rpc
-    from diloco.runtime.server.client import _push_chunks
     from diloco.runtime.server.handlers import PROTOCOL
 
     torch.set_num_threads(1)

@@ -18,7 +18,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from diloco.config import ServerConfig, SimConfig, TrainConfig
-from diloco.train import train
+from diloco.run.train import train
 
 SPEEDS = (0.58, 0.75, 1.51, 3.33)
 

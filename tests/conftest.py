@@ -76,8 +76,8 @@ def check_summary(summary: dict, run_dir, tokens_per_step: int, inner_steps: int
     compute utilisation as the workers' rows."""
     import re
 
-    from diloco.metrics import read_metrics
-    from diloco.summary import format_summary
+    from diloco.rundir.metrics import read_metrics
+    from diloco.rundir.summary import format_summary
 
     k, each = summary["num_workers"], summary["inner_steps_per_worker"]
     assert len(each) == k and summary["inner_steps"] == sum(each)

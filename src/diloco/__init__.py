@@ -12,18 +12,18 @@ Compressed outer_grads and Streaming DiLoCo (docs/communication.md): pass
 `codec=build_codec("fp4", error_feedback=True)` and `fragments=4, overlap_steps=5` to DiLoCo.
 """
 
-from diloco.async_rules import AsyncRule, DelayedNesterov, build_async_rule
-from diloco.codec import Codec, Fp32Codec, build_codec
 from diloco.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, TrainConfig
+from diloco.core.async_rules import AsyncRule, DelayedNesterov, build_async_rule
+from diloco.core.codec import Codec, Fp32Codec, build_codec
+from diloco.core.inner import InnerResult, Worker
+from diloco.core.outer import SGD, Adam, Nesterov, OuterOpt, weighted_average
 from diloco.errors import UserError
-from diloco.inner import InnerResult, Worker
-from diloco.model import GPT
-from diloco.outer import SGD, Adam, Nesterov, OuterOpt, weighted_average
+from diloco.model.gpt import GPT
+from diloco.run.train import train
 from diloco.runtime.async_sim import AsyncDiLoCo
 from diloco.runtime.clock import Clock
 from diloco.runtime.pool import InlinePool
 from diloco.runtime.sim import DataParallel, DiLoCo, RoundStats, make_worker
-from diloco.train import train
 
 __version__ = "0.1.0"
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from diloco.cli import main
+from diloco.cli.main import main
 
 sys.exit(main())

@@ -13,7 +13,7 @@ import pytest
 from conftest import TINY_LLAMA
 from test_bad_input import _run_in_process, _smallest_run
 
-from diloco.cli import main
+from diloco.cli.main import main
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from conftest import check_summary
 from safetensors.torch import load_file
 
 from diloco.config import ServerConfig, SimConfig
-from diloco.metrics import read_metrics
-from diloco.train import train
+from diloco.run.train import train
+from diloco.rundir.metrics import read_metrics
 
 SPEEDS = (0.58, 0.75, 1.51, 3.33)
 # The bare rule: Algorithm 2's DyLU, shard sampling and grace period off (they are on by default).
@@ -99,7 +99,7 @@ def test_sync_round_ends_when_the_slowest_push_lands(tiny, tmp_path):
 def test_a_worker_continuing_after_a_dropped_outer_grad_is_not_charged_a_download(tiny):
     """After its outer_grad was lost a worker continues from its own θ and downloads nothing:
     its next round starts computing at once, by the documented model."""
-    from diloco.schedule import outer_grad_dropped
+    from diloco.core.membership import outer_grad_dropped
 
     speeds = (1.0, 2.0)
     cfg = tiny(drop_prob=0.5, sim=SimConfig(speeds=speeds, bandwidth_mbps=8.0, latency_ms=100.0, procs=1))

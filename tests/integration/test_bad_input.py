@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from diloco.cli import main
+from diloco.cli.main import main
 
 
 def _run_in_process(capsys, args):
@@ -46,7 +46,7 @@ def test_bad_input_exits_2_with_one_sentence_and_writes_nothing(tmp_path, monkey
 
 @pytest.mark.timeout(30)
 def test_resume_of_a_corrupt_or_checkpointless_run(tiny, tmp_path, capsys):
-    from diloco.train import train
+    from diloco.run.train import train
 
     run = tmp_path / "run"
     train(tiny(checkpoint_every=1, rounds=2, out=str(run)), stop_after=1, progress=False)
@@ -85,7 +85,7 @@ def test_existing_out_dir_is_refused_and_resume_rejects_other_flags(tmp_path, ca
 
 @pytest.mark.timeout(30)
 def test_resume_with_an_edited_config_is_refused(tiny, tmp_path, capsys):
-    from diloco.train import train
+    from diloco.run.train import train
 
     run = tmp_path / "run"
     train(tiny(checkpoint_every=1, rounds=2, out=str(run)), stop_after=1, progress=False)
@@ -195,7 +195,7 @@ def test_a_flag_that_does_not_apply_exits_2(tmp_path, monkeypatch, capsys, flags
 
 @pytest.mark.timeout(60)
 def test_resume_with_new_threads_and_procs_finishes_the_run(tiny, tmp_path, capsys):
-    from diloco.train import train
+    from diloco.run.train import train
 
     run, straight = tmp_path / "run", tmp_path / "straight"
     train(tiny(checkpoint_every=1, rounds=2, out=str(run)), stop_after=1, progress=False)
@@ -217,8 +217,8 @@ def test_a_stop_after_that_would_not_stop_is_refused(tmp_path, capsys, value):
 
 
 def test_a_diverged_but_finite_loss_prints_and_saves_without_overflow():
-    from diloco.metrics import json_safe, perplexity
-    from diloco.summary import format_summary
+    from diloco.rundir.metrics import json_safe, perplexity
+    from diloco.rundir.summary import format_summary
 
     summary = {
         "wall_time_s": 1.0,
@@ -243,8 +243,8 @@ def test_a_diverged_but_finite_loss_prints_and_saves_without_overflow():
 
 @pytest.mark.timeout(60)
 def test_a_checkpoint_of_the_earlier_layout_is_refused_in_one_sentence(tiny, tmp_path, capsys):
-    from diloco import checkpoint
-    from diloco.train import train
+    from diloco.run.train import train
+    from diloco.rundir import checkpoint
 
     run = tmp_path / "run"
     train(tiny(checkpoint_every=1, rounds=2, out=str(run)), stop_after=1, progress=False)

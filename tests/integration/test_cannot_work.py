@@ -9,9 +9,9 @@ import sys
 import pytest
 from conftest import TINY_LLAMA, tiny_config
 
-from diloco.checkpoint import atomic_save_safetensors
-from diloco.data import load_corpus
-from diloco.model import GPT
+from diloco.data.text import load_corpus
+from diloco.model.gpt import GPT
+from diloco.rundir.checkpoint import atomic_save_safetensors
 
 TRAIN = ["train", "--seq-len", "32", "--batch-size", "4", "--workers", "2", "--threads", "1", "--no-progress"]
 CASES = {
@@ -52,7 +52,7 @@ def _finished_run(folder) -> None:
 
 
 def _in_process(tmp_path, capsys, argv: list[str]) -> tuple[int, str]:
-    from diloco.cli import main
+    from diloco.cli.main import main
 
     return main(argv), capsys.readouterr().err
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import user_files
 from safetensors.torch import load_file
 
-from diloco.train import train
+from diloco.run.train import train
 
 TINY = ["--model", "nano", "--seq-len", "32", "--batch-size", "4", "--inner-steps", "4", "--rounds", "3"]
 
@@ -202,10 +202,10 @@ def test_a_restart_before_any_checkpoint_starts_over_in_the_same_directory(tmp_p
 GATHERED = """
 import sys
 
-from diloco.codec import Fp32Codec
+from diloco.core.codec import Fp32Codec
 
 Fp32Codec.summable = False  # as a codec whose messages cannot be summed: all-gathered as bytes
-from diloco.cli import main
+from diloco.cli.main import main
 
 sys.exit(main(sys.argv[1:]))
 """
@@ -289,7 +289,7 @@ def test_streaming_with_workers_of_two_ranks_matches_the_simulator_at_double_bat
 def test_a_nan_after_the_last_send_of_a_round_stops_streaming_before_its_checkpoint(tmp_path):
     """H = 4, 2 fragments, τ = 1: the round's last inner step sends nothing. A NaN there is in no
     exchange, yet every rank stops before the round is checkpointed."""
-    from diloco import checkpoint
+    from diloco.rundir import checkpoint
 
     out = tmp_path / "c"
     flags = ["--fragments", "2", "--overlap-steps", "1", "--checkpoint-every", "1", "--out", str(out)]
@@ -304,7 +304,7 @@ def test_a_nan_after_the_last_send_of_a_round_stops_streaming_before_its_checkpo
 def test_user_data_bpe_and_a_hugging_face_model_equal_the_simulator(tmp_path, monkeypatch):
     """Both ranks read the same files, share one tokenisation through the cache, and train a
     tiny Llama built by transformers: bit for bit the simulator's run."""
-    from diloco.cli import main
+    from diloco.cli.main import main
 
     data, llama = user_files(tmp_path)
     flags = ["--data", data, "--tokenizer", "bpe:280", "--model-config", llama]

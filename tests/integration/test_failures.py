@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from diloco import checkpoint
-from diloco.cli import main
+from diloco.cli.main import main
+from diloco.rundir import checkpoint
 
 TOML = "[model]\nn_layer = 2\nn_head = 2\nd_model = 32\n[inner]\nwarmup_steps = 2\n"
 TINY = ["--seq-len", "32", "--batch-size", "4", "--inner-steps", "4", "--threads", "1"]

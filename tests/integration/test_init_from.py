@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 from safetensors.torch import load_file, save_file
 
-from diloco.cli import main
-from diloco.metrics import read_metrics
-from diloco.train import train
+from diloco.cli.main import main
+from diloco.run.train import train
+from diloco.rundir.metrics import read_metrics
 
 
 def _first_and_last_subset_loss(run_dir):

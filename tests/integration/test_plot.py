@@ -4,10 +4,10 @@ import dataclasses
 
 import pytest
 
-from diloco.cli import main
+from diloco.cli.main import main
+from diloco.cli.plots import curve, run_label
 from diloco.config import SimConfig
-from diloco.plots import curve, run_label
-from diloco.train import train
+from diloco.run.train import train
 
 
 @pytest.mark.timeout(90)
@@ -43,8 +43,8 @@ def test_labels_come_from_configs():
 
 
 def test_labels_name_the_settings_that_differ_between_the_plotted_runs():
+    from diloco.cli.plots import run_labels
     from diloco.config import ServerConfig, TrainConfig
-    from diloco.plots import run_labels
 
     base = TrainConfig(num_workers=2, inner_steps=5)
     runs = [

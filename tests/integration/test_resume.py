@@ -9,7 +9,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from diloco.cli import main
+from diloco.cli.main import main
 
 TOML = "[model]\nn_layer = 2\nn_head = 2\nd_model = 32\n[inner]\nwarmup_steps = 2\n"
 TINY = ["--seq-len", "32", "--batch-size", "4", "--inner-steps", "4", "--threads", "1"]
@@ -117,7 +117,7 @@ def test_codec_state_and_streaming_stop_and_resume_bit_identical(tmp_path, capsy
 def test_an_async_checkpoint_of_an_older_diloco_is_refused_with_one_sentence(tmp_path, capsys):
     flags = [*_config(tmp_path), *ASYNC, "--workers", "2", "--checkpoint-every", "1", "--stop-after", "1"]
     assert main(["train", *flags, "--out", str(tmp_path / "r")]) == 0
-    from diloco import checkpoint
+    from diloco.rundir import checkpoint
 
     checkpoints = tmp_path / "r" / "checkpoints"
     state = checkpoint.load(checkpoint.latest(checkpoints))  # round 1, the one --resume takes
@@ -184,8 +184,8 @@ def test_a_kmeans_run_resumed_where_k_means_differs_keeps_its_recorded_shards(tm
     machine's might) ends bit for bit as it would have; a plan made for other settings is refused."""
     import dataclasses
 
-    from diloco import data
-    from diloco.shard_plan import ShardPlan
+    from diloco.data import shards as data
+    from diloco.data.shard_plan import ShardPlan
 
     flags = [*_config(tmp_path), "--shards", "kmeans", "--workers", "2", "--rounds", "2", "--procs", "1"]
     assert main(["train", *flags, "--out", str(tmp_path / "straight")]) == 0

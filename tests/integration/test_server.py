@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import check_summary, user_files
 
-from diloco.cli import main
-from diloco.runtime.server.replay import replay
+from diloco.cli.main import main
+from diloco.run.replay import replay
 
 TINY = "[model]\nn_layer = 2\nn_head = 2\nd_model = 32\n[inner]\nwarmup_steps = 2\n"
 TOKEN = "test-token-of-this-run-0123456789"
@@ -372,7 +372,7 @@ def test_a_worker_whose_k_means_differs_trains_on_the_servers_shard_plan(tmp_pat
     issue 29 each worker made its own shards, and this one refused to join ("shards differ")."""
     other = str(Path(__file__).parents[1] / "other_machine")
     env = {**ENV, "PYTHONPATH": os.pathsep.join(p for p in (other, ENV.get("PYTHONPATH")) if p)}
-    check = [sys.executable, "-c", "from diloco import data; print(data.kmeans_groups.__name__)"]
+    check = [sys.executable, "-c", "from diloco.data import shards; print(shards.kmeans_groups.__name__)"]
     assert subprocess.run(check, env=env, capture_output=True, text=True).stdout == "<lambda>\n"
     srv = serve(tmp_path, "--workers", "2", "--inner-steps", "4", "--rounds", "2", "--shards", "kmeans")
     addr = address(tmp_path / "run")

@@ -18,16 +18,16 @@ import grpc
 import pytest
 import torch
 
-from diloco.build import build_trainer, prepare_data
-from diloco.codec import Fp32Codec
 from diloco.config import ServerConfig, SimConfig
-from diloco.metrics import MetricsWriter, read_metrics
+from diloco.core.codec import Fp32Codec
+from diloco.run.assemble import build_trainer, prepare_data
+from diloco.run.train import Run
+from diloco.run.worker import _push_chunks
+from diloco.rundir.metrics import MetricsWriter, read_metrics
 from diloco.runtime.server import diloco_pb2 as pb
 from diloco.runtime.server import diloco_pb2_grpc as rpc
-from diloco.runtime.server.client import _push_chunks
 from diloco.runtime.server.handlers import CHUNK_BYTES, PROTOCOL
 from diloco.runtime.server.security import ServeOptions
-from diloco.train import Run
 
 TOKEN = "hostile-suite-token-0123456789"
 

@@ -18,7 +18,7 @@ from test_server import TOKEN, finish, free_port, serve, wait_for, worker
 from test_server_hostile import Client, _serving
 from test_server_security import NO_TOKEN_ENV, make_certificates
 
-from diloco.cli import main
+from diloco.cli.main import main
 from diloco.runtime.server import service
 
 RUN = ["--method", "async", "--workers", "1", "--inner-steps", "4", "--rounds", "2"]

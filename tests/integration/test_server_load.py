@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.runtime.server.replay import replay
+from diloco.run.replay import replay
 
 _spec = importlib.util.spec_from_file_location(
     "server_load", Path(__file__).resolve().parents[2] / "benchmarks" / "server_load.py"

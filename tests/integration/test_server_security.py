@@ -178,7 +178,7 @@ def test_insecure_no_token_warns_and_lets_workers_in(tmp_path):
 
 
 def test_a_bad_token_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
-    from diloco.cli import main
+    from diloco.cli.main import main
 
     out = ["serve", "--out", str(tmp_path / "r")]
     (tmp_path / "short").write_text("abc\n")
@@ -213,6 +213,6 @@ def test_stale_pushes_are_refused_counted_and_replayed(tmp_path):
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["job"] for x in lines if x["kind"] == "rejected"] == [e["job"] for e in rejects]
 
-    from diloco.runtime.server.replay import replay
+    from diloco.run.replay import replay
 
     assert replay(run_dir)["bitwise_equal"]

@@ -8,8 +8,8 @@ import torch
 from conftest import TINY_LLAMA, user_files
 from safetensors.torch import load_file
 
-from diloco.cli import main
-from diloco.use import open_run
+from diloco.cli.main import main
+from diloco.run.use import open_run
 
 GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64, "vocab_size": 320}
 GPT2 |= {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # comparable bit for bit

@@ -9,8 +9,8 @@ import pytest
 from conftest import check_summary
 from safetensors.torch import load_file
 
-from diloco.metrics import read_metrics
-from diloco.train import train
+from diloco.run.train import train
+from diloco.rundir.metrics import read_metrics
 
 RUN_FILES = {"config.json", "metrics.jsonl", "summary.json", "model.safetensors"}
 TIMES = ("wall_time_s", "eval_time_s")
@@ -118,7 +118,7 @@ def test_resume_continues_bit_for_bit(tiny, tmp_path):
 
 @pytest.mark.timeout(30)
 def test_non_iid_weights_reach_the_outer_step(tiny):
-    from diloco.build import build_trainer, prepare_data
+    from diloco.run.assemble import build_trainer, prepare_data
 
     cfg = tiny(data=dataclasses.replace(tiny().data, shards="kmeans"), num_workers=3)
     data = prepare_data(cfg)
@@ -144,7 +144,7 @@ def test_with_a_worker_dropping_out_the_summary_counts_each_workers_steps(tiny):
 
 @pytest.mark.timeout(60)
 def test_shard_tokens_and_weights_are_in_the_summary_and_small_shards_are_warned_of(tiny, tmp_path, capsys):
-    from diloco.build import prepare_data
+    from diloco.run.assemble import prepare_data
 
     for name, lines in (("a.txt", 600), ("b.txt", 300)):  # two sources, ~24K and ~12K tokens
         (tmp_path / name).write_text("".join(f"{name} line {i}: to be or not to be\n" for i in range(lines)))

@@ -12,14 +12,14 @@ import torch
 from conftest import TINY_LLAMA
 from safetensors.torch import load_file
 
-from diloco import tokens
-from diloco.build import prepare_data, training_corpus
-from diloco.cli import build_parser, main
+from diloco.cli.main import build_parser, main
 from diloco.config import TrainConfig, from_dict
-from diloco.data import load_corpus
-from diloco.tokenizer import ByteTokenizer
-from diloco.tokens import is_val_document
-from diloco.use import open_run, sample
+from diloco.data import tokens
+from diloco.data.text import load_corpus
+from diloco.data.tokenizer import ByteTokenizer
+from diloco.data.tokens import is_val_document
+from diloco.run.assemble import prepare_data, training_corpus
+from diloco.run.use import open_run, sample
 
 TINY_GPT = "[model]\nn_layer = 2\nn_head = 2\nd_model = 32\n[inner]\nwarmup_steps = 2\n"
 SMALL = ["--seq-len", "32", "--batch-size", "4", "--inner-steps", "4", "--rounds", "2", "--workers", "2"]
@@ -160,7 +160,7 @@ def test_bpe_is_saved_in_the_run_and_a_resumed_run_equals_a_straight_one(tmp_pat
 
 
 def prepare_data_fingerprint(path: Path) -> str:
-    from diloco import sources
+    from diloco.data import sources
 
     return sources.fingerprint([path])
 
@@ -327,8 +327,8 @@ def test_held_out_documents_feed_no_worker_and_one_picked_document_is_not_all_th
 
 @pytest.mark.timeout(60)
 def test_a_run_whose_text_an_older_diloco_cut_differently_is_refused(tmp_path):
-    from diloco.build import check_data, data_record
     from diloco.errors import UserError
+    from diloco.run.assemble import check_data, data_record
 
     data = _jsonl(tmp_path / "d.jsonl", _docs(40))
     cfg = from_dict({"data": {"paths": [str(data)], "shards": "kmeans"}})

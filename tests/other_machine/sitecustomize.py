@@ -6,7 +6,7 @@ there for one `diloco worker`, or for a torchrun job where it applies to rank 1 
 import os
 
 if os.environ.get("RANK", "1") == "1":
-    from diloco import data
+    from diloco.data import shards
 
-    _own = data.kmeans_groups
-    data.kmeans_groups = lambda texts, k, seed: _own(texts, k, seed)[::-1]
+    _own = shards.kmeans_groups
+    shards.kmeans_groups = lambda texts, k, seed: _own(texts, k, seed)[::-1]

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from diloco.async_rules import Buffer, DelayComp, DelayedNesterov, Naive, Poly, build_async_rule
-from diloco.outer import Nesterov
+from diloco.core.async_rules import Buffer, DelayComp, DelayedNesterov, Naive, Poly, build_async_rule
+from diloco.core.outer import Nesterov
 
 
 def _t(seed, shape=(4, 3)):
@@ -58,7 +58,7 @@ def test_buffer_with_n_equal_k_is_the_sync_update():
     for w in (2, 0, 1):  # arrival order does not matter: summed in worker order
         changed = rule.apply(theta, grads[w], worker=w, staleness=0)
     assert changed
-    from diloco.outer import weighted_average
+    from diloco.core.outer import weighted_average
 
     sync.step(ref, weighted_average(grads, [1 / 3] * 3))
     assert torch.equal(theta[0], ref[0])
@@ -103,7 +103,7 @@ def test_buffer_flush_applies_the_last_few_arrivals():
     for w in (1, 0):
         assert not rule.apply(theta, _t(w + 1), worker=w, staleness=0)
     assert rule.flush(theta) and not rule.flush(theta)
-    from diloco.outer import weighted_average
+    from diloco.core.outer import weighted_average
 
     sync.step(ref, weighted_average([_t(1), _t(2)], [0.5, 0.5]))
     assert torch.equal(theta[0], ref[0])

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diloco import checkpoint
 from diloco.errors import UserError
+from diloco.rundir import checkpoint
 
 
 def _state():
@@ -227,7 +227,7 @@ _SAVER = """
 import sys
 from pathlib import Path
 import torch
-from diloco import checkpoint
+from diloco.rundir import checkpoint
 d = Path(sys.argv[1])
 found = checkpoint.latest_valid(d)
 r = int(found[0].name[6:]) + 1 if found else 1
@@ -289,7 +289,7 @@ def test_sigkill_at_any_moment_leaves_a_valid_checkpoint(tmp_path, capsys):
 
 @pytest.mark.timeout(60)
 def test_tied_weights_are_saved_once_and_tied_again_on_load(tmp_path):
-    from diloco.hf import HFCausalLM
+    from diloco.model.hf import HFCausalLM
 
     torch.manual_seed(0)
     config = {

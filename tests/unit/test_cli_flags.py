@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from diloco import settings
-from diloco.cli import build_parser, main
+from diloco.cli.main import build_parser, main
 from diloco.config import FLAG_GROUPS, TrainConfig, flag, label
 from diloco.errors import Interrupted, NonFinite, ReplicaMismatch, RunFailed, UserError
 
@@ -109,8 +109,8 @@ def captured(monkeypatch):
     def fake_exit(code):  # a collective run ends with os._exit, after its report
         raise SystemExit(code)
 
-    monkeypatch.setattr(importlib.import_module("diloco.train"), "train", fake_train)
-    monkeypatch.setattr("diloco.cli.os._exit", fake_exit)
+    monkeypatch.setattr(importlib.import_module("diloco.run.train"), "train", fake_train)
+    monkeypatch.setattr("diloco.cli.main.os._exit", fake_exit)
     return calls
 
 
@@ -308,7 +308,7 @@ def test_exit_codes(monkeypatch, capsys, error, code):
     def fail(cfg, **kw):
         raise error
 
-    monkeypatch.setattr(importlib.import_module("diloco.train"), "train", fail)
+    monkeypatch.setattr(importlib.import_module("diloco.run.train"), "train", fail)
     assert main(["train"]) == code
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -476,7 +476,7 @@ def test_negative_numbers_in_exponent_form_are_values(captured, capsys):
 
 
 def test_more_threads_than_cores_warns(capsys):
-    from diloco.train import set_threads
+    from diloco.run.train import set_threads
 
     cores = len(os.sched_getaffinity(0))
     before = torch.get_num_threads()
@@ -497,7 +497,7 @@ def test_ctrl_c_before_the_run_starts_says_so(monkeypatch, capsys):
     def interrupted(cfg, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(importlib.import_module("diloco.train"), "train", interrupted)
+    monkeypatch.setattr(importlib.import_module("diloco.run.train"), "train", interrupted)
     code, out = _exit(capsys, ["train", "--no-progress"])
     assert code == 130 and out.err == "diloco: interrupted (Ctrl-C)\n"
 

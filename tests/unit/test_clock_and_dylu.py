@@ -2,8 +2,8 @@ import math
 
 import pytest
 
+from diloco.core.async_policy import SpeedEstimator, dylu_steps, grace_close, shard_probabilities
 from diloco.runtime.clock import Clock, Slowdown, parse_slowdown, profile
-from diloco.schedule import SpeedEstimator, dylu_steps, grace_close, shard_probabilities
 
 
 def test_heterogeneity_levels_span_their_spread():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diloco import config
-from diloco.codec import BLOCK, CODECS, DOWNLOAD_CODECS, Encoded, build_codec
+from diloco.core.codec import BLOCK, CODECS, DOWNLOAD_CODECS, Encoded, build_codec
 from diloco.errors import UserError
 
 LOSSY = ("bf16", "int8", "fp4", "topk")

@@ -8,12 +8,12 @@ import copy
 import pytest
 import torch
 
-from diloco.async_rules import build_async_rule
-from diloco.codec import Fp32Codec
 from diloco.config import ServerConfig, SimConfig
-from diloco.model import GPT
-from diloco.outer import Nesterov
-from diloco.outer_side import OuterSide
+from diloco.core.async_rules import build_async_rule
+from diloco.core.codec import Fp32Codec
+from diloco.core.outer import Nesterov
+from diloco.core.outer_side import OuterSide
+from diloco.model.gpt import GPT
 from diloco.runtime.server.coordinator import Coordinator
 
 

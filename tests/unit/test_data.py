@@ -5,22 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from diloco.build import training_corpus
 from diloco.config import TrainConfig
-from diloco.data import (
-    KMEANS_UNIT_TOKENS,
-    ShardSampler,
-    ShardSet,
-    eval_windows,
-    genre_groups,
-    kmeans_units,
-    load_corpus,
-    make_shards,
-    plan_shards,
-)
+from diloco.data.batches import ShardSampler, ShardSet, eval_windows
+from diloco.data.shards import KMEANS_UNIT_TOKENS, genre_groups, kmeans_units, make_shards, plan_shards
+from diloco.data.text import load_corpus
+from diloco.data.tokenizer import ByteTokenizer
+from diloco.data.tokens import tail_cut
 from diloco.errors import UserError
-from diloco.tokenizer import ByteTokenizer
-from diloco.tokens import tail_cut
+from diloco.run.assemble import training_corpus
 
 
 def _corpus():

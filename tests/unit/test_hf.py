@@ -1,4 +1,4 @@
-"""diloco.hf: transformers causal LMs behind diloco's model interface, and export to transformers."""
+"""diloco.model.hf: transformers causal LMs behind diloco's model interface, and export to transformers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from diloco.config import ModelConfig
 from diloco.errors import UserError
-from diloco.hf import (
+from diloco.model.gpt import GPT
+from diloco.model.hf import (
     HFCausalLM,
     export_model,
     gpt_to_gpt2,
@@ -20,7 +21,6 @@ from diloco.hf import (
     load_model_config,
     load_pretrained,
 )
-from diloco.model import GPT
 
 LLAMA = {
     "model_type": "llama",
@@ -199,7 +199,7 @@ def test_missing_config_file(tmp_path):
 
 
 def test_importing_diloco_hf_does_not_import_transformers():
-    code = "import sys, diloco.hf; print('transformers' in sys.modules)"
+    code = "import sys, diloco.model.hf; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

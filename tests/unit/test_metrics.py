@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from diloco.metrics import MetricsWriter, json_safe, perplexity, read_metrics
+from diloco.rundir.metrics import MetricsWriter, json_safe, perplexity, read_metrics
 
 
 @pytest.mark.timeout(10)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from diloco.config import MODEL_PRESETS
-from diloco.model import GPT
+from diloco.model.gpt import GPT
 
 
 @pytest.mark.parametrize(

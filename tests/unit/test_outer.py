@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from diloco.inner import Worker
-from diloco.outer import SGD, Adam, Nesterov, weighted_average
+from diloco.core.inner import Worker
+from diloco.core.outer import SGD, Adam, Nesterov, weighted_average
 
 
 def _grads(seed, shapes=((3, 4), (5,))):
@@ -74,7 +74,7 @@ def test_weighted_average_is_the_weighted_sum():
 
 
 def test_kept_weights_rescale_only_when_something_is_missing():
-    from diloco.outer import kept_weights
+    from diloco.core.outer import kept_weights
 
     weights = [0.2, 0.3, 0.5]
     assert kept_weights(weights, [True, True, True]) == weights

@@ -4,10 +4,10 @@ byte counts by hand, drops and non-finite outer_grads, its state, and codec mess
 import pytest
 import torch
 
-from diloco.codec import Encoded, Fp32Codec
+from diloco.core.codec import Encoded, Fp32Codec
+from diloco.core.outer import Nesterov, kept_weights, weighted_average
+from diloco.core.outer_side import OuterSide
 from diloco.errors import NonFinite
-from diloco.outer import Nesterov, kept_weights, weighted_average
-from diloco.outer_side import OuterSide
 
 
 def _model(seed=0):
@@ -71,7 +71,7 @@ def test_a_round_is_the_nesterov_step_on_the_weighted_average(codec):
 @pytest.mark.timeout(10)
 def test_dropped_and_inactive_workers_rescale_the_kept_weights():
     side = OuterSide(_model(), 3, weights=[0.5, 0.3, 0.2], drop_prob=0.5, seed=1)
-    from diloco.schedule import outer_grad_dropped
+    from diloco.core.membership import outer_grad_dropped
 
     ref_model, ref_opt = _model(), Nesterov()
     ref = list(ref_model.parameters())
@@ -93,7 +93,7 @@ def test_dropped_and_inactive_workers_rescale_the_kept_weights():
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("after_drop", ["own", "global"])
 def test_after_a_drop_the_worker_goes_on_from_its_own_or_the_global_parameters(after_drop):
-    from diloco.schedule import outer_grad_dropped
+    from diloco.core.membership import outer_grad_dropped
 
     side = OuterSide(_model(), 2, drop_prob=0.5, seed=1, after_drop=after_drop)
     size = sum(p.numel() for p in side.params) * 4

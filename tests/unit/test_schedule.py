@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from diloco.schedule import warmup_cosine
+from diloco.core.lr import warmup_cosine
 
 
 def lr(step):
@@ -25,7 +25,7 @@ def test_cosine_midpoint_and_floor():
 def test_worker_lr_follows_a_given_shard_step():
     import torch
 
-    from diloco.inner import Worker
+    from diloco.core.inner import Worker
 
     w = torch.nn.Linear(2, 1)
     seen = []

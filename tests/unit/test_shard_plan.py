@@ -7,12 +7,12 @@ import random
 import pytest
 from threadpoolctl import threadpool_limits
 
-from diloco.build import training_corpus
 from diloco.config import TrainConfig
-from diloco.data import kmeans_groups, make_shards, plan_shards
+from diloco.data.shard_plan import ShardPlan
+from diloco.data.shards import kmeans_groups, make_shards, plan_shards
+from diloco.data.tokenizer import ByteTokenizer
 from diloco.errors import UserError
-from diloco.shard_plan import ShardPlan
-from diloco.tokenizer import ByteTokenizer
+from diloco.run.assemble import training_corpus
 
 
 def _texts() -> list[str]:

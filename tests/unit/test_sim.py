@@ -5,11 +5,11 @@ from functools import partial
 import pytest
 import torch
 
-from diloco.build import prepare_data
 from diloco.config import ModelConfig, TrainConfig
-from diloco.data import ShardSampler
-from diloco.model import GPT
-from diloco.outer import SGD
+from diloco.core.outer import SGD
+from diloco.data.batches import ShardSampler
+from diloco.model.gpt import GPT
+from diloco.run.assemble import prepare_data
 from diloco.runtime.sim import DataParallel, DiLoCo
 
 TINY = ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=32)
@@ -60,7 +60,7 @@ def test_identical_workers_give_identical_outer_grads_and_their_average():
     grads = [w.run(start, 3).outer_grad for w in trainer.workers]
     for g in grads[1:]:
         assert all(torch.equal(a, b) for a, b in zip(grads[0], g))
-    from diloco.outer import weighted_average
+    from diloco.core.outer import weighted_average
 
     avg = weighted_average(grads, trainer.weights)
     for a, b in zip(avg, grads[0]):
@@ -109,7 +109,7 @@ def test_bytes_are_message_sizes():
 
 
 def test_dropped_outer_grads_leave_the_worker_on_its_own_parameters():
-    from diloco.schedule import outer_grad_dropped
+    from diloco.core.membership import outer_grad_dropped
 
     torch.manual_seed(0)
     trainer = DiLoCo(
@@ -154,7 +154,7 @@ def test_inactive_workers_neither_train_nor_count():
 def test_a_worker_joining_mid_run_takes_the_runs_lr_not_a_fresh_warm_up():
     # The round drives every worker's lr schedule: a worker that first trains in round 3 runs
     # its steps at the run's steps 4 and 5 (warm-up over, cosine half way), as worker 0 does.
-    from diloco.schedule import warmup_cosine
+    from diloco.core.lr import warmup_cosine
 
     schedule = partial(warmup_cosine, lr=1e-3, warmup_steps=2, total_steps=8, min_lr_ratio=0.1)
     torch.manual_seed(0)

@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 
-from diloco import sources
+from diloco.data import sources
+from diloco.data.sources import Document, expand, fingerprint, read_documents
 from diloco.errors import UserError
-from diloco.sources import Document, expand, fingerprint, read_documents
 
 
 def docs(paths, **kw):

@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from diloco.codec import build_codec
 from diloco.config import TrainConfig
-from diloco.model import GPT
-from diloco.outer import Fragmented, Nesterov
-from diloco.outer_side import OuterSide
+from diloco.core.codec import build_codec
+from diloco.core.outer import Fragmented, Nesterov
+from diloco.core.outer_side import OuterSide
+from diloco.core.streaming import Schedule, Segment, fragment_groups
+from diloco.model.gpt import GPT
 from diloco.runtime.clock import Clock
 from diloco.runtime.pool import InlinePool
 from diloco.runtime.sim import DiLoCo, make_worker
-from diloco.streaming import Schedule, Segment, fragment_groups
 
 H, K = 6, 2
 

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from diloco.errors import UserError
-from diloco.tokenizer import (
+from diloco.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     build_tokenizer,
@@ -22,6 +21,7 @@ from diloco.tokenizer import (
     parse_spec,
     train_bpe,
 )
+from diloco.errors import UserError
 
 # newlines, runs of spaces, leading spaces, tabs, CRLF, punctuation after spaces, accents, CJK, emoji
 TRICKY = [
@@ -211,7 +211,7 @@ def test_export_loads_in_transformers_with_the_same_ids(kind, bpe, tmp_path):
 
 def test_importing_the_module_stays_light():
     heavy = "{'tokenizers', 'transformers'}"
-    code = f"import sys, diloco.tokenizer; print(sorted({heavy} & set(sys.modules)))"
+    code = f"import sys, diloco.data.tokenizer; print(sorted({heavy} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

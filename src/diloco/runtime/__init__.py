@@ -22,7 +22,7 @@ import os
 from typing import Any, Protocol
 
 from diloco.config import TrainConfig
-from diloco.outer_side import OuterSide
+from diloco.core.outer_side import OuterSide
 
 
 def is_main_process(cfg: TrainConfig) -> bool:

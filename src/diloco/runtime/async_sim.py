@@ -23,17 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from diloco.async_rules import AsyncRule, DelayComp
-from diloco.codec import Codec, Encoded
 from diloco.config import TrainConfig
-from diloco.errors import UserError
-from diloco.inner import InnerResult
-from diloco.outer_side import OuterSide
-from diloco.runtime import SideView
-from diloco.runtime.clock import Clock
-from diloco.runtime.pool import InlinePool, ProcessPool
-from diloco.runtime.sim import ModelFn
-from diloco.schedule import (
+from diloco.core.async_policy import (
     SpeedEstimator,
     dylu_steps,
     grace_close,
@@ -41,6 +32,15 @@ from diloco.schedule import (
     probe_steps,
     shard_probabilities,
 )
+from diloco.core.async_rules import AsyncRule, DelayComp
+from diloco.core.codec import Codec, Encoded
+from diloco.core.inner import InnerResult
+from diloco.core.outer_side import OuterSide
+from diloco.errors import UserError
+from diloco.runtime import SideView
+from diloco.runtime.clock import Clock
+from diloco.runtime.pool import InlinePool, ProcessPool
+from diloco.runtime.sim import ModelFn
 
 
 @dataclass

@@ -27,15 +27,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from diloco import faults
-from diloco.codec import Encoded, build_codec, codec_for
 from diloco.config import TrainConfig
+from diloco.core.codec import Encoded, build_codec, codec_for
+from diloco.core.outer_side import OuterSide
+from diloco.core.streaming import fragment_groups
 from diloco.errors import RESUME_OR, ReplicaMismatch, RunFailed, WorkerDied
-from diloco.outer_side import OuterSide
-from diloco.runtime import is_main_process
+from diloco.runtime import faults, is_main_process
 from diloco.runtime.sim import RoundStats
 from diloco.runtime.torchrun import world_from_env
-from diloco.streaming import fragment_groups
 
 
 def param_hash(params: list[torch.Tensor]) -> int:
@@ -144,7 +143,7 @@ class CollectiveDiLoCo:
             else None
             for w in range(self.k)
         ]
-        from diloco.build import initial_model, outer_opt, streaming_schedule
+        from diloco.run.assemble import initial_model, outer_opt, streaming_schedule
 
         # the global parameters: the same on every rank by construction (seed, or --init-from)
         model = initial_model(cfg, init)

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from diloco.core.inner import InnerResult, Worker
 from diloco.errors import RESUME_OR, WorkerDied
-from diloco.inner import InnerResult, Worker
 
 WorkerFactory = Callable[[int], Worker]
 

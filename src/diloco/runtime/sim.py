@@ -20,15 +20,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from diloco.codec import Codec, Fp32Codec
+from diloco.core.codec import Codec, Fp32Codec
+from diloco.core.inner import LossFn, Worker, gpt_loss
+from diloco.core.outer import Fragmented, Nesterov, OuterOpt
+from diloco.core.outer_side import OuterSide
+from diloco.core.streaming import Schedule, fragment_groups
 from diloco.errors import NonFinite
-from diloco.inner import LossFn, Worker, gpt_loss
-from diloco.outer import Fragmented, Nesterov, OuterOpt
-from diloco.outer_side import OuterSide
 from diloco.runtime import SideView
 from diloco.runtime.clock import Clock
 from diloco.runtime.pool import InlinePool, ProcessPool
-from diloco.streaming import Schedule, fragment_groups
 
 ModelFn = Callable[[], nn.Module]
 OptFn = Callable[[list[nn.Parameter]], torch.optim.Optimizer]

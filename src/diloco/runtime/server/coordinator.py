@@ -37,13 +37,19 @@ from typing import Any
 
 import torch
 
-from diloco.async_rules import DelayComp
-from diloco.codec import Encoded
 from diloco.config import TrainConfig
-from diloco.outer_side import OuterSide
+from diloco.core.async_policy import (
+    SpeedEstimator,
+    dylu_steps,
+    grace_period,
+    probe_steps,
+    shard_probabilities,
+)
+from diloco.core.async_rules import DelayComp
+from diloco.core.codec import Encoded
+from diloco.core.outer_side import OuterSide
 from diloco.runtime.async_sim import Arrival
 from diloco.runtime.sim import RoundStats
-from diloco.schedule import SpeedEstimator, dylu_steps, grace_period, probe_steps, shard_probabilities
 
 NORM_WINDOW = 16  # --max-update-norm-ratio compares with the median of this many accepted pushes
 NORM_MIN = 4  # ... once there are at least this many

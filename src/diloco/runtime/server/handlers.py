@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from diloco.codec import Encoded
+from diloco.core.codec import Encoded
 from diloco.errors import NonFinite, UserError
 from diloco.runtime.server import diloco_pb2 as pb
 from diloco.runtime.server import diloco_pb2_grpc as rpc

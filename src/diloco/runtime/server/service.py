@@ -31,11 +31,12 @@ from typing import Any
 import grpc
 import torch
 
-from diloco import checkpoint, rundir
-from diloco.codec import Encoded
+from diloco import rundir
 from diloco.config import TrainConfig
+from diloco.core.codec import Encoded
+from diloco.core.outer_side import OuterSide
 from diloco.errors import UserError
-from diloco.outer_side import OuterSide
+from diloco.rundir import checkpoint
 from diloco.runtime import SideView
 from diloco.runtime.server import diloco_pb2_grpc as rpc
 from diloco.runtime.server import security, wal

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from diloco.errors import UserError
-from diloco.metrics import to_json
+from diloco.rundir.metrics import to_json
 from diloco.runtime.server import security
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@
 
 transformers is imported inside the functions that need it (it takes seconds to import).
 
-    python -c "from diloco.hf import HFCausalLM; print(HFCausalLM({'model_type': 'gpt2', \
+    python -c "from diloco.model.hf import HFCausalLM; print(HFCausalLM({'model_type': 'gpt2', \
 'n_layer': 2, 'n_embd': 32, 'n_head': 2}).n_blocks)"
 """
 
@@ -230,7 +230,7 @@ def export_model(model: nn.Module, out_dir: Path, *, eos_id: int | None = None) 
     `eos_token_id` and `bos_token_id` (every document ends with it, so text starts after it).
     Tied weights are saved once and tied again by from_pretrained; the weight files get the mode
     config.json has (safetensors makes them 0600)."""
-    from diloco.model import GPT
+    from diloco.model.gpt import GPT
 
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     if isinstance(model, HFCausalLM):

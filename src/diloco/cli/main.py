@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from diloco import settings
+from diloco.cli.plots import X_AXES
 from diloco.config import FLAG_GROUPS, TrainConfig, from_dict, load_toml, merge
 from diloco.errors import Interrupted, RunFailed, UserError
-from diloco.plots import X_AXES
 
 # Settings `--resume DIR` may change: where and how fast the run continues, never its results.
 RESUME_OVERRIDES = ("runtime", "threads", "sim.procs", "timeout_s", "data.cache_dir")
@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from diloco.plots import plot_runs
+    from diloco.cli.plots import plot_runs
 
     labels = args.labels.split(",") if args.labels else None
     print(plot_runs(args.runs, x=args.x, out=args.out, labels=labels, title=args.title, ymax=args.ymax))
@@ -273,9 +273,9 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _use(args: argparse.Namespace) -> int:
     """diloco eval, generate and export (use.py)."""
-    from diloco import use
-    from diloco.metrics import to_json
-    from diloco.train import set_threads
+    from diloco.run import use
+    from diloco.run.train import set_threads
+    from diloco.rundir.metrics import to_json
 
     threads = getattr(args, "threads", 0)  # export has no --threads: it computes nothing
     if threads < 0:
@@ -363,7 +363,7 @@ def _finished(run_dir: Path) -> bool:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from diloco.train import train
+    from diloco.run.train import train
 
     overrides = _overrides(args)
     not_here = "the server runtime is started by diloco serve (see docs/server.md), not diloco train."
@@ -412,8 +412,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from diloco.run.train import train
     from diloco.runtime.server import security
-    from diloco.train import train
 
     overrides = _overrides(args)
     if overrides.pop("runtime", "server") != "server":
@@ -527,8 +527,8 @@ def _served(run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from diloco.run.worker import run_worker
     from diloco.runtime.server import security
-    from diloco.runtime.server.client import run_worker
 
     if args.threads < 1 or not args.slowdown >= 1.0 or not args.retry_s >= 0:
         raise UserError(
@@ -551,8 +551,8 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from diloco.metrics import to_json
-    from diloco.runtime.server.replay import replay
+    from diloco.run.replay import replay
+    from diloco.rundir.metrics import to_json
 
     result = replay(args.run, progress=args.progress)
     print(to_json(result, indent=2))
@@ -564,7 +564,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _report(summary: dict) -> None:
-    from diloco.summary import format_summary
+    from diloco.rundir.summary import format_summary
 
     if "rank" in summary:  # a rank other than 0 under torchrun: rank 0 reports
         return

@@ -1,16 +1,4 @@
-"""A run's text: the bundled Shakespeare or the user's --data, its validation split, worker
-shards, and the samplers that read batches from them.
-
-Text is read as documents (sources.py), split into training and validation pieces, tokenised
-once into a memory-mapped cache (tokens.py), and cut into shards that are views of that file.
-
-Validation:
-- the bundled corpus: the last `val_fraction` (5%) of every work, so every genre is represented;
-- --data: whole documents, about `val_fraction` of them, chosen by a hash of their text (so the
-  choice survives added files), or the end of every document when that picks less than half of
-  `val_fraction` of the text (a few short documents) or more than twice it (a handful of books);
-  or all of --val-data.
-No worker ever trains on it. Shards (one per worker), of the training pieces:
+"""Worker shards, cut from the training pieces of a run's text:
 
 - `iid`: the training stream cut into 4096-token blocks, shuffled with the seed, dealt out in
   equal counts; worker weights are 1/k.
@@ -19,77 +7,31 @@ No worker ever trains on it. Shards (one per worker), of the training pieces:
 - `kmeans`: non-i.i.d.; documents clustered into k groups by TF-IDF features with scikit-learn,
   as the DiLoCo paper clustered its documents.
 
-Non-i.i.d. shards weight each worker's outer_grad by its shard's token count (ALGORITHMS.md §1).
+Non-i.i.d. shards weight each worker's outer_grad by its shard's token count (docs/method.md §1).
 Which units go to which shard (the shard plan, shard_plan.py) is decided once per run and recorded.
-
-    python -c "from diloco.data import load_corpus; print(len(load_corpus()))"
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
-import lzma
-import os
-import shutil
-import tarfile
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from functools import cache, partial
-from importlib import resources
-from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from diloco.data.shard_plan import ShardPlan
+from diloco.data.text import Work
+from diloco.data.tokens import (
+    Corpus,
+    View,
+)
 from diloco.errors import UserError
-from diloco.shard_plan import ShardPlan
-from diloco.sources import Document
-from diloco.tokens import Corpus, Piece, View, cache_root, digest, is_val_document, locked, pieces, tokenise
-
-if TYPE_CHECKING:
-    from diloco.config import DataConfig
 
 IID_BLOCK_TOKENS = 4096
-VAL_SHARE_LIMIT = 2.0  # whole documents are held out only if they make val_fraction within this factor
 KMEANS_UNIT_TOKENS = 4096  # what kmeans clusters: documents, long ones cut into parts this long
 
-
-@dataclass(frozen=True)
-class Work:
-    title: str
-    genre: str
-    text: bytes
-
-
-@cache
-def load_corpus() -> tuple[Work, ...]:
-    """The 42 works shipped inside the package, in manifest order, checksums verified."""
-    blob = resources.files("diloco.corpus").joinpath("shakespeare.tar.xz").read_bytes()
-    with tarfile.open(fileobj=io.BytesIO(lzma.decompress(blob))) as tar:
-        files = {m.name.removeprefix("./"): tar.extractfile(m).read() for m in tar if m.isfile()}
-    manifest = json.loads(files["manifest.json"])
-    works = []
-    for entry in manifest["works"]:
-        text = files[entry["file"]]
-        if hashlib.sha256(text).hexdigest() != entry["sha256"]:
-            raise RuntimeError(f"bundled corpus file {entry['file']} fails its checksum")
-        works.append(Work(entry["title"], entry["genre"], text))
-    return tuple(works)
-
-
-def bundled_documents() -> Iterator[Document]:
-    """The bundled works as documents, their genre as source (what `genre` shards group by)."""
-    for w in load_corpus():
-        yield Document(w.text.decode(), w.genre)
-
-
-def bundled_fingerprint() -> str:
-    return hashlib.sha256(
-        resources.files("diloco.corpus").joinpath("shakespeare.tar.xz").read_bytes()
-    ).hexdigest()
+if TYPE_CHECKING:
+    pass
 
 
 def source_groups(sizes: list[int], labels: list[str], k: int) -> list[list[int]]:
@@ -294,205 +236,3 @@ def _ranges(stream: View, ranges: list[tuple[int, int]]) -> View:
 
 
 # --- a run's text: where it comes from, its tokenizer, its tokens --------------------------------
-
-TOKENIZER_FILE = "tokenizer.json"  # a run's tokenizer (bpe:N or a file), saved in its directory
-DATA_FILE = "data.json"  # fingerprints of the text a run trains on (build.check_data)
-
-
-@dataclass(frozen=True)
-class Text:
-    """Where text comes from: its documents (read again on every call), their fingerprint and
-    size in bytes (for progress bars)."""
-
-    documents: Callable[[], Iterator[Document]]
-    fingerprint: str
-    size: int
-    bundled: bool = False
-
-
-def bundled_text() -> Text:
-    return Text(
-        bundled_documents, bundled_fingerprint(), sum(len(w.text) for w in load_corpus()), bundled=True
-    )
-
-
-def user_text(paths: Iterable[str], *, text_field: str, source_field: str) -> Text:
-    from diloco import sources
-
-    files = sources.expand(list(paths))
-    size = sum(f.stat().st_size if f.is_file() else _folder_size(f) for f in files)
-    read = partial(sources.read_documents, files, text_field=text_field, source_field=source_field)
-    return Text(read, sources.fingerprint(files, text_field=text_field, source_field=source_field), size)
-
-
-def _folder_size(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-
-
-def training_pieces(text: Text, val_fraction: float, *, separate_val: bool) -> Callable[[], Iterator[Piece]]:
-    """The pieces of a run's training text: the bundled corpus holds out the tail of every work;
-    user data holds out whole documents (`is_val_document`: about `val_fraction` of them), or
-    the tail of each one when that rule's share of the text is not within a factor
-    VAL_SHARE_LIMIT of `val_fraction` (too few documents for the rule: two books, one held out,
-    would hold out half; 91 rows of which the hash picks one short one, almost nothing); with a
-    separate validation text, none."""
-    held = bytearray()  # per document: validation? (decided once, on the first call)
-    share = [0.0]  # the held documents' share of the text (characters)
-
-    def make() -> Iterator[Piece]:
-        if separate_val:
-            return pieces(text.documents(), val_fraction=0.0, whole=True)
-        if text.bundled:
-            return pieces(text.documents(), val_fraction=val_fraction, whole=False)
-        if not held:
-            sizes = []
-            for doc in text.documents():
-                held.append(is_val_document(doc.text, val_fraction))
-                sizes.append(len(doc.text))
-            share[0] = sum(n for n, h in zip(sizes, held, strict=True) if h) / max(1, sum(sizes))
-        whole = val_fraction / VAL_SHARE_LIMIT <= share[0] <= VAL_SHARE_LIMIT * val_fraction and share[0] < 1
-        return pieces(text.documents(), val_fraction=val_fraction, whole=whole, held=held)
-
-    return make
-
-
-def load_tokenizer(cfg: DataConfig, text: Text, train: Callable[[], Iterator[Piece]], run_dir: Path | None):
-    """A run's tokenizer: the one saved in its directory (resume, eval, generate), else what
-    `--tokenizer` says; a BPE trained on the training pieces is cached like tokens are."""
-    from diloco import tokenizer as tk
-
-    if run_dir is not None and (run_dir / TOKENIZER_FILE).is_file():
-        return tk.load_tokenizer_file(run_dir / TOKENIZER_FILE)
-    kind, arg = tk.parse_spec(cfg.tokenizer)
-    if kind != "bpe":
-        return tk.build_tokenizer(cfg.tokenizer, lambda: ())
-    root = cache_root(cfg.cache_dir)
-    name = "bpe-" + digest(text.fingerprint, cfg.val_fraction, bool(cfg.val_data), arg)
-    path = root / f"{name}.json"
-    with locked(root, name):
-        if not path.is_file():
-            trained = tk.train_bpe((p.text for p in train() if not p.val), arg)
-            tmp = root / f"{name}.tmp-{os.getpid()}"
-            tmp.mkdir(exist_ok=True)
-            os.replace(trained.save(tmp), path)
-            shutil.rmtree(tmp, ignore_errors=True)
-    return tk.load_tokenizer_file(path)
-
-
-def tokenised(
-    text: Text, make: Callable[[], Iterator[Piece]], tokenizer, key: dict, cfg: DataConfig, progress
-) -> Corpus:
-    return tokenise(
-        make,
-        tokenizer,
-        key={"text": text.fingerprint, **key},
-        cache_dir=cfg.cache_dir,
-        total_chars=text.size,
-        progress=progress,
-    )
-
-
-def eval_corpus(text: Text, tokenizer, cfg: DataConfig, progress: bool | None = None) -> Corpus:
-    """Every document of `text` as validation (`--val-data`, `diloco eval --data`)."""
-    make = partial(pieces, val_fraction=1.0, whole=True, all_val=True)
-    return tokenised(text, lambda: make(text.documents()), tokenizer, {"all": "val"}, cfg, progress)
-
-
-class ShardSampler:
-    """Random windows from one shard: an endless iterator of (inputs_BT, targets_BT).
-
-    Batch number n is drawn from a generator seeded by (seed, n) alone, so the data position is
-    just `step` (what checkpoints save), and any process can produce any batch of any shard.
-    """
-
-    def __init__(self, tokens: torch.Tensor, *, batch_size: int, seq_len: int, seed: int):
-        need = batch_size * seq_len + 1
-        if len(tokens) < need:
-            raise UserError(
-                f"a shard has {len(tokens)} tokens, fewer than one batch needs ({need}); "
-                "use fewer --workers, a smaller --batch-size or a shorter --seq-len."
-            )
-        self.tokens = tokens
-        self.batch_size = batch_size
-        self.seq_len = seq_len
-        self.seed = seed
-        self.step = 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.step)
-        self.step += 1
-        high = len(self.tokens) - self.seq_len
-        starts_B = torch.randint(high, (self.batch_size,), generator=generator)
-        offsets_BT = starts_B[:, None] + torch.arange(self.seq_len + 1)
-        window_BT = self.tokens[offsets_BT].long()
-        return window_BT[:, :-1], window_BT[:, 1:]
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
-
-
-class ShardSet:
-    """Batches from any of several shards: `seek(shard, step)` picks where the next batch comes
-    from. The asynchronous server uses it to hand a worker a sampled shard at that shard's own
-    position. Without a seek it reads its `current` shard (the worker's own)."""
-
-    def __init__(self, samplers: list[ShardSampler], current: int):
-        self.samplers = samplers
-        self.current = current
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return next(self.samplers[self.current])
-
-    def seek(self, shard: int, step: int) -> None:
-        self.current = shard
-        self.samplers[shard].step = step
-
-    def state_dict(self) -> dict:
-        return {"current": self.current, "steps": [s.step for s in self.samplers]}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.current = int(state["current"])
-        for sampler, step in zip(self.samplers, state["steps"], strict=True):
-            sampler.step = int(step)
-
-
-class Windows:
-    """Evaluation windows: (seq_len + 1)-token windows of a token sequence, read when indexed
-    (an int or a slice gives tensors), so a large validation split is never all in memory."""
-
-    def __init__(self, tokens, starts: torch.Tensor, seq_len: int):
-        self.tokens, self.starts, self.seq_len = tokens, starts, seq_len
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (len(self.starts), self.seq_len + 1)
-
-    def __getitem__(self, i: int | slice) -> torch.Tensor:
-        if isinstance(i, int):
-            return self[slice(i, i + 1 if i != -1 else None)][0]
-        return self.tokens[self.starts[i, None] + torch.arange(self.seq_len + 1)].long()
-
-    def tokens_predicted(self) -> int:
-        return len(self) * self.seq_len
-
-
-def eval_windows(tokens, seq_len: int, limit: int | None = None) -> Windows:
-    """Non-overlapping (seq_len + 1)-token windows of the validation stream, evenly spaced when
-    `limit` picks a subset, so every method and runtime evaluates on the same windows."""
-    n = (len(tokens) - 1) // seq_len
-    if n == 0:
-        raise UserError("the validation split is shorter than one window; use a shorter --seq-len.")
-    idx = torch.arange(n) if limit is None or limit >= n else torch.linspace(0, n - 1, limit).long()
-    return Windows(tokens, idx * seq_len, seq_len)

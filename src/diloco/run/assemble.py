@@ -2,7 +2,7 @@
 
 Everything a user can get wrong is checked here, before the run directory exists.
 
-    python -c "from diloco.build import prepare_data; from diloco.config import TrainConfig; \
+    python -c "from diloco.run.assemble import prepare_data; from diloco.config import TrainConfig; \
 print(len(prepare_data(TrainConfig()).shards))"
 """
 
@@ -19,41 +19,38 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from diloco import checkpoint, faults
-from diloco.async_rules import build_async_rule
-from diloco.codec import build_codec, codec_for
 from diloco.config import InnerConfig, TrainConfig
-from diloco.data import (
+from diloco.core.async_rules import build_async_rule
+from diloco.core.codec import build_codec, codec_for
+from diloco.core.inner import Worker
+from diloco.core.lr import warmup_cosine
+from diloco.core.outer import Fragmented, OuterOpt, build_outer_opt
+from diloco.core.outer_side import OuterSide
+from diloco.core.streaming import Schedule
+from diloco.data.batches import ShardSampler, ShardSet, Windows, eval_windows
+from diloco.data.shard_plan import ShardPlan, recorded_plan
+from diloco.data.shards import make_shards, plan_shards
+from diloco.data.text import (
     DATA_FILE,
     TOKENIZER_FILE,
-    ShardSampler,
-    ShardSet,
     Text,
-    Windows,
     bundled_text,
     eval_corpus,
-    eval_windows,
     load_tokenizer,
-    make_shards,
-    plan_shards,
     tokenised,
     training_pieces,
     user_text,
 )
+from diloco.data.tokenizer import Tokenizer
+from diloco.data.tokens import Corpus, View
 from diloco.errors import UserError
-from diloco.inner import Worker
-from diloco.model import GPT
-from diloco.outer import Fragmented, OuterOpt, build_outer_opt
-from diloco.outer_side import OuterSide
+from diloco.model.gpt import GPT
+from diloco.rundir import checkpoint
+from diloco.runtime import faults
 from diloco.runtime.async_sim import AsyncDiLoCo
 from diloco.runtime.clock import Clock, parse_slowdown, profile
 from diloco.runtime.pool import InlinePool, ProcessPool, balanced_assignment
 from diloco.runtime.sim import DataParallel, DiLoCo, make_worker
-from diloco.schedule import warmup_cosine
-from diloco.shard_plan import ShardPlan, recorded_plan
-from diloco.streaming import Schedule
-from diloco.tokenizer import Tokenizer
-from diloco.tokens import Corpus, View
 
 
 @dataclass
@@ -300,7 +297,7 @@ def fit_model(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
         return dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, vocab))
         )
-    from diloco.hf import hf_config
+    from diloco.model.hf import hf_config
 
     spec = hf_config(json.loads(cfg.model.hf_config)).get_text_config()  # with the model type's defaults
     if spec.vocab_size < vocab:
@@ -331,7 +328,7 @@ def fit_model(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
 def build_model(cfg: TrainConfig) -> nn.Module:
     """The run's model, untrained: diloco's GPT, or the Hugging Face causal LM of --model-config."""
     if cfg.model.hf_config:
-        from diloco.hf import HFCausalLM
+        from diloco.model.hf import HFCausalLM
 
         return HFCausalLM(json.loads(cfg.model.hf_config))
     return GPT(cfg.model)
@@ -343,7 +340,7 @@ def load_init(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> dict[str,
     directory holds a tokenizer.json, against `tokenizer`; None without --init-from."""
     if not cfg.init_from:
         return None
-    from diloco import hf
+    from diloco.model import hf
 
     path = Path(cfg.init_from)
     fix = (
@@ -413,7 +410,7 @@ def check_init_tokenizer(folder: Path, tokenizer: Tokenizer) -> bool:
     """A model to start from was trained with the tokenizer its folder names (its tokenizer.json,
     or a diloco run's config.json saying byte): this run's tokenizer must give the same ids, or
     the model would read other tokens than it learned. Returns whether the folder names one."""
-    from diloco.tokenizer import ByteTokenizer, load_tokenizer_file
+    from diloco.data.tokenizer import ByteTokenizer, load_tokenizer_file
 
     if (folder / TOKENIZER_FILE).is_file():
         theirs: Tokenizer = load_tokenizer_file(folder / TOKENIZER_FILE)

@@ -20,16 +20,25 @@ from typing import Any
 
 import torch
 
-from diloco import checkpoint, rundir
-from diloco.build import Data, build_trainer, fit_model, load_init, prepare_data, small_shards, use_plan
+from diloco import rundir
 from diloco.config import TrainConfig
-from diloco.data import DATA_FILE, TOKENIZER_FILE
+from diloco.core.membership import active_workers, parse_workers_schedule
+from diloco.data.shard_plan import SHARDS_FILE, ShardPlan
+from diloco.data.text import DATA_FILE, TOKENIZER_FILE
 from diloco.errors import Interrupted, RunFailed, UserError, resume_step
-from diloco.metrics import MetricsWriter, NullWriter, perplexity
+from diloco.run.assemble import (
+    Data,
+    build_trainer,
+    fit_model,
+    load_init,
+    prepare_data,
+    small_shards,
+    use_plan,
+)
+from diloco.rundir import checkpoint
+from diloco.rundir.metrics import MetricsWriter, NullWriter, perplexity
+from diloco.rundir.summary import summarize
 from diloco.runtime import is_main_process
-from diloco.schedule import active_workers, parse_workers_schedule
-from diloco.shard_plan import SHARDS_FILE, ShardPlan
-from diloco.summary import summarize
 
 EVAL_BATCH = 64
 

@@ -14,7 +14,7 @@ sequence, so a corpus larger than memory trains with bounded memory and a second
 same data and tokenizer starts without tokenising anything. Building takes a lock on the cache
 folder, so ranks started together tokenise once; the folder appears whole (rename) or not at all.
 
-    python -c "from diloco.build import prepare_data; from diloco.config import TrainConfig; \
+    python -c "from diloco.run.assemble import prepare_data; from diloco.config import TrainConfig; \
 print(prepare_data(TrainConfig()).corpus.meta['tokens'])"
 """
 
@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from diloco.data.sources import Document
 from diloco.errors import UserError
-from diloco.sources import Document
 
 FORMAT = 1  # of the cache folder; a new format is a new key, never a misread
 BATCH_CHARS = 1 << 20  # documents are tokenised in batches of about this many characters

@@ -533,7 +533,7 @@ def validate(cfg: TrainConfig) -> None:
         settings.in_range(cfg, key, lo=0.0, hi=1.0, hi_open=True)
     settings.in_range(cfg, "drop_prob", lo=0.0, hi=1.0, hi_open=True)
     if cfg.workers_schedule:
-        from diloco.schedule import parse_workers_schedule
+        from diloco.core.membership import parse_workers_schedule
 
         try:
             parse_workers_schedule(cfg.workers_schedule, cfg.num_workers)
@@ -691,7 +691,7 @@ def _validate_sim(cfg: TrainConfig) -> None:
 
 
 def _validate_data(cfg: TrainConfig) -> None:
-    from diloco.tokenizer import parse_spec
+    from diloco.data.tokenizer import parse_spec
 
     d = cfg.data
     if not d.paths:
@@ -741,7 +741,7 @@ _SECTIONS = settings.sections(TrainConfig)
 def _inline_model(values: dict[str, Any]) -> dict[str, Any]:
     """`model.hf_config` as the JSON text of the config it names; with `--init-from` a directory
     saved by save_pretrained and no model config, that directory's config (the model it holds)."""
-    from diloco import hf
+    from diloco.model import hf
 
     model = values.get("model")
     model = dict(model) if isinstance(model, dict) else {}

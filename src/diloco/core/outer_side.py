@@ -30,12 +30,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from diloco.async_rules import AsyncRule
-from diloco.codec import Codec, Encoded, Fp32Codec, tensor_bytes
 from diloco.config import AFTER_DROP, ON_NONFINITE
+from diloco.core.async_rules import AsyncRule
+from diloco.core.codec import Codec, Encoded, Fp32Codec, tensor_bytes
+from diloco.core.membership import outer_grad_dropped
+from diloco.core.outer import Nesterov, OuterOpt, kept_weights
 from diloco.errors import RESUME_OR, NonFinite
-from diloco.outer import Nesterov, OuterOpt, kept_weights
-from diloco.schedule import outer_grad_dropped
 
 
 class OuterSide:

@@ -18,9 +18,9 @@ import os
 from pathlib import Path
 from typing import IO, Any
 
-from diloco import checkpoint
 from diloco.config import TrainConfig, from_dict, load_json
 from diloco.errors import UserError
+from diloco.rundir import checkpoint
 
 LAUNCH_FILE = "launch.json"  # the id of the torchrun launch that owns the run directory
 LOCK_FILE = "server.lock"  # locked by the live server of a run directory, which it names

@@ -20,14 +20,15 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from diloco.build import build_model, check_data, data_record, validation
-from diloco.checkpoint import with_tied
 from diloco.config import TrainConfig
-from diloco.data import TOKENIZER_FILE, bundled_text, eval_corpus, eval_windows, load_tokenizer, user_text
+from diloco.data.batches import eval_windows
+from diloco.data.text import TOKENIZER_FILE, bundled_text, eval_corpus, load_tokenizer, user_text
+from diloco.data.tokenizer import Tokenizer
 from diloco.errors import UserError
-from diloco.metrics import perplexity
+from diloco.run.assemble import build_model, check_data, data_record, validation
 from diloco.rundir import load_run_config, resume_command
-from diloco.tokenizer import Tokenizer
+from diloco.rundir.checkpoint import with_tied
+from diloco.rundir.metrics import perplexity
 
 
 @dataclasses.dataclass
@@ -82,7 +83,7 @@ def evaluate_run(
 ) -> dict:
     """{val_loss, val_ppl, tokens} of the run's final model on `paths` (every document of
     them), or on the run's own validation split."""
-    from diloco.train import evaluate
+    from diloco.run.train import evaluate
 
     run = open_run(run_dir)
     d = run.cfg.data
@@ -167,8 +168,8 @@ def export(run_dir: Path, out_dir: Path) -> Path:
     """Write the run's final model and tokenizer to `out_dir` in Hugging Face's layout
     (AutoModelForCausalLM / AutoTokenizer .from_pretrained load it). The folder appears whole:
     it is written beside `out_dir` and renamed."""
-    from diloco.hf import export_model
-    from diloco.tokenizer import export_tokenizer
+    from diloco.data.tokenizer import export_tokenizer
+    from diloco.model.hf import export_model
 
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir} is a file; give as OUT_DIR a new (or an empty) folder.")

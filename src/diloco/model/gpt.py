@@ -4,7 +4,7 @@ Shape legend for tensor names:
     B batch, T time (sequence position), D model width, H attention heads, K head width (D/H),
     V vocabulary.
 
-    python -c "from diloco.model import GPT; from diloco.config import MODEL_PRESETS as P; \
+    python -c "from diloco.model.gpt import GPT; from diloco.config import MODEL_PRESETS as P; \
 print(GPT(P['nano']).num_params())"
 """
 

@@ -1,6 +1,6 @@
 """The run's summary: summary.json's fields and the lines `diloco train` prints at the end.
 
-    python -c "import json; from diloco.summary import format_summary as f; \
+    python -c "import json; from diloco.rundir.summary import format_summary as f; \
 print(f(json.load(open('runs/diloco-k4-H50-s0/summary.json'))))"
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from diloco.config import TrainConfig
-from diloco.metrics import perplexity
+from diloco.rundir.metrics import perplexity
 
 
 def summarize(cfg: TrainConfig, run, val_loss: float, step: int) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from diloco.errors import UserError
-from diloco.metrics import to_json
+from diloco.rundir.metrics import to_json
 
 _NAME = re.compile(r"^round-(\d{6})$")
 _HIDDEN = re.compile(r"^\.(tmp|old|replaced)-round-(\d{6})$")

@@ -33,7 +33,7 @@ The codecs (docs/communication.md has their bytes per value and what they cost i
 Lossy codecs refuse NaN and Inf (a worker never encodes a non-finite outer_grad: it reports it).
 Everything is vectorised torch on the tensors' own device (CPU or GPU).
 
-    python -c "import torch; from diloco.codec import build_codec; \
+    python -c "import torch; from diloco.core.codec import build_codec; \
 print(build_codec('fp4').encode([torch.ones(1000)]).nbytes)"
 """
 

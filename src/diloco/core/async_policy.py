@@ -1,27 +1,13 @@
-"""Learning-rate schedules driven by a worker's own step count (ALGORITHMS.md §1-2).
+"""How the asynchronous server hands out work (docs/method.md §2): dynamic local updates
+(DyLU) from measured speeds, the probe job that measures them, the grace period in which other
+pushes join an update, and shard sampling by how far each shard lags behind its share.
 
-    python -c "from diloco.schedule import warmup_cosine as f; print(f(10, lr=1e-3, \
-warmup_steps=10, total_steps=100, min_lr_ratio=0.1))"
+    python -c "from diloco.core.async_policy import dylu_steps as f; print(f([0.5, 1.0, 2.0], 50))"
 """
 
 from __future__ import annotations
 
 import math
-import random
-
-
-def warmup_cosine(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """The lr for 0-based `step`: linear warm-up to `lr`, then cosine down to `lr * min_lr_ratio`.
-
-    Warm-up counts from 1 so the first step already moves. Past `total_steps` the lr stays at
-    the floor, which is > 0, so a worker that overruns its plan keeps learning.
-    """
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    span = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    lr_min = lr * min_lr_ratio
-    return lr_min + 0.5 * (lr - lr_min) * (1.0 + math.cos(math.pi * progress))
 
 
 def dylu_steps(step_s: list[float], inner_steps: int) -> list[int]:
@@ -97,30 +83,3 @@ def shard_probabilities(sizes: list[int], learned: list[int]) -> list[float]:
     if norm == 0:  # every shard exactly at its share
         return [s / total for s in sizes]
     return [r / norm for r in raw]
-
-
-def outer_grad_dropped(seed: int, round_: int, worker: int, prob: float) -> bool:
-    """Whether worker's outer_grad of this round is lost (the DiLoCo paper's robustness test).
-    Drawn from a stream keyed by (seed, round, worker), so every runtime agrees."""
-    return prob > 0 and random.Random(f"drop/{seed}/{round_}/{worker}").random() < prob
-
-
-def parse_workers_schedule(text: str, max_workers: int) -> list[tuple[float, int]]:
-    """'0:4,0.5:8' -> [(0.0, 4), (0.5, 8)]: from each fraction of the rounds on, that many
-    workers are active. Raises ValueError on anything else."""
-    points = []
-    for part in text.split(","):
-        frac, n = part.split(":")
-        points.append((float(frac), int(n)))
-    fracs = [f for f, _ in points]
-    if fracs[0] != 0 or fracs != sorted(set(fracs)) or fracs[-1] >= 1:
-        raise ValueError(text)
-    if not all(1 <= n <= max_workers for _, n in points):
-        raise ValueError(text)
-    return points
-
-
-def active_workers(schedule: list[tuple[float, int]], round_: int, rounds: int) -> int:
-    """Workers active in 0-based round `round_` of `rounds` under a parsed schedule."""
-    progress = round_ / rounds
-    return [n for frac, n in schedule if frac <= progress][-1]

@@ -29,16 +29,16 @@ from typing import TypeVar
 import grpc
 import torch
 
-from diloco.build import build_worker, prepare_data
-from diloco.codec import Encoded, build_codec
 from diloco.config import from_dict
+from diloco.core.codec import Encoded, build_codec
+from diloco.core.inner import Worker
+from diloco.data.shard_plan import ShardPlan
 from diloco.errors import Interrupted, UserError
-from diloco.inner import Worker
+from diloco.run.assemble import build_worker, prepare_data
 from diloco.runtime.server import diloco_pb2 as pb
 from diloco.runtime.server import diloco_pb2_grpc as rpc
 from diloco.runtime.server import security
 from diloco.runtime.server.handlers import CHUNK_BYTES, PROTOCOL
-from diloco.shard_plan import ShardPlan
 
 T = TypeVar("T")
 # the server is down, restarting or overloaded: wait and try again (for --retry-s seconds)
@@ -270,7 +270,7 @@ def run_worker(
 ) -> int:
     """Work for the server at `server` (HOST:PORT) until its run is done; returns the exit code.
     `acks`: a file that gets one JSON line per acknowledged push (job, seconds; load tests)."""
-    from diloco.train import set_threads
+    from diloco.run.train import set_threads
 
     set_threads(threads)
     dev = _device(device)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from diloco.codec import Codec, Encoded, Fp32Codec
+from diloco.core.codec import Codec, Encoded, Fp32Codec
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 

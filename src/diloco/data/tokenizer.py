@@ -12,7 +12,7 @@ compare, saves itself next to a run (`save`), and `export_tokenizer` writes it s
 `transformers.AutoTokenizer.from_pretrained` gives the same ids. `tokenizers` and
 `transformers` are imported only when needed.
 
-    python -c "from diloco.tokenizer import train_bpe; t = train_bpe(['to be or not to be'] * 9, 260); \
+    python -c "from diloco.data.tokenizer import train_bpe; t = train_bpe(['to be or not to be'] * 9, 260); \
 print(t.encode_batch(['to be'])[0], t.decode(t.encode_batch(['to be'])[0]))"
 """
 

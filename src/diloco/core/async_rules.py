@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from diloco.outer import Nesterov, Tensors, weighted_average
+from diloco.core.outer import Nesterov, Tensors, weighted_average
 
 ASYNC_RULES = ("dn", "naive", "buffer", "poly", "polythres", "delaycomp")
 

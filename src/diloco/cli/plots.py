@@ -13,7 +13,7 @@ from typing import Any
 from diloco import settings
 from diloco.config import TrainConfig, load_json
 from diloco.errors import UserError
-from diloco.metrics import read_metrics
+from diloco.rundir.metrics import read_metrics
 
 X_AXES = {
     "sim_time_s": ("sim_time_s", "simulated time (s)"),

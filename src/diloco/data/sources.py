@@ -16,7 +16,7 @@ A document's `source` (what `--shards by-source` groups by) is its input's path,
 sentence that names the file (and line or row) and the fix. `fingerprint` hashes the inputs'
 names and bytes, so a run can tell whether its data changed.
 
-    python -c "from diloco.sources import read_documents as r; print(len(list(r(['README.md']))))"
+    python -c "from diloco.data.sources import read_documents as r; print(len(list(r(['README.md']))))"
 """
 
 from __future__ import annotations

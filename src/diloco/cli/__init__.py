@@ -1,0 +1,1 @@
+"""The `diloco` command: argument parsing and its verbs (docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""A run's text: sources, tokenizer, token cache, shards and batches (docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""Models: diloco's GPT, Hugging Face causal LMs and export (docs/architecture.md)."""
