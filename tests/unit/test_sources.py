@@ -5,8 +5,9 @@ import shutil
 
 import pytest
 
-from diloco.data import sources
-from diloco.data.sources import Document, expand, fingerprint, read_documents
+from diloco.data import formats
+from diloco.data.formats import Document
+from diloco.data.sources import expand, fingerprint, read_documents
 from diloco.errors import UserError
 
 
@@ -110,8 +111,8 @@ def test_documents_are_streamed_file_by_file(tmp_path):
 
 
 def test_big_plain_files_come_in_pieces_that_end_at_newlines(tmp_path, monkeypatch):
-    monkeypatch.setattr(sources, "BIG_FILE_BYTES", 200)
-    monkeypatch.setattr(sources, "PIECE_BYTES", 64)
+    monkeypatch.setattr(formats, "BIG_FILE_BYTES", 200)
+    monkeypatch.setattr(formats, "PIECE_BYTES", 64)
     text = "".join(f"line {i} " + "\u00e9" * (i % 13) + "\n" for i in range(60)) + "no newline at the end"
     path = tmp_path / "big.txt"
     path.write_text(text, encoding="utf-8")
@@ -237,7 +238,7 @@ def test_csv_errors_and_old_mac_line_ends(tmp_path, monkeypatch):
 
 
 def test_parquet_columns_batches_and_sources(tmp_path, monkeypatch):
-    monkeypatch.setattr(sources, "BATCH_ROWS", 2)
+    monkeypatch.setattr(formats, "BATCH_ROWS", 2)
     path = write_parquet(
         tmp_path / "d.Parquet",
         {"body": ["a", None, "", "b", "c"], "site": ["x", "y", "z", "w", "v"], "n": [1, 2, 3, 4, 5]},
@@ -269,7 +270,7 @@ def test_parquet_missing_source_values_and_unreadable_files(tmp_path):
 
 
 def test_saved_dataset_is_one_input_and_read_in_order(tmp_path, monkeypatch):
-    monkeypatch.setattr(sources, "BATCH_ROWS", 2)
+    monkeypatch.setattr(formats, "BATCH_ROWS", 2)
     folder = save_dataset(
         tmp_path / "data" / "ds", {"text": ["a", " ", "b", "c", "d"], "site": ["x", "y", "x", "z", "x"]}
     )

@@ -28,7 +28,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from diloco.data.sources import Document
+from diloco.data.formats import Document
 from diloco.data.tokens import (
     Corpus,
     Piece,

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diloco.data.sources import Document
+from diloco.data.formats import Document
 from diloco.errors import UserError
 
 FORMAT = 1  # of the cache folder; a new format is a new key, never a misread
