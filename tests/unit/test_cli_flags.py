@@ -567,3 +567,25 @@ def test_serve_resume_of_a_live_run_directory_is_refused_before_its_data_is_prep
     assert code == 2 and "in use by a live server (pid 4242, serving on 127.0.0.1:7000)" in out.err
     assert not captured  # refused before train() (its data preparation) was reached
     assert main(["serve", "--resume", str(run)]) == 0 and captured  # released: it resumes
+
+
+@pytest.mark.parametrize(
+    "toml,argv,workers",
+    [
+        ("", ["--runtime", "collective"], 6),  # one rank a worker
+        ("", ["--runtime", "collective", "--procs-per-worker", "2"], 3),
+        ('runtime = "collective"\nprocs_per_worker = 3\n', [], 2),  # from the TOML file alike
+        ('runtime = "collective"\n', ["--procs-per-worker", "2"], 3),
+        ('runtime = "collective"\nnum_workers = 2\n', [], 2),  # given: kept
+        ("", ["--runtime", "collective", "--workers", "2"], 2),
+        ('runtime = "collective"\n', ["--runtime", "sim"], 4),  # the simulator: the default
+    ],
+)
+def test_under_torchrun_a_collective_runs_workers_follow_its_ranks(
+    captured, tmp_path, monkeypatch, capsys, toml, argv, workers
+):
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    path = tmp_path / "c.toml"
+    path.write_text(toml)
+    code, _ = _exit(capsys, ["train", "--config", str(path), *argv])
+    assert code == 0 and captured[-1][0].num_workers == workers
