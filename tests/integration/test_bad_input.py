@@ -68,19 +68,26 @@ def test_resume_of_a_corrupt_or_checkpointless_run(tiny, tmp_path, capsys):
 
 
 @pytest.mark.timeout(30)
-def test_existing_out_dir_is_refused_and_resume_rejects_other_flags(tmp_path, capsys):
+def test_an_out_that_holds_files_is_a_file_or_cannot_be_made_is_refused(tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("keep me")
     code, err = _run_in_process(capsys, ["train", "--out", str(tmp_path / "taken")])
     assert code == 2 and "already exists" in err
     assert (tmp_path / "taken" / "x").read_text() == "keep me"
-    code, err = _run_in_process(capsys, ["train", "--resume", str(tmp_path / "taken"), "--workers", "3"])
-    assert code == 2 and "config.json does not exist; is this a diloco run directory?" in err
     (tmp_path / "a-file").write_text("")
     code, err = _run_in_process(capsys, ["train", "--out", str(tmp_path / "a-file")])
     assert code == 2 and "is a file, not a directory" in err
     code, err = _run_in_process(capsys, ["train", "--out", "/proc/no/such/dir"])
     assert code == 2 and "cannot create run directory" in err
+
+
+@pytest.mark.timeout(30)
+def test_resume_of_a_folder_without_config_json_is_refused_and_leaves_it_alone(tmp_path, capsys):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("keep me")
+    code, err = _run_in_process(capsys, ["train", "--resume", str(tmp_path / "taken"), "--workers", "3"])
+    assert code == 2 and "config.json does not exist; is this a diloco run directory?" in err
+    assert sorted(p.name for p in (tmp_path / "taken").iterdir()) == ["x"]
 
 
 @pytest.mark.timeout(30)

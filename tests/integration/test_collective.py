@@ -325,7 +325,7 @@ def test_user_data_bpe_and_a_hugging_face_model_equal_the_simulator(tmp_path, mo
 def test_every_rank_trains_on_rank_0s_shard_plan(tiny, tmp_path):
     """Rank 1 on "another machine", whose own k-means would come out otherwise (tests/
     other_machine, for RANK=1 only), cuts its shards by rank 0's plan, which shards.json records:
-    the run equals the simulator bit for bit. Before issue 29 rank 1 trained on its own shards."""
+    the run equals the simulator bit for bit."""
     import dataclasses
 
     other = os.pathsep.join(

@@ -368,8 +368,7 @@ def test_user_data_bpe_and_a_hugging_face_model_through_the_server_equal_the_sim
 def test_a_worker_whose_k_means_differs_trains_on_the_servers_shard_plan(tmp_path):
     """A worker on "another machine", whose own k-means would come out otherwise (tests/
     other_machine: its clusters in reverse order), cuts its shards by the plan the server sent,
-    which the server recorded in shards.json: the run replays bit for bit from that file. Before
-    issue 29 each worker made its own shards, and this one refused to join ("shards differ")."""
+    which the server recorded in shards.json: the run replays bit for bit from that file."""
     other = str(Path(__file__).parents[1] / "other_machine")
     env = {**ENV, "PYTHONPATH": os.pathsep.join(p for p in (other, ENV.get("PYTHONPATH")) if p)}
     check = [sys.executable, "-c", "from diloco.data import shards; print(shards.kmeans_groups.__name__)"]

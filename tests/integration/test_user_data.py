@@ -290,7 +290,7 @@ def test_a_hugging_face_model_trains_with_every_method(tmp_path, method):
     assert _summary(run)["params"] == params and params > 20_000
 
 
-def test_the_new_flags_are_in_train_help():
+def test_user_data_flags_are_in_train_help():
     text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
     for flag in ("--data", "--text-field", "--val-data", "--val-fraction", "--tokenizer", "--model-config"):
         assert flag in text

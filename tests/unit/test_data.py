@@ -142,15 +142,32 @@ def test_eval_windows_subset_is_fixed_and_spread():
     assert torch.equal(sub[0], full[0]) and torch.equal(sub[-1], full[-1])
 
 
-def test_manifest_matches_shared_copy_if_present():
-    # The package must not read ../shared at run time; this only checks our copy is current.
-    from pathlib import Path
+def _bundled_archive() -> dict[str, bytes]:
+    """The files of the corpus archive shipped in the package, read directly (not via load_corpus)."""
+    import io
+    import lzma
+    import tarfile
+    from importlib import resources
 
-    shared = Path(__file__).resolve().parents[3] / "shared" / "data" / "shakespeare" / "manifest.json"
-    if not shared.exists():
-        pytest.skip("no ../shared beside the checkout")
-    titles = [w["title"] for w in json.loads(shared.read_text())["works"]]
-    assert titles == [w.title for w in load_corpus()]
+    blob = resources.files("diloco.data.corpus").joinpath("shakespeare.tar.xz").read_bytes()
+    with tarfile.open(fileobj=io.BytesIO(lzma.decompress(blob))) as tar:
+        return {m.name.removeprefix("./"): tar.extractfile(m).read() for m in tar if m.isfile()}
+
+
+def test_bundled_manifest_lists_exactly_the_42_works_the_loader_yields():
+    files = _bundled_archive()
+    manifest = json.loads(files.pop("manifest.json"))
+    entries = manifest["works"]
+    assert len(entries) == 42
+    assert sorted(e["file"] for e in entries) == sorted(files)  # no file missing, none unlisted
+    works = load_corpus()
+    assert [(e["title"], e["genre"]) for e in entries] == [(w.title, w.genre) for w in works]
+    assert [files[e["file"]] for e in entries] == [w.text for w in works]
+    assert all(e["chars"] == len(files[e["file"]].decode()) for e in entries)
+    counts = {g: sum(e["genre"] == g for e in entries) for g in {e["genre"] for e in entries}}
+    assert counts == {"comedy": 12, "tragedy": 11, "history": 10, "poetry": 5, "romance": 4}
+    assert (works[0].title, works[-1].title) == ("All's Well That Ends Well", "The Winter's Tale")
+    assert "public domain" in manifest["license"].lower()
 
 
 def test_a_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch):
