@@ -275,7 +275,7 @@ def test_every_hostile_push_is_refused_with_its_reason_and_changes_nothing(serve
 
 def _events(rt) -> list[dict]:
     with rt.cond:
-        rt._events.flush()
+        rt.state.sync_events()
     with open(rt.run_dir / "events.jsonl") as f:
         return [json.loads(line) for line in f]
 

@@ -38,7 +38,7 @@ from diloco.run.assemble import build_worker, prepare_data
 from diloco.runtime.server import diloco_pb2 as pb
 from diloco.runtime.server import diloco_pb2_grpc as rpc
 from diloco.runtime.server import security
-from diloco.runtime.server.handlers import CHUNK_BYTES, PROTOCOL
+from diloco.runtime.server.wire import CHUNK_BYTES, PROTOCOL
 
 T = TypeVar("T")
 # the server is down, restarting or overloaded: wait and try again (for --retry-s seconds)

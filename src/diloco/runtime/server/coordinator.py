@@ -152,7 +152,7 @@ class Coordinator:
             "steps": steps,
             "shard": shard,
             # sync: the round drives the lr, so a worker that joins mid-run takes the run's lr;
-            # async: the shard's own step count does (ALGORITHMS.md §2)
+            # async: the shard's own step count does (docs/method.md §2)
             "lr_step": self.side.inner_step if self.sync else self.shard_steps[shard],
             "position": self.shard_steps[shard],
             "version": self.side.version,

@@ -1,5 +1,5 @@
 """The parameter server's gRPC handlers: each call runs on a thread of the server's pool, takes
-the runtime's lock (service.py) to read the coordinator or record an event, and does its
+the state's lock (state.py) to read the coordinator or record an event, and does its
 copying, encoding and decoding outside it. Every call but Register carries the worker's slot,
 the run's id and its registration's token, so an earlier holder of the slot is refused.
 
@@ -12,9 +12,7 @@ import functools
 import itertools
 import json
 import math
-import sys
 import time
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -23,101 +21,87 @@ from diloco.core.codec import Encoded
 from diloco.errors import NonFinite, UserError
 from diloco.runtime.server import diloco_pb2 as pb
 from diloco.runtime.server import diloco_pb2_grpc as rpc
+from diloco.runtime.server.state import ServerState, log
+from diloco.runtime.server.wire import CHUNK_BYTES, PROTOCOL
 
-if TYPE_CHECKING:
-    from diloco.runtime.server.service import ServerRuntime
-
-PROTOCOL = 3  # bumped when the messages change meaning
-CHUNK_BYTES = 1 << 20  # a stream's chunks stay well under gRPC's 4 MB message limit
 LONG_POLL_S = 5.0  # a worker asking for a job waits this long for one before being told to ask again
-
-
-def log(text: str) -> None:
-    print(f"diloco serve: {text}", file=sys.stderr, flush=True)
 
 
 class Handlers(rpc.ParameterServerServicer):
     """The gRPC handlers: each runs on a thread of the server's pool."""
 
-    def __init__(self, rt: ServerRuntime):
-        self.rt = rt
+    def __init__(self, st: ServerState):
+        self.st = st
 
     def _check(self, run_id: str, ctx) -> None:
-        if run_id != self.rt.run_id:
+        if run_id != self.st.run_id:
             ctx.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"this server now runs another run ({self.rt.run_dir}); restart the worker to join it",
+                f"this server now runs another run ({self.st.run_dir}); restart the worker to join it",
             )
 
-    def _touch(self, w: int, token: int) -> bool:
-        """Renew worker w's lease if it is the registration that got `token`; whether it is."""
-        known = self.rt.coord.known(w, token)
-        if known:
-            self.rt.last_seen[w] = time.monotonic()
-        return known
-
     def Register(self, request, ctx):
-        rt = self.rt
+        st = self.st
         if request.protocol != PROTOCOL:
             ctx.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"this server speaks protocol {PROTOCOL}, the worker {request.protocol}; "
                 "run the same diloco on both",
             )
-        with rt.cond:
-            if rt.coord.finished:
+        with st.cond:
+            if st.coord.finished:
                 return pb.RegisterReply(status=pb.RegisterReply.DONE)
             again = [
-                w for w, rec in rt.coord.workers.items() if request.nonce and rec["nonce"] == request.nonce
+                w for w, rec in st.coord.workers.items() if request.nonce and rec["nonce"] == request.nonce
             ]
-            w = again[0] if again else rt.coord.free_slot()  # a retried Register gets its slot again
+            w = again[0] if again else st.coord.free_slot()  # a retried Register gets its slot again
             if w is None:
                 return pb.RegisterReply(status=pb.RegisterReply.FULL, retry_s=1.0)
             if not again:
                 event = {"kind": "join", "worker": w, "name": request.name, "device": request.device}
-                rt._record({**event, "nonce": request.nonce})
+                st.record({**event, "nonce": request.nonce})
                 log(f"worker {w} joined ({request.name}, {request.device})")
-            rt.last_seen[w] = time.monotonic()
-            token = rt.coord.workers[w]["token"]
+            st.renew(w)
+            token = st.coord.workers[w]["token"]
         return pb.RegisterReply(
             status=pb.RegisterReply.OK,
             worker=w,
-            run_id=rt.run_id,
-            config_json=json.dumps(rt.cfg.to_dict()),
-            shard_tokens=rt.coord.shard_sizes,
-            shard_plan=rt.shard_plan,
-            heartbeat_s=max(0.1, rt.cfg.worker_timeout_s / 4),
+            run_id=st.run_id,
+            config_json=json.dumps(st.cfg.to_dict()),
+            shard_tokens=st.coord.shard_sizes,
+            shard_plan=st.shard_plan,
+            heartbeat_s=max(0.1, st.cfg.worker_timeout_s / 4),
             token=token,
         )
 
     def GetJob(self, request, ctx):
-        rt, w = self.rt, request.worker
+        st, w = self.st, request.worker
         self._check(request.run_id, ctx)
         limit = time.monotonic() + LONG_POLL_S
-        with rt.cond:
+        with st.cond:
             while True:
-                known = self._touch(w, request.token)
-                if rt.coord.finished:
-                    rt.told_done.add(request.token)
+                known = st.touch(w, request.token)
+                if st.coord.finished:
+                    st.tell_done(request.token)
                     yield_header, job = pb.JobChunk(status=pb.JobChunk.DONE), None
                     break
                 if not known:
                     yield_header, job = pb.JobChunk(status=pb.JobChunk.UNKNOWN_WORKER), None
                     break
-                jid = rt.coord.workers[w]["job"]
-                if jid is not None and jid in rt.coord.jobs:
-                    job = rt.coord.jobs[jid]
+                jid = st.coord.workers[w]["job"]
+                if jid is not None and jid in st.coord.jobs:
+                    job = st.coord.jobs[jid]
                     yield_header = None
                     break
                 if time.monotonic() >= limit:
                     yield_header, job = pb.JobChunk(status=pb.JobChunk.WAIT, retry_s=0.0), None
                     break
-                rt.cond.wait(1.0)
+                st.cond.wait(1.0)
         if job is None:
             yield yield_header
             return
-        blob = rt.params_blob(job)
-        rt.wire[w]["received"] += len(blob)
+        blob = st.params_blob(job)
+        st.count_received(w, len(blob))
         yield pb.JobChunk(
             status=pb.JobChunk.RUN,
             job=job.job,
@@ -134,7 +118,7 @@ class Handlers(rpc.ParameterServerServicer):
     def Push(self, request_iterator, ctx):
         """Check a pushed outer_grad before it touches anything, then log it (durably) and
         acknowledge it. A refused push changes neither θ nor the version (see `_refuse`)."""
-        rt = self.rt
+        st = self.st
         t0 = time.perf_counter()
         head = next(request_iterator, None)
         if head is None:
@@ -142,7 +126,7 @@ class Handlers(rpc.ParameterServerServicer):
         self._check(head.run_id, ctx)
         w, jid, token = head.worker, head.job, head.token
         refuse = functools.partial(self._refuse, ctx, w, token, jid)
-        limit = rt.max_message_bytes
+        limit = st.max_message_bytes
         if head.total_bytes > limit:
             refuse(
                 "oversized", f"push of job {jid} announces {head.total_bytes} bytes, over the limit {limit}"
@@ -156,38 +140,39 @@ class Handlers(rpc.ParameterServerServicer):
         blob = b"".join(parts)
         if len(blob) != head.total_bytes:
             refuse("length", f"push of job {jid} has {len(blob)} bytes, its header says {head.total_bytes}")
-        with rt.cond:
-            self._touch(w, token)
+        with st.cond:
+            st.touch(w, token)
             verdict = self._verdict(ctx, w, token, jid)
             if verdict is not None:
                 return verdict
-            job = rt.coord.jobs[jid]
+            job = st.coord.jobs[jid]
         if head.version != job.version:
             refuse("version", f"job {jid} started from version {job.version}, the push says {head.version}")
         if head.steps != job.steps:
             refuse("steps", f"job {jid} has {job.steps} inner steps, the push says {head.steps}")
-        if not head.finite and rt.cfg.on_nonfinite == "stop":  # not logged: a resume can go past it
-            with rt.cond:
-                rt.failure = NonFinite(
-                    f"worker {w} produced a non-finite (NaN or Inf) training loss or outer_grad in job "
-                    f"{jid}; the run stopped before applying it and its last checkpoint is intact: --resume "
-                    "it if the cause was passing, or start again with a lower --inner-lr or with "
-                    "--on-nonfinite drop."
+        if not head.finite and st.cfg.on_nonfinite == "stop":  # not logged: a resume can go past it
+            with st.cond:
+                st.fail(
+                    NonFinite(
+                        f"worker {w} produced a non-finite (NaN or Inf) training loss or outer_grad in job "
+                        f"{jid}; the run stopped before applying it and its last checkpoint is intact: "
+                        "--resume it if the cause was passing, or start again with a lower --inner-lr or "
+                        "with --on-nonfinite drop."
+                    )
                 )
-                rt.cond.notify_all()
             ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, "the run stopped on a non-finite outer_grad")
         try:
             message = Encoded.from_bytes(blob)
-            rt.side.codec.check(message)
+            st.side.codec.check(message)
         except UserError as e:
             refuse("malformed", str(e).removesuffix(" resend it.").rstrip(";."))
         got = [(tuple(t.shape), t.dtype) for t in message.payload]
-        if got != rt.expected_message or message.meta != rt.expected_meta:
+        if got != st.expected_message or message.meta != st.expected_meta:
             refuse("shape", f"job {jid}'s outer_grad does not have this model's shapes and dtypes")
         norm = None
         if head.finite:  # an outer_grad flagged non-finite is dropped by the rule (--on-nonfinite drop)
             try:
-                grads = rt.side.codec.decode(message)  # e.g. topk indices out of order or range
+                grads = st.side.codec.decode(message)  # e.g. topk indices out of order or range
             except UserError as e:
                 refuse("malformed", str(e).removesuffix(" resend it.").rstrip(";."))
             # one fused pass: the norm is finite exactly when every value is (or it overflows)
@@ -196,25 +181,25 @@ class Handlers(rpc.ParameterServerServicer):
                 detail = f"job {jid}'s outer_grad has NaN or Inf values (or overflows) but says it is finite"
                 refuse("nonfinite", detail)
             norm = total / math.sqrt(max(1, job.steps))
-        with rt.cond:
+        with st.cond:
             verdict = self._verdict(ctx, w, token, jid)
             if verdict is not None:
                 return verdict
-            c = rt.coord
-            if rt.cfg.max_staleness and c.side.version - job.version > rt.cfg.max_staleness:
+            c = st.coord
+            if st.cfg.max_staleness and c.side.version - job.version > st.cfg.max_staleness:
                 refuse(
                     "stale",
                     f"job {jid} started from version {job.version}, "
                     f"{c.side.version - job.version} updates ago "
-                    f"(--max-staleness {rt.cfg.max_staleness})",
+                    f"(--max-staleness {st.cfg.max_staleness})",
                     code=grpc.StatusCode.FAILED_PRECONDITION,
                 )
-            bound = c.norm_bound(rt.cfg.max_update_norm_ratio)
+            bound = c.norm_bound(st.cfg.max_update_norm_ratio)
             if norm is not None and bound is not None and norm > bound:
                 refuse(
                     "norm",
                     f"job {jid}'s outer_grad has norm {norm:.4g} per √step, over {bound:.4g} "
-                    f"(--max-update-norm-ratio {rt.cfg.max_update_norm_ratio:g} × the median of recent ones)",
+                    f"(--max-update-norm-ratio {st.cfg.max_update_norm_ratio:g} × the median of recent ones)",
                 )
             event = {
                 "kind": "push",
@@ -228,21 +213,21 @@ class Handlers(rpc.ParameterServerServicer):
                 "nbytes": message.nbytes,
                 "norm": norm,
             }
-            rt._record(event, blob, message)
-            rt.wire[w]["sent"] += len(blob)
-            rt.push_seconds.append(time.perf_counter() - t0)
+            st.record(event, blob, message)
+            st.count_sent(w, len(blob))
+            st.push_took(time.perf_counter() - t0)
         return pb.PushReply(status=pb.PushReply.ACCEPTED)
 
     def _refuse(self, ctx, w: int, token: int, jid: int, reason: str, detail: str, code=None):
         """Refuse a push: a `reject` event (counted in metrics as kind "rejected"; when the job is
         the pusher's own, it is given back, as when a worker leaves: θ and the version stay as
         they are), then a gRPC error with the reason."""
-        rt = self.rt
-        with rt.cond:
-            job = rt.coord.jobs.get(jid)
-            own = job is not None and job.worker == w and rt.coord.known(w, token)
+        st = self.st
+        with st.cond:
+            job = st.coord.jobs.get(jid)
+            own = job is not None and job.worker == w and st.coord.known(w, token)
             event = {"kind": "reject", "job": jid, "worker": w, "reason": reason, "detail": detail}
-            rt._record({**event, "abandon": own})
+            st.record({**event, "abandon": own})
         log(f"refused a push from worker {w} ({ctx.peer()}): {detail}")
         if code is None:
             big = reason == "oversized"
@@ -251,7 +236,7 @@ class Handlers(rpc.ParameterServerServicer):
 
     def _verdict(self, ctx, w: int, token: int, jid: int):
         """The reply to a push that is not to be checked further (None: go on). Lock held."""
-        rt, c = self.rt, self.rt.coord
+        st, c = self.st, self.st.coord
         if jid in c.pushed:
             if c.pushed[jid] == w:  # a retry after a lost reply: already in
                 return pb.PushReply(status=pb.PushReply.DUPLICATE, reason=f"job {jid} was accepted before")
@@ -279,7 +264,7 @@ class Handlers(rpc.ParameterServerServicer):
             )
         if job is None or not c.known(w, token):
             if job is None and jid not in c.late:
-                rt._record({"kind": "late", "job": jid, "worker": w})
+                st.record({"kind": "late", "job": jid, "worker": w})
             return pb.PushReply(
                 status=pb.PushReply.LATE, reason=f"job {jid} was abandoned (round closed or lease ran out)"
             )
@@ -287,17 +272,19 @@ class Handlers(rpc.ParameterServerServicer):
 
     def Heartbeat(self, request, ctx):
         self._check(request.run_id, ctx)
-        with self.rt.cond:
-            known, done = self._touch(request.worker, request.token), self.rt.coord.finished
+        st = self.st
+        with st.cond:
+            known, done = st.touch(request.worker, request.token), st.coord.finished
             if done:  # a worker mid-job hears it here, not after its job
-                self.rt.told_done.add(request.token)
-                self.rt.cond.notify_all()
+                st.tell_done(request.token)
+                st.cond.notify_all()
             return pb.HeartbeatReply(known=known, done=done)
 
     def Leave(self, request, ctx):
         self._check(request.run_id, ctx)
-        with self.rt.cond:
-            if self.rt.coord.known(request.worker, request.token):
-                self.rt._leave(request.worker, "left")
-            self.rt.may_call.discard(request.token)
+        st = self.st
+        with st.cond:
+            if st.coord.known(request.worker, request.token):
+                st.leave(request.worker, "left")
+            st.stop_calling(request.token)
         return pb.LeaveReply()

@@ -20,7 +20,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -29,9 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Summa
 from diloco.errors import UserError
 from diloco.rundir.metrics import to_json
 from diloco.runtime.server import security
-
-if TYPE_CHECKING:
-    from diloco.runtime.server.service import ServerRuntime
+from diloco.runtime.server.state import ServerState
 
 
 def val_curve(run_dir: Path, cache: dict[str, Any]) -> list[list[float]]:
@@ -108,8 +106,8 @@ class Collector:
 class StatusPage:
     """The HTTP server (see the module docstring); `url` is where it listens."""
 
-    def __init__(self, rt: ServerRuntime, host: str, port: int):
-        self.rt = rt
+    def __init__(self, st: ServerState, host: str, port: int):
+        self.st = st
         self._curve: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.registry = CollectorRegistry(auto_describe=False)
@@ -124,9 +122,9 @@ class StatusPage:
             ) from None
         self.httpd.daemon_threads = True
         scheme = "http"
-        if rt.opts.tls_cert is not None:
+        if st.opts.tls_cert is not None:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.load_cert_chain(rt.opts.tls_cert, rt.opts.tls_key)
+            context.load_cert_chain(st.opts.tls_cert, st.opts.tls_key)
             self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
             scheme = "https"
         self.url = f"{scheme}://{host}:{self.httpd.server_address[1]}"
@@ -134,13 +132,13 @@ class StatusPage:
         self._thread.start()
 
     def snapshot(self) -> dict[str, Any]:
-        status = self.rt.status()
+        status = self.st.status()
         with self._lock:
-            status["val_loss"] = val_curve(self.rt.run_dir, self._curve)
+            status["val_loss"] = val_curve(self.st.run_dir, self._curve)
         return status
 
     def allowed(self, headers, query: str) -> bool:
-        token = self.rt.token
+        token = self.st.token
         if token is None:
             return True
         given = security.bearer(headers.get("Authorization"))
@@ -160,7 +158,7 @@ def _handler(page: StatusPage):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             url = urlsplit(self.path)
             if not page.allowed(self.headers, url.query):
-                page.rt.refusals.refused(
+                page.st.refusals.refused(
                     f"{self.client_address[0]}:{self.client_address[1]}",
                     f"GET {url.path}",
                     token_sent="Authorization" in self.headers or "token" in parse_qs(url.query),

@@ -1,0 +1,213 @@
+"""The server's shared state without the network: events logged durably then applied in order,
+leases renewed and reaped, who may still call, a full disk that stops the run, the status
+page's and summary's figures, and a checkpoint plus the log after it restoring the state."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from diloco.config import ServerConfig, SimConfig
+from diloco.core.async_rules import build_async_rule
+from diloco.core.outer import Nesterov
+from diloco.core.outer_side import OuterSide
+from diloco.errors import UserError
+from diloco.model.gpt import GPT
+from diloco.runtime.server import wal
+from diloco.runtime.server.security import ServeOptions
+from diloco.runtime.server.state import ServerState
+
+NO_TOKEN = ServeOptions(insecure_no_token=True)
+
+
+def make(tiny, run_dir, *, method="diloco", k=2, opts=NO_TOKEN, **cfg) -> ServerState:
+    cfg = tiny(
+        method=method,
+        num_workers=k,
+        runtime="server",
+        server=ServerConfig(),
+        sim=SimConfig(),
+        checkpoint_every=1,
+        **cfg,
+    )
+    torch.manual_seed(0)
+    rule = Nesterov() if method == "diloco" else build_async_rule("dn", lr=0.7, momentum=0.9, num_workers=k)
+    side = OuterSide(GPT(cfg.model), k, update=rule)
+    run_dir.mkdir(exist_ok=True)
+    return ServerState(cfg, side, [1000] * k, run_dir, opts)
+
+
+def join(st: ServerState, w: int) -> int:
+    """Worker w registers; its registration's token."""
+    with st.cond:
+        st.record({"kind": "join", "worker": w, "name": f"w{w}", "device": "cpu", "nonce": ""})
+        st.renew(w)
+        return st.coord.workers[w]["token"]
+
+
+def events(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(autouse=True)
+def no_token_env(monkeypatch):
+    monkeypatch.delenv("DILOCO_TOKEN", raising=False)
+
+
+@pytest.mark.timeout(60)
+def test_every_event_is_numbered_logged_durably_then_applied_in_order(tiny, tmp_path):
+    run_dir = tmp_path / "run"
+    st = make(tiny, run_dir)
+    tokens = [join(st, w) for w in (0, 1)]
+    with st.cond:
+        st.record({"kind": "begin", "round": 1, "members": [0, 1]})
+    logged = [h for h, _ in wal.read(run_dir / "wal.log")]
+    assert [e["seq"] for e in logged] == [1, 2, 3] and [e["kind"] for e in logged] == [
+        "join",
+        "join",
+        "begin",
+    ]
+    assert events(run_dir) == logged
+    assert st.coord.seq == 3 and sorted(st.coord.workers) == [0, 1] and st.coord.members == [0, 1]
+    assert tokens == [1, 2]
+    st.close()
+
+
+@pytest.mark.timeout(60)
+def test_registrations_that_may_call_are_waited_for_until_told_or_gone(tiny, tmp_path):
+    st = make(tiny, tmp_path / "run")
+    a, b = join(st, 0), join(st, 1)
+    with st.cond:
+        assert st.untold() == {a, b}
+        st.tell_done(a)
+        assert st.untold() == {b}
+        st.stop_calling(b)  # it left on its own: nobody to wait for
+        assert st.untold() == set()
+    st.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_silent_worker_is_reaped_and_a_heard_one_keeps_its_lease(tiny, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    st = make(tiny, run_dir, worker_timeout_s=0.05)
+    join(st, 0)
+    b = join(st, 1)
+    with st.cond:
+        st.cond.wait(0.1)
+        assert st.touch(1, b) and not st.touch(0, b)  # another registration's token renews nothing
+        st.reap()
+    assert sorted(st.coord.workers) == [1]
+    last = events(run_dir)[-1]
+    assert (last["kind"], last["worker"], last["reason"]) == ("leave", 0, "expired")
+    assert "worker 0 (w0) was silent for 0 s: it is gone, its job is re-offered" in capsys.readouterr().err
+    with st.cond:
+        st.leave(1, "left")
+    assert st.coord.workers == {} and events(run_dir)[-1]["reason"] == "left"
+    assert "worker 1 (w1) left the run (it said it stops)" in capsys.readouterr().err
+    st.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_log_that_cannot_be_written_stops_the_run_with_a_sentence(tiny, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    st = make(tiny, run_dir)
+
+    def full(header, payload=b""):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(st.wal, "append", full)
+    with (
+        st.cond,
+        pytest.raises(
+            UserError, match=r"cannot write the write-ahead log \S+wal.log \(No space left on device\)"
+        ),
+    ):
+        st.record({"kind": "join", "worker": 0, "name": "w0", "device": "cpu"})
+    assert st.coord.seq == 0 and not (run_dir / "events.jsonl").read_text()  # nothing applied
+    with pytest.raises(UserError, match=f"continue with: diloco serve --resume {run_dir}"):
+        st.raise_failure()
+    st.close()
+
+
+@pytest.mark.timeout(60)
+def test_status_and_summary_count_each_workers_traffic(tiny, tmp_path):
+    st = make(tiny, tmp_path / "run", method="async")
+    join(st, 0)
+    join(st, 1)
+    with st.cond:
+        st.count_sent(1, 300)
+        st.count_received(1, 500)
+        st.push_took(0.25)
+        st.push_took(0.125)
+        summary = st.summary()
+    status = st.status()
+    assert (
+        status["k"] == 2
+        and not status["auth"]
+        and not status["tls"]
+        and status["push_seconds"] == [0.125, 0.25]
+    )
+    rows = {w["worker"]: w for w in status["workers"]}
+    assert rows[0]["state"] == "idle" and rows[0]["host"] == "w0" and rows[0]["bytes_sent"] == 0
+    assert (rows[1]["bytes_sent"], rows[1]["bytes_received"]) == (300, 500)
+    assert summary["events"] == 2
+    assert [(r["wire_bytes_sent"], r["wire_bytes_received"]) for r in summary["workers"]] == [
+        (0, 0),
+        (300, 500),
+    ]
+    st.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_and_the_log_after_it_restore_the_state(tiny, tmp_path):
+    """The checkpoint's "server" entry, then the log's later records replayed: the coordinator and
+    events.jsonl are as they were; a checkpoint two later ones hold lets the log drop them."""
+    run_dir = tmp_path / "run"
+    st = make(tiny, run_dir, method="async")
+    join(st, 0)
+    join(st, 1)
+    with st.cond:
+        st.count_sent(0, 7)
+        saved = json.loads(json.dumps(st.state_dict()))  # as a checkpoint holds it
+        st.record(st.coord.plan_dispatch(0))
+        st.leave(1, "left")
+    lines = (run_dir / "events.jsonl").read_text()
+    st.close()
+
+    again = make(tiny, run_dir, method="async")
+    again.load_state_dict(saved)
+    assert again.replaying and again.run_id == st.run_id and again.coord.seq == 2
+    assert again.replay_next() is None and not again.replaying  # neither event returns anything
+    assert (run_dir / "events.jsonl").read_text() == lines
+    assert again.coord.seq == 4 and sorted(again.coord.workers) == [0] and len(again.coord.jobs) == 1
+    with again.cond:
+        assert again.summary()["workers"][0]["wire_bytes_sent"] == 7
+        again.state_dict()  # a checkpoint at event 4 ...
+        again.state_dict()  # ... and another: the log's records up to event 4 may go
+    again.after_checkpoint()
+    assert wal.read(run_dir / "wal.log") == []
+    again.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_log_that_does_not_go_on_from_the_checkpoint_is_refused(tiny, tmp_path):
+    run_dir = tmp_path / "run"
+    st = make(tiny, run_dir, method="async")
+    join(st, 0)
+    with st.cond:
+        old = st.state_dict()  # event 1
+        join(st, 1)
+        st.state_dict()  # event 2
+        st.state_dict()
+    st.after_checkpoint()  # the log keeps events after 2
+    with st.cond:
+        st.leave(1, "left")
+    st.close()
+    again = make(tiny, run_dir, method="async")
+    with pytest.raises(
+        UserError, match="goes on from event 3, but the checkpoint it resumes from ends at event 1"
+    ):
+        again.load_state_dict(old)
+    again.close()
