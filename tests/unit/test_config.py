@@ -85,7 +85,7 @@ def test_new_settings_and_their_defaults():
         ({"sim": {"speeds": ["a"]}}, "sim.speeds (--speeds) must be a list of numbers, got ['a']"),
         ({"sim": {"speeds": "1,2"}}, "sim.speeds (--speeds) must be a list of numbers, got '1,2'"),
         ({"sim": {"slowdowns": [1]}}, "sim.slowdowns (--slowdown) must be a list of strings, got [1]"),
-        ({"server": {"dylu": 1}}, "server.dylu (--dylu) must be true or false, got 1"),
+        ({"async": {"dylu": 1}}, "async.dylu (--dylu) must be true or false, got 1"),
         ({"method": 3}, "method (--method) must be a string, got 3"),
         ({"on_nonfinite": "skip"}, "on_nonfinite (--on-nonfinite) must be one of stop, drop, got 'skip'"),
         ({"keep_checkpoints": 0, "checkpoint_every": 1}, "keep_checkpoints (--keep-checkpoints) must be an"),
@@ -98,8 +98,8 @@ def test_new_settings_and_their_defaults():
         ({"sim": {"slowdowns": ["1:2@inf-inf"]}}, "got '1:2@inf-inf'"),
         ({"sim": {"slowdowns": ["1:2@5-5"]}}, "START < END"),
         (
-            {"server": {"grace_s": math.nan}, "method": "async"},
-            "server.grace_s (--grace-s) must be auto or a number",
+            {"async": {"grace_s": math.nan}, "method": "async"},
+            "async.grace_s (--grace-s) must be auto or a number",
         ),
     ],
 )
@@ -114,23 +114,23 @@ def test_an_int_is_a_float_and_inf_is_a_grace_and_a_slowdown_end():
     cfg = from_dict({"inner": {"lr": 1}, "outer": {"lr": 1}, "sim": {"speeds": [1, 2.5, 3, 4]}})
     assert (cfg.inner.lr, cfg.outer.lr, cfg.sim.speeds) == (1, 1, (1, 2.5, 3, 4))
     cfg = from_dict({"method": "async", "server": {"grace_s": math.inf}, "sim": {"slowdowns": ["1:2@5-inf"]}})
-    assert cfg.server.grace_s == "inf" and cfg.sim.slowdowns == ("1:2@5-inf",)
+    assert cfg.async_.grace_s == "inf" and cfg.sim.slowdowns == ("1:2@5-inf",)
 
 
 @pytest.mark.parametrize(
     "values,needle",
     [
-        ({"server": {"rule": "naive"}}, "server.rule (--async-rule) applies only with --method async (this"),
-        ({"server": {"buffer": 2}}, "server.buffer (--dn-buffer) applies only with --method async"),
-        ({"server": {"dn_c": 0.1}}, "server.dn_c (--dn-c) applies only with --method async"),
-        ({"server": {"poly_threshold": 3}}, "server.poly_threshold (--poly-threshold) applies only with"),
-        ({"server": {"delaycomp_lambda": 0.1}}, "server.delaycomp_lambda (--delaycomp-lambda) applies only"),
+        ({"async": {"rule": "naive"}}, "async.rule (--async-rule) applies only with --method async (this"),
+        ({"async": {"buffer": 2}}, "async.buffer (--dn-buffer) applies only with --method async"),
+        ({"async": {"dn_c": 0.1}}, "async.dn_c (--dn-c) applies only with --method async"),
+        ({"async": {"poly_threshold": 3}}, "async.poly_threshold (--poly-threshold) applies only with"),
+        ({"async": {"delaycomp_lambda": 0.1}}, "async.delaycomp_lambda (--delaycomp-lambda) applies only"),
         (
-            {"server": {"dylu_alpha": 0.9}},
-            "server.dylu_alpha (--dylu-alpha) applies only with --method async",
+            {"async": {"dylu_alpha": 0.9}},
+            "async.dylu_alpha (--dylu-alpha) applies only with --method async",
         ),
-        ({"server": {"grace_s": 1.0}, "method": "single"}, "run has single); add --method async or drop it."),
-        ({"server": {"dylu_oracle": True}}, "server.dylu_oracle (--dylu-oracle) applies only with"),
+        ({"async": {"grace_s": 1.0}, "method": "single"}, "run has single); add --method async or drop it."),
+        ({"async": {"dylu_oracle": True}}, "async.dylu_oracle (--dylu-oracle) applies only with"),
         (
             {"procs_per_worker": 2},
             "procs_per_worker (--procs-per-worker) applies only with --runtime collective",
@@ -151,7 +151,10 @@ def test_an_int_is_a_float_and_inf_is_a_grace_and_a_slowdown_end():
         ({"runtime": "collective", "sim": {"latency_ms": 5}}, "sim.latency_ms (--latency-ms) applies only"),
         ({"drop_prob": 0.1, "method": "async"}, "drop_prob (--drop-prob) applies only with --method diloco"),
         ({"workers_schedule": "0:1", "method": "dp"}, "workers_schedule (--workers-schedule) applies only"),
-        ({"keep_checkpoints": 5}, "keep_checkpoints (--keep-checkpoints) applies only with checkpoints"),
+        (
+            {"keep_checkpoints": 5},
+            "keep_checkpoints (--keep-checkpoints) applies only with --checkpoint-every above 0 (this run has 0)",
+        ),
     ],
 )
 def test_a_setting_that_does_not_apply_is_an_error(values, needle):

@@ -246,7 +246,7 @@ class ServerRuntime(SideView):
                 "run_dir": str(self.run_dir),
                 "run_id": self.run_id,
                 "method": self.cfg.method,
-                "rule": self.cfg.server.rule if not c.sync else self.cfg.outer.opt,
+                "rule": self.cfg.async_.rule if not c.sync else self.cfg.outer.opt,
                 "k": self.num_workers,
                 "H": self.cfg.inner_steps,
                 "version": self.side.version,
