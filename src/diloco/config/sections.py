@@ -19,7 +19,8 @@ from diloco.settings import setting
 
 METHODS = ("diloco", "async", "single", "dp")
 RUNTIMES = ("sim", "collective", "server")  # server: `diloco serve` (docs/server.md)
-HETEROGENEITY = ("none", "slight", "moderate", "very")
+# --heterogeneity: each level's spread (slowest ÷ fastest seconds per step; runtime.clock.profile)
+HETEROGENEITY = {"none": 1.0, "slight": 1.5, "moderate": 3.0, "very": 6.0}
 SHARDINGS = ("iid", "genre", "kmeans", "by-source")
 CODECS = tuple(_CODECS)  # the names of core.codec's codecs
 
@@ -203,7 +204,11 @@ class SimConfig:
         help="seconds per inner step of each worker, e.g. 0.58,0.75,1.51,3.33",
     )
     heterogeneity: str = setting(
-        "none", flag="--heterogeneity", choices=HETEROGENEITY, needs=ON_SIM, help="spread 1x, 1.5x, 3x, 6x"
+        "none",
+        flag="--heterogeneity",
+        choices=tuple(HETEROGENEITY),
+        needs=ON_SIM,
+        help="spread 1x, 1.5x, 3x, 6x",
     )
     speed_jitter: float = setting(
         0.0, flag="--speed-jitter", needs=ON_SIM, help="per-round jitter: step time × (1 + jitter·U[-1, 1])"

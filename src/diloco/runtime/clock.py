@@ -15,14 +15,12 @@ import random
 from diloco.config.parsers import Slowdown as Slowdown
 from diloco.config.parsers import parse_slowdown as parse_slowdown
 from diloco.config.parsers import parse_speeds as parse_speeds
-
-# Spread (slowest ÷ fastest seconds per step) of each named heterogeneity level. Worker i's time
-# per step is spread^(i / (k − 1)) seconds: geometric spacing from 1 s (worker 0) to `spread` s.
-HETEROGENEITY = {"none": 1.0, "slight": 1.5, "moderate": 3.0, "very": 6.0}
+from diloco.config.sections import HETEROGENEITY
 
 
 def profile(level: str, k: int) -> list[float]:
-    """Seconds per inner step of each of k workers for a named heterogeneity level."""
+    """Seconds per inner step of each of k workers for a named heterogeneity level: worker i's
+    is spread^(i / (k − 1)) seconds, geometric from 1 s (worker 0) to the level's spread."""
     spread = HETEROGENEITY[level]
     return [spread ** (i / (k - 1)) if k > 1 else 1.0 for i in range(k)]
 
