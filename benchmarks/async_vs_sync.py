@@ -39,22 +39,22 @@ import time
 from pathlib import Path
 
 from diloco.cli.plots import plot_runs
-from diloco.config import OuterConfig, ServerConfig, SimConfig, TrainConfig
+from diloco.config import AsyncConfig, OuterConfig, SimConfig, TrainConfig
 from diloco.run.train import train
 from diloco.rundir.metrics import read_metrics
 
 SPEEDS = (0.58, 0.75, 1.51, 3.33)
 K = 4
-NO_DYLU = ServerConfig(dylu=False)  # Algorithm 2's shard sampling and grace period, fixed H
+NO_DYLU = AsyncConfig(dylu=False)  # Algorithm 2's shard sampling and grace period, fixed H
 METHODS = {
-    "sync": ("diloco", ServerConfig()),
+    "sync": ("diloco", AsyncConfig()),
     "naive": ("async", dataclasses.replace(NO_DYLU, rule="naive")),
     "dn": ("async", NO_DYLU),
     "buffer": ("async", dataclasses.replace(NO_DYLU, rule="buffer")),
-    "dn_dylu": ("async", ServerConfig()),
-    "dn_dylu_oracle": ("async", ServerConfig(dylu_oracle=True)),
-    "dn_dylu_no_grace": ("async", ServerConfig(grace_s=0.0)),
-    "dn_dylu_no_sampling": ("async", ServerConfig(shard_sampling=False)),
+    "dn_dylu": ("async", AsyncConfig()),
+    "dn_dylu_oracle": ("async", AsyncConfig(dylu_oracle=True)),
+    "dn_dylu_no_grace": ("async", AsyncConfig(grace_s=0.0)),
+    "dn_dylu_no_sampling": ("async", AsyncConfig(shard_sampling=False)),
 }
 SCENARIOS = {
     "scratch": [
@@ -116,7 +116,7 @@ def _config(
         init_from=init,
         outer=OuterConfig(lr=lr),
         sim=SimConfig(speeds=SPEEDS, speed_jitter=jitter, procs=args.procs),
-        server=server,
+        async_=server,
     )
 
 

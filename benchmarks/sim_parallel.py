@@ -17,7 +17,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from diloco.config import ServerConfig, SimConfig, TrainConfig
+from diloco.config import AsyncConfig, SimConfig, TrainConfig
 from diloco.run.train import train
 
 SPEEDS = (0.58, 0.75, 1.51, 3.33)
@@ -31,7 +31,7 @@ def _run(method: str, procs: int, out: Path, args) -> dict:
         rounds=args.rounds,
         out=str(out),
         sim=SimConfig(speeds=SPEEDS, procs=procs),
-        server=ServerConfig(rule="dn", dylu=True) if method == "async" else ServerConfig(),
+        async_=AsyncConfig(rule="dn", dylu=True) if method == "async" else AsyncConfig(),
     )
     summary = train(cfg, progress=False)
     return {

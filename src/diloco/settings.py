@@ -6,9 +6,12 @@ its metadata.
 `walk` lists the settings of a config class (fields of nested sections as dotted paths such as
 `inner.lr`); the CLI builds `diloco train`'s flags from it, `label` names a setting and its flag in
 error messages, and `check_types`, `check_choices` and `check_needs` validate any config, whether
-it came from code, a TOML file, config.json or flags. Range checks stay with each config (config.py).
-`build`, `lists_to_tuples`, `merge`, `nest`, `load_toml` and `load_json` turn files and flags into
-the nested dicts a config is built from.
+it came from code, a TOML file, config.json or flags. Range checks stay with each config
+(diloco.config.validate). `build`, `lists_to_tuples`, `merge`, `nest`, `load_toml` and `load_json`
+turn files and flags into the nested dicts a config is built from.
+
+A field named after a Python keyword takes a trailing underscore, which its key drops: the field
+`async_` is the TOML table `[async]`, the config.json key "async" and the paths `async.rule`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import keyword
 import math
+import operator
 import tomllib
 import types
 import typing
@@ -39,9 +44,10 @@ class Meta:
     choices: tuple[str, ...] = ()  # the allowed values of a str setting
     parse: Callable[[str], Any] | None = None  # flag text -> value, where the type cannot parse it
     default_help: str | None = None  # the default as help shows it, where the value does not say
-    # (path from the root config, value): the setting applies only while that one has that value;
+    # the setting applies only while the setting at a path (from the root config) has a value:
+    # (path, value), or (path, op, value) with an op of CONDITIONS, e.g. ("drop_prob", ">", 0);
     # changed from its default otherwise, it is an error (check_needs)
-    needs: tuple[str, Any] | None = None
+    needs: tuple[Any, ...] | None = None
     # the group of `diloco train --help` that lists its flag; "": its section's (a top-level
     # setting must name one)
     group: str = ""
@@ -56,14 +62,45 @@ def setting(
     choices: tuple[str, ...] = (),
     parse: Callable[[str], Any] | None = None,
     default_help: str | None = None,
-    needs: tuple[str, Any] | None = None,
+    needs: tuple[Any, ...] | None = None,
     group: str = "",
 ) -> Any:
     """A dataclass field with its flag, help, choices, applicability and help group (see `Meta`)."""
+    if needs is not None:
+        _condition(needs)  # a bad condition fails where it is declared
     meta = {_KEY: Meta(flag, help, choices, parse, default_help, needs, group)}
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+# the ops of a `needs` condition: how to test it, and how messages say it ({} is the value)
+CONDITIONS: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
+    "==": (operator.eq, "{}"),
+    "!=": (operator.ne, "other than {}"),
+    ">": (operator.gt, "above {}"),
+    ">=": (operator.ge, "at least {}"),
+}
+
+
+def _condition(needs: tuple[Any, ...]) -> tuple[str, str, Any]:
+    """(path, op, value) of a `needs`: (path, value) means (path, "==", value)."""
+    if len(needs) == 2:
+        return needs[0], "==", needs[1]
+    if len(needs) == 3 and needs[1] in CONDITIONS:
+        return needs[0], needs[1], needs[2]
+    raise ValueError(f"needs must be (path, value) or (path, op, value) with op in {list(CONDITIONS)}")
+
+
+def key(name: str) -> str:
+    """The key of a field (in paths, TOML tables and config.json): its name, less the trailing
+    underscore of a Python keyword (`async_` -> `async`)."""
+    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
+
+
+def attr(key: str) -> str:
+    """The field name of a key: `async` -> `async_` (see `key`)."""
+    return key + "_" if keyword.iskeyword(key) else key
 
 
 @dataclass(frozen=True)
@@ -98,10 +135,10 @@ def walk(cls: type) -> tuple[Setting, ...]:
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         if dataclasses.is_dataclass(kind):
-            out += [dataclasses.replace(s, path=f"{f.name}.{s.path}") for s in walk(kind)]
+            out += [dataclasses.replace(s, path=f"{key(f.name)}.{s.path}") for s in walk(kind)]
         else:
             default = f.default if f.default is not MISSING else f.default_factory()
-            out.append(Setting(f.name, kind, default, f.metadata.get(_KEY, Meta())))
+            out.append(Setting(key(f.name), kind, default, f.metadata.get(_KEY, Meta())))
     return tuple(out)
 
 
@@ -122,7 +159,8 @@ def label(cls: type, path: str) -> str:
 
 
 def get(obj: Any, path: str) -> Any:
-    return functools.reduce(getattr, path.split("."), obj)
+    """The value at a dotted path of keys ("async.rule" reads obj.async_.rule)."""
+    return functools.reduce(lambda o, k: getattr(o, attr(k)), path.split("."), obj)
 
 
 def check(ok: bool, name: str, value: Any, want: str) -> None:
@@ -173,16 +211,19 @@ def type_ok(kind: Any, value: Any) -> bool:
 
 @functools.cache
 def sections(cls: type) -> dict[str, type]:
-    """The fields of `cls` that are sections (nested config dataclasses), by name."""
-    return {k: t for k, t in typing.get_type_hints(cls).items() if dataclasses.is_dataclass(t)}
+    """The fields of `cls` that are sections (nested config dataclasses), by key (see `key`)."""
+    hints = typing.get_type_hints(cls)
+    return {
+        key(f.name): hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])
+    }
 
 
 def check_types(cfg: Any) -> None:
     """Reject a value of the wrong type in any setting of `cfg`, before any range check."""
     cls = type(cfg)
     for name, kind in sections(cls).items():
-        if not isinstance(getattr(cfg, name), kind):
-            got = getattr(cfg, name)
+        if not isinstance(getattr(cfg, attr(name)), kind):
+            got = getattr(cfg, attr(name))
             raise UserError(
                 f"{name} must be a {kind.__name__}, got {got!r}; build it with {kind.__name__}(...)."
             )
@@ -210,19 +251,26 @@ def check_needs(cfg: Any, commands: dict[tuple[str, Any], str] | None = None) ->
     for s in walk(cls):
         if s.meta.needs is None or not changed(cfg, s.path):
             continue
-        path, wanted = s.meta.needs
-        if get(cfg, path) != wanted:
-            flag = find(cls, path).flag
+        path, op, wanted = _condition(s.meta.needs)
+        test, phrase = CONDITIONS[op]
+        if test(get(cfg, path), wanted):
+            continue
+        flag = find(cls, path).flag
+        if op == "==":
             need = f"{flag} {wanted}" if flag else f"{path} = {wanted!r}"
             if command := (commands or {}).get((path, wanted)):
                 raise UserError(
                     f"{label(cls, s.path)} applies only with {path} = {wanted!r} (this run has "
                     f"{get(cfg, path)}); run it with {command}, or drop it."
                 )
-            raise UserError(
-                f"{label(cls, s.path)} applies only with {need} (this run has {get(cfg, path)}); "
-                f"add {need} or drop it."
-            )
+            fix = f"add {need}"
+        else:
+            need = f"{flag or path} {phrase.format(wanted)}"
+            fix = f"set {need}"
+        raise UserError(
+            f"{label(cls, s.path)} applies only with {need} (this run has {get(cfg, path)}); "
+            f"{fix} or drop it."
+        )
 
 
 def help_text(s: Setting) -> str:
@@ -271,9 +319,10 @@ def lists_to_tuples(cls: type, values: dict[str, Any], prefix: str = "") -> dict
 
 def build(cls: type, values: dict[str, Any], where: str, base: Any | None = None) -> Any:
     """`cls(**values)` (or `base` with `values` replaced), refusing a key `cls` does not have."""
-    known = sorted(f.name for f in dataclasses.fields(cls))
+    known = sorted(key(f.name) for f in dataclasses.fields(cls))
     if unknown := sorted(set(values) - set(known)):
         raise UserError(f"unknown key {unknown[0]!r} in {where}; use one of: {', '.join(known)}.")
+    values = {attr(k): v for k, v in values.items()}
     return dataclasses.replace(base, **values) if base is not None else cls(**values)
 
 

@@ -8,7 +8,7 @@ import pytest
 from conftest import check_summary
 from safetensors.torch import load_file
 
-from diloco.config import ServerConfig, SimConfig
+from diloco.config import AsyncConfig, SimConfig
 from diloco.run.train import train
 from diloco.rundir.metrics import read_metrics
 
@@ -33,7 +33,7 @@ def test_unbounded_grace_and_buffer_of_k_reproduce_sync_diloco(tiny, tmp_path):
         tiny(
             method="async",
             sim=sim,
-            server=ServerConfig(rule="buffer", **{**BARE, "grace_s": math.inf}),
+            async_=AsyncConfig(rule="buffer", **{**BARE, "grace_s": math.inf}),
             out=str(tmp_path / "async"),
         ),
         progress=False,
@@ -47,15 +47,15 @@ def test_unbounded_grace_and_buffer_of_k_reproduce_sync_diloco(tiny, tmp_path):
 @pytest.mark.parametrize(
     "method,server",
     [
-        ("diloco", ServerConfig()),
-        ("async", ServerConfig()),
+        ("diloco", AsyncConfig()),
+        ("async", AsyncConfig()),
     ],
 )
 def test_two_processes_equal_one_bitwise(tiny, tmp_path, method, server):
     runs = {}
     for procs in (1, 2, 1):
         out = tmp_path / f"p{procs}-{len(runs)}"
-        cfg = tiny(method=method, server=server, sim=SimConfig(speeds=SPEEDS[:2], procs=procs), out=str(out))
+        cfg = tiny(method=method, async_=server, sim=SimConfig(speeds=SPEEDS[:2], procs=procs), out=str(out))
         runs[out] = train(cfg, progress=False)
     (a, sa), (b, sb), (c, sc) = runs.items()
     assert _equal(_params(a), _params(b)) and _equal(_params(a), _params(c))
@@ -69,7 +69,7 @@ def test_async_logs_staleness_speed_and_dylu_steps(tiny, tmp_path):
         method="async",
         rounds=4,
         sim=SimConfig(speeds=(1.0, 3.0), procs=1),
-        server=ServerConfig(shard_sampling=False, grace_s=0.0),
+        async_=AsyncConfig(shard_sampling=False, grace_s=0.0),
         target_loss=5.4,
     )
     summary = train(cfg, progress=False)
@@ -120,7 +120,7 @@ def test_async_only_settings_are_refused_for_sync(tiny):
     from diloco.errors import UserError
 
     with pytest.raises(UserError, match="add --method async"):
-        tiny(server=ServerConfig(dylu=False))
+        tiny(async_=AsyncConfig(dylu=False))
     with pytest.raises(UserError, match="gives 3 speeds for 2 workers"):
         tiny(sim=SimConfig(speeds=(1.0, 2.0, 3.0)))
     with pytest.raises(UserError, match="W:FACTOR@START-END"):
@@ -137,7 +137,7 @@ def test_shard_sampling_hands_out_other_shards_deterministically(tiny, tmp_path)
             num_workers=3,
             rounds=4,
             sim=sim,
-            server=ServerConfig(),
+            async_=AsyncConfig(),
             out=str(tmp_path / name),
         )
         train(cfg, progress=False)
@@ -155,7 +155,7 @@ def test_grace_period_restarts_caught_workers_together(tiny, tmp_path, grace_s, 
     cfg = tiny(
         method="async",
         sim=SimConfig(speeds=(1.0, 1.2), procs=1),
-        server=ServerConfig(rule="dn", **{**BARE, "grace_s": grace_s}),
+        async_=AsyncConfig(rule="dn", **{**BARE, "grace_s": grace_s}),
     )
     train(cfg, progress=False)
     lines = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "worker"]
@@ -168,7 +168,7 @@ def test_buffer_arrivals_left_at_the_end_are_applied(tiny, tmp_path):
         method="async",
         rounds=2,
         sim=SimConfig(speeds=(1.0, 3.0), procs=1),
-        server=ServerConfig(rule="buffer", buffer=3, shard_sampling=False, grace_s=0.0),
+        async_=AsyncConfig(rule="buffer", buffer=3, shard_sampling=False, grace_s=0.0),
     )
     summary = train(cfg, progress=False)
     arrivals = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "worker"]
@@ -194,7 +194,7 @@ def test_grace_group_restarts_when_its_last_expected_push_lands(tiny, tmp_path, 
         method="async",
         num_workers=len(speeds),
         sim=SimConfig(speeds=speeds, slowdowns=slowdowns, procs=1),
-        server=ServerConfig(**{**BARE, "grace_s": 1.0}),
+        async_=AsyncConfig(**{**BARE, "grace_s": 1.0}),
     )
     train(cfg, progress=False)
     lines = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "worker"]
@@ -202,7 +202,7 @@ def test_grace_group_restarts_when_its_last_expected_push_lands(tiny, tmp_path, 
 
 
 def _dylu_run(tiny, tmp_path, name, server, sim):
-    cfg = tiny(method="async", num_workers=4, inner_steps=50, rounds=2, sim=sim, server=server)
+    cfg = tiny(method="async", num_workers=4, inner_steps=50, rounds=2, sim=sim, async_=server)
     cfg = dataclasses.replace(cfg, out=str(tmp_path / name), eval_every=0)
     summary = train(cfg, progress=False)
     return summary, [m for m in read_metrics(tmp_path / name) if m["kind"] == "worker"]
@@ -214,8 +214,8 @@ def test_measured_dylu_sizes_the_first_jobs_like_the_oracle(tiny, tmp_path):
     # only then gets its length, so no worker runs a full H from unmeasured speeds. On a fixed
     # profile the measured run is the oracle's, bit for bit.
     sim = SimConfig(speeds=SPEEDS, procs=1)
-    measured, m_lines = _dylu_run(tiny, tmp_path, "measured", ServerConfig(), sim)
-    oracle, o_lines = _dylu_run(tiny, tmp_path, "oracle", ServerConfig(dylu_oracle=True), sim)
+    measured, m_lines = _dylu_run(tiny, tmp_path, "measured", AsyncConfig(), sim)
+    oracle, o_lines = _dylu_run(tiny, tmp_path, "oracle", AsyncConfig(dylu_oracle=True), sim)
     first = {m["worker"]: m["steps"] for m in reversed(m_lines)}
     assert [first[w] for w in range(4)] == [50, 38, 19, 8]
     assert all(m["staleness"] < 4 for m in m_lines)  # the slow worker's first push is not stale
@@ -232,7 +232,7 @@ def test_measured_speeds_follow_a_slowdown(tiny, tmp_path):
         inner_steps=6,
         rounds=8,
         sim=SimConfig(speeds=(1.0, 1.0), slowdowns=("0:3@12-inf",), procs=1),
-        server=ServerConfig(shard_sampling=False),
+        async_=AsyncConfig(shard_sampling=False),
     )
     train(cfg, progress=False)
     lines = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "worker"]
@@ -245,7 +245,7 @@ def test_measured_speeds_follow_a_slowdown(tiny, tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "server",
-    [ServerConfig(shard_sampling=False), ServerConfig(shard_sampling=False, dylu_oracle=True)],
+    [AsyncConfig(shard_sampling=False), AsyncConfig(shard_sampling=False, dylu_oracle=True)],
     ids=["measured", "oracle"],
 )
 def test_async_with_equal_speeds_reduces_to_sync_diloco(tiny, tmp_path, server):
@@ -255,7 +255,7 @@ def test_async_with_equal_speeds_reduces_to_sync_diloco(tiny, tmp_path, server):
     # own (DN is defined per arrival), so θ agrees up to float rounding, not bit for bit.
     sim = SimConfig(speeds=(1.0, 1.0), procs=1)
     sync = train(tiny(sim=sim, out=str(tmp_path / "sync")), progress=False)
-    asyn = train(tiny(method="async", sim=sim, server=server, out=str(tmp_path / "async")), progress=False)
+    asyn = train(tiny(method="async", sim=sim, async_=server, out=str(tmp_path / "async")), progress=False)
     a, b = _params(tmp_path / "async"), _params(tmp_path / "sync")
     diff = sum(float((a[k] - b[k]).pow(2).sum()) for k in a) ** 0.5
     norm = sum(float(b[k].pow(2).sum()) for k in b) ** 0.5
@@ -274,7 +274,7 @@ def test_without_grace_pushes_landing_together_are_not_grouped(tiny, tmp_path):
         cfg = tiny(
             method="async",
             sim=SimConfig(speeds=(1.0, 1.0), procs=1),
-            server=ServerConfig(**{**BARE, "grace_s": grace}),
+            async_=AsyncConfig(**{**BARE, "grace_s": grace}),
             out=str(tmp_path / f"g{grace}"),
         )
         train(cfg, progress=False)

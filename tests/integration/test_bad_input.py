@@ -125,14 +125,14 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
         ("rounds = true", "rounds (--rounds) must be an integer, got True"),
         ('[inner]\nlr = "x"', "inner.lr (--inner-lr) must be a number, got 'x'"),
         ('[sim]\nspeeds = ["a"]', "sim.speeds (--speeds) must be a list of numbers, got ['a']"),
-        ("[server]\ndylu = 1", "server.dylu (--dylu) must be true or false, got 1"),
+        ("[server]\ndylu = 1", "async.dylu (--dylu) must be true or false, got 1"),
         ("[model]\nn_layer = 2.5", "model.n_layer must be an integer, got 2.5"),
         ('[sim]\nslowdowns = ["1:inf@0-10"]', "sim.slowdowns (--slowdown) must be W:FACTOR@START-END"),
         ('[sim]\nslowdowns = ["1:nan@0-10"]', "a finite FACTOR > 0"),
         ('on_nonfinite = "ignore"', "on_nonfinite (--on-nonfinite) must be one of stop, drop"),
         ("keep_checkpoints = 0\ncheckpoint_every = 1", "keep_checkpoints (--keep-checkpoints) must be"),
         ("timeout_s = 60", "timeout_s (--timeout-s) applies only with --runtime collective"),
-        ("[server]\ngrace_s = 2.0", "server.grace_s (--grace-s) applies only with --method async"),
+        ("[async]\ngrace_s = 2.0", "async.grace_s (--grace-s) applies only with --method async"),
     ],
 )
 def test_a_toml_value_of_the_wrong_type_exits_2_naming_key_flag_and_type(
@@ -150,7 +150,7 @@ def test_a_toml_value_of_the_wrong_type_exits_2_naming_key_flag_and_type(
 @pytest.mark.parametrize(
     "flags,needle",
     [
-        (["--async-rule", "naive"], "server.rule (--async-rule) applies only with --method async"),
+        (["--async-rule", "naive"], "async.rule (--async-rule) applies only with --method async"),
         (["--dn-buffer", "2"], "add --method async or drop it."),
         (["--dylu-alpha", "0.9", "--method", "dp"], "(this run has dp)"),
         (["--bucket-mb", "4"], "bucket_mb (--bucket-mb) applies only with --runtime collective"),
@@ -167,7 +167,7 @@ def test_a_toml_value_of_the_wrong_type_exits_2_naming_key_flag_and_type(
             ["--runtime", "collective", "--timeout-s", "0"],
             "timeout_s (--timeout-s) must be a finite number > 0.0",
         ),
-        (["--keep-checkpoints", "5"], "add --checkpoint-every N or drop it."),
+        (["--keep-checkpoints", "5"], "set --checkpoint-every above 0 or drop it."),
         (["--slowdown", "1:2@0-nan"], "sim.slowdowns (--slowdown) must be W:FACTOR@START-END"),
         (["--on-nonfinite", "skip"], "must be one of stop, drop, got 'skip'"),
         (["--codec", "fp8"], "must be one of fp32, bf16, int8, fp4, topk, got 'fp8'"),
@@ -180,13 +180,16 @@ def test_a_toml_value_of_the_wrong_type_exits_2_naming_key_flag_and_type(
         (["--overlap-steps", "2", "--mix-alpha", "1"], "mix_alpha (--mix-alpha) must be"),
         (["--fragments", "5"], "the model has 4 blocks to split; use at most 4."),
         (["--fragments", "2", "--overlap-steps", "25"], "must be below inner_steps / fragments = 25"),
-        (["--mix-alpha", "0.3"], "add --overlap-steps N or drop it."),
+        (["--mix-alpha", "0.3"], "set --overlap-steps above 0 or drop it."),
         (
             ["--method", "async", "--fragments", "2"],
             "fragments (--fragments) applies only with --method diloco",
         ),
         (["--fragments", "2", "--drop-prob", "0.1"], "does not simulate lost outer_grads"),
-        (["--after-drop", "global"], "no outer_grad is dropped: set drop_prob (--drop-prob) above 0"),
+        (
+            ["--after-drop", "global"],
+            "applies only with --drop-prob above 0 (this run has 0.0); set --drop-prob",
+        ),
         (["--drop-prob", "0.1", "--after-drop", "mine"], "must be one of own, global, got 'mine'"),
         (["--method", "async", "--after-drop", "global"], "after_drop (--after-drop) applies only with"),
         (["--overlap-steps", "2", "--on-nonfinite", "drop"], "use --on-nonfinite stop"),

@@ -44,7 +44,7 @@ def test_labels_come_from_configs():
 
 def test_labels_name_the_settings_that_differ_between_the_plotted_runs():
     from diloco.cli.plots import run_labels
-    from diloco.config import ServerConfig, TrainConfig
+    from diloco.config import AsyncConfig, TrainConfig
 
     base = TrainConfig(num_workers=2, inner_steps=5)
     runs = [
@@ -59,7 +59,7 @@ def test_labels_name_the_settings_that_differ_between_the_plotted_runs():
         "diloco k=2 H=5 codec=fp4 fragments=1",
         "diloco k=2 H=5 codec=fp32 fragments=2",
     ]
-    slow = dataclasses.replace(base, method="async", server=ServerConfig())
+    slow = dataclasses.replace(base, method="async", async_=AsyncConfig())
     uneven = dataclasses.replace(slow, sim=dataclasses.replace(slow.sim, heterogeneity="very"))
     assert run_labels([slow.to_dict(), uneven.to_dict()]) == [
         "async dn+DyLU k=2 H=5 heterogeneity=none",

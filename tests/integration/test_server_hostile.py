@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from diloco.config import ServerConfig, SimConfig
+from diloco.config import AsyncConfig, SimConfig
 from diloco.core.codec import Fp32Codec
 from diloco.run.assemble import build_trainer, prepare_data
 from diloco.run.train import Run
@@ -96,7 +96,7 @@ def _serving(tmp_path, **overrides):
         max_staleness=2,
         max_update_norm_ratio=5.0,
         sim=SimConfig(),
-        server=ServerConfig(rule="naive", dylu=False, shard_sampling=False, grace_s=0.0),
+        async_=AsyncConfig(rule="naive", dylu=False, shard_sampling=False, grace_s=0.0),
         **overrides,
     )
     run_dir = tmp_path / "run"

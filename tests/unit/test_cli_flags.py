@@ -65,16 +65,16 @@ EXPECTED = {
     "--bandwidth-mbps": "sim.bandwidth_mbps",
     "--latency-ms": "sim.latency_ms",
     "--procs": "sim.procs",
-    "--async-rule": "server.rule",
-    "--dn-buffer": "server.buffer",
-    "--dn-c": "server.dn_c",
-    "--poly-threshold": "server.poly_threshold",
-    "--delaycomp-lambda": "server.delaycomp_lambda",
-    "--dylu": "server.dylu",
-    "--dylu-oracle": "server.dylu_oracle",
-    "--dylu-alpha": "server.dylu_alpha",
-    "--shard-sampling": "server.shard_sampling",
-    "--grace-s": "server.grace_s",
+    "--async-rule": "async.rule",
+    "--dn-buffer": "async.buffer",
+    "--dn-c": "async.dn_c",
+    "--poly-threshold": "async.poly_threshold",
+    "--delaycomp-lambda": "async.delaycomp_lambda",
+    "--dylu": "async.dylu",
+    "--dylu-oracle": "async.dylu_oracle",
+    "--dylu-alpha": "async.dylu_alpha",
+    "--shard-sampling": "async.shard_sampling",
+    "--grace-s": "async.grace_s",
     # new settings
     "--init-from": "init_from",
     "--on-nonfinite": "on_nonfinite",
@@ -118,7 +118,7 @@ def test_every_flag_is_a_field_and_every_flagged_field_a_flag():
     actions = {opt: a for a in _train_parser()._actions for opt in a.option_strings}
     setting_flags = {opt: a.dest for opt, a in actions.items() if opt not in NOT_SETTINGS}
     # a setting that is on by default also has its --no- flag
-    negated = {"--no-dylu": "server.dylu", "--no-shard-sampling": "server.shard_sampling"}
+    negated = {"--no-dylu": "async.dylu", "--no-shard-sampling": "async.shard_sampling"}
     assert setting_flags == {**EXPECTED, **negated}
     declared = {s.flag: s.path for s in settings.walk(TrainConfig) if s.flag}
     assert declared == EXPECTED
@@ -135,7 +135,7 @@ HELP_GROUPS = (
     "[inner] ",
     "[outer] ",
     "compression and Streaming DiLoCo",
-    "[server] The asynchronous server",
+    "[async] The asynchronous server",
     "[sim] The simulator's virtual clock",
     "faults simulated",
     "the collective runtime",
@@ -218,7 +218,7 @@ def test_help_states_every_default(capsys):
     assert "number of workers k (default: 4)" in text
     assert "(stop | drop; default: stop)" in text
     assert "(default: 300.0)" in text and "(default: the preset's)" in text
-    assert "[server] The asynchronous server" in text
+    assert "[async] The asynchronous server" in text
 
 
 def test_no_flags_is_the_default_config(captured, capsys):
@@ -239,15 +239,15 @@ def test_flags_reach_their_fields(captured, capsys):
     assert (cfg.method, cfg.num_workers, cfg.model.name, cfg.model.seq_len) == ("async", 2, "micro", 64)
     assert cfg.model.d_model == 192  # the preset, then the flag
     assert cfg.sim.speeds == (1.0, 2.5) and cfg.sim.slowdowns == ("0:2@0-10", "1:3@5-inf")
-    assert cfg.server.dylu and cfg.server.shard_sampling and not cfg.server.dylu_oracle
-    assert (cfg.server.rule, cfg.server.buffer, cfg.server.grace_s) == ("buffer", 3, "inf")
+    assert cfg.async_.dylu and cfg.async_.shard_sampling and not cfg.async_.dylu_oracle
+    assert (cfg.async_.rule, cfg.async_.buffer, cfg.async_.grace_s) == ("buffer", 3, "inf")
     assert (cfg.inner.lr, cfg.outer.lr, cfg.on_nonfinite, cfg.sim.procs) == (3e-4, 1.0, "drop", 1)
     assert (cfg.checkpoint_every, cfg.keep_checkpoints) == (2, 5)
 
 
 def test_async_runs_algorithm_2_unless_a_part_is_switched_off(captured, capsys):
     assert main(["train", "--method", "async"]) == 0
-    v = captured[-1][0].server
+    v = captured[-1][0].async_
     assert (v.rule, v.buffer, v.dn_c, v.dylu, v.shard_sampling, v.grace_s) == (
         "dn",
         0,
@@ -257,14 +257,14 @@ def test_async_runs_algorithm_2_unless_a_part_is_switched_off(captured, capsys):
         "auto",
     )
     assert main(["train", "--method", "async", "--no-dylu", "--no-shard-sampling", "--grace-s", "0"]) == 0
-    v = captured[-1][0].server
+    v = captured[-1][0].async_
     assert (v.dylu, v.shard_sampling, v.grace_s) == (False, False, 0.0)
     assert main(["train", "--method", "async", "--grace-s", "auto", "--dylu"]) == 0
-    assert captured[-1][0].server.grace_s == "auto" and captured[-1][0].server.dylu
+    assert captured[-1][0].async_.grace_s == "auto" and captured[-1][0].async_.dylu
     code, out = _exit(capsys, ["train", "--method", "async", "--grace-s", "soon"])
     assert code == 2 and "--grace-s" in out.err
     code, out = _exit(capsys, ["train", "--no-dylu"])  # sync: the async settings do not apply
-    assert code == 2 and "server.dylu (--dylu) applies only with --method async" in out.err
+    assert code == 2 and "async.dylu (--dylu) applies only with --method async" in out.err
 
 
 def test_a_toml_file_then_flags(captured, tmp_path, capsys):

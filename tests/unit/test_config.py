@@ -1,10 +1,28 @@
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import pytest
 
-from diloco.config import SimConfig, TrainConfig, from_dict, load_toml, merge
+from diloco import settings
+from diloco.config import (
+    AsyncConfig,
+    OuterConfig,
+    SimConfig,
+    StreamingConfig,
+    TrainConfig,
+    from_dict,
+    load_toml,
+    merge,
+)
+from diloco.core import async_rules, codec, outer, outer_side
+from diloco.core.streaming import Schedule
 from diloco.errors import UserError
+
+# config.json of an async run written by diloco at commit 32d56f2, when the async rule's settings
+# were the table "server" (delaycomp, λ 0.3, no DyLU, grace 1.5 s: none of them defaults)
+OLD_CONFIG = Path(__file__).resolve().parents[1] / "fixtures" / "config_32d56f2.json"
 
 
 def test_defaults_are_the_main_job():
@@ -65,7 +83,7 @@ def test_toml_and_json_round_trip(tmp_path):
         load_toml(tmp_path / "missing.toml")
 
 
-def test_new_settings_and_their_defaults():
+def test_on_nonfinite_keep_checkpoints_and_timeout_have_defaults_and_take_values():
     cfg = TrainConfig()
     assert (cfg.on_nonfinite, cfg.keep_checkpoints, cfg.timeout_s) == ("stop", 3, 300.0)
     cfg = from_dict({"on_nonfinite": "drop", "checkpoint_every": 1, "keep_checkpoints": 1})
@@ -85,7 +103,7 @@ def test_new_settings_and_their_defaults():
         ({"sim": {"speeds": ["a"]}}, "sim.speeds (--speeds) must be a list of numbers, got ['a']"),
         ({"sim": {"speeds": "1,2"}}, "sim.speeds (--speeds) must be a list of numbers, got '1,2'"),
         ({"sim": {"slowdowns": [1]}}, "sim.slowdowns (--slowdown) must be a list of strings, got [1]"),
-        ({"server": {"dylu": 1}}, "server.dylu (--dylu) must be true or false, got 1"),
+        ({"async": {"dylu": 1}}, "async.dylu (--dylu) must be true or false, got 1"),
         ({"method": 3}, "method (--method) must be a string, got 3"),
         ({"on_nonfinite": "skip"}, "on_nonfinite (--on-nonfinite) must be one of stop, drop, got 'skip'"),
         ({"keep_checkpoints": 0, "checkpoint_every": 1}, "keep_checkpoints (--keep-checkpoints) must be an"),
@@ -98,8 +116,8 @@ def test_new_settings_and_their_defaults():
         ({"sim": {"slowdowns": ["1:2@inf-inf"]}}, "got '1:2@inf-inf'"),
         ({"sim": {"slowdowns": ["1:2@5-5"]}}, "START < END"),
         (
-            {"server": {"grace_s": math.nan}, "method": "async"},
-            "server.grace_s (--grace-s) must be auto or a number",
+            {"async": {"grace_s": math.nan}, "method": "async"},
+            "async.grace_s (--grace-s) must be auto or a number",
         ),
     ],
 )
@@ -114,23 +132,23 @@ def test_an_int_is_a_float_and_inf_is_a_grace_and_a_slowdown_end():
     cfg = from_dict({"inner": {"lr": 1}, "outer": {"lr": 1}, "sim": {"speeds": [1, 2.5, 3, 4]}})
     assert (cfg.inner.lr, cfg.outer.lr, cfg.sim.speeds) == (1, 1, (1, 2.5, 3, 4))
     cfg = from_dict({"method": "async", "server": {"grace_s": math.inf}, "sim": {"slowdowns": ["1:2@5-inf"]}})
-    assert cfg.server.grace_s == "inf" and cfg.sim.slowdowns == ("1:2@5-inf",)
+    assert cfg.async_.grace_s == "inf" and cfg.sim.slowdowns == ("1:2@5-inf",)
 
 
 @pytest.mark.parametrize(
     "values,needle",
     [
-        ({"server": {"rule": "naive"}}, "server.rule (--async-rule) applies only with --method async (this"),
-        ({"server": {"buffer": 2}}, "server.buffer (--dn-buffer) applies only with --method async"),
-        ({"server": {"dn_c": 0.1}}, "server.dn_c (--dn-c) applies only with --method async"),
-        ({"server": {"poly_threshold": 3}}, "server.poly_threshold (--poly-threshold) applies only with"),
-        ({"server": {"delaycomp_lambda": 0.1}}, "server.delaycomp_lambda (--delaycomp-lambda) applies only"),
+        ({"async": {"rule": "naive"}}, "async.rule (--async-rule) applies only with --method async (this"),
+        ({"async": {"buffer": 2}}, "async.buffer (--dn-buffer) applies only with --method async"),
+        ({"async": {"dn_c": 0.1}}, "async.dn_c (--dn-c) applies only with --method async"),
+        ({"async": {"poly_threshold": 3}}, "async.poly_threshold (--poly-threshold) applies only with"),
+        ({"async": {"delaycomp_lambda": 0.1}}, "async.delaycomp_lambda (--delaycomp-lambda) applies only"),
         (
-            {"server": {"dylu_alpha": 0.9}},
-            "server.dylu_alpha (--dylu-alpha) applies only with --method async",
+            {"async": {"dylu_alpha": 0.9}},
+            "async.dylu_alpha (--dylu-alpha) applies only with --method async",
         ),
-        ({"server": {"grace_s": 1.0}, "method": "single"}, "run has single); add --method async or drop it."),
-        ({"server": {"dylu_oracle": True}}, "server.dylu_oracle (--dylu-oracle) applies only with"),
+        ({"async": {"grace_s": 1.0}, "method": "single"}, "run has single); add --method async or drop it."),
+        ({"async": {"dylu_oracle": True}}, "async.dylu_oracle (--dylu-oracle) applies only with"),
         (
             {"procs_per_worker": 2},
             "procs_per_worker (--procs-per-worker) applies only with --runtime collective",
@@ -151,7 +169,11 @@ def test_an_int_is_a_float_and_inf_is_a_grace_and_a_slowdown_end():
         ({"runtime": "collective", "sim": {"latency_ms": 5}}, "sim.latency_ms (--latency-ms) applies only"),
         ({"drop_prob": 0.1, "method": "async"}, "drop_prob (--drop-prob) applies only with --method diloco"),
         ({"workers_schedule": "0:1", "method": "dp"}, "workers_schedule (--workers-schedule) applies only"),
-        ({"keep_checkpoints": 5}, "keep_checkpoints (--keep-checkpoints) applies only with checkpoints"),
+        (
+            {"keep_checkpoints": 5},
+            "keep_checkpoints (--keep-checkpoints) applies only with --checkpoint-every above 0 (this run "
+            "has 0)",
+        ),
     ],
 )
 def test_a_setting_that_does_not_apply_is_an_error(values, needle):
@@ -171,5 +193,73 @@ def test_settings_at_their_defaults_apply_anywhere(tiny):
     assert from_dict(collective.to_dict()) == collective
 
 
-def test_async_checkpoints_are_no_longer_refused(tiny):
+def test_async_runs_may_save_checkpoints(tiny):
     assert tiny(method="async", checkpoint_every=1).checkpoint_every == 1
+
+
+def test_a_config_json_with_the_old_server_table_loads_its_values_into_async():
+    old = json.loads(OLD_CONFIG.read_text())
+    assert "server" in old and "async" not in old  # the fixture is the old layout
+    cfg = from_dict(old)
+    v = cfg.async_
+    assert (v.rule, v.delaycomp_lambda, v.dylu, v.grace_s) == ("delaycomp", 0.3, False, 1.5)
+    assert v != AsyncConfig()
+    written = cfg.to_dict()  # what config.json holds from now on
+    assert written["async"] == old["server"] and "server" not in written and "async_" not in written
+    assert from_dict(written) == cfg
+
+
+def test_an_old_toml_server_table_loads_and_async_wins_over_it(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('method = "async"\n[server]\nrule = "naive"\ndn_c = 0.1\n')
+    assert from_dict(load_toml(path)).async_.rule == "naive"
+    path.write_text('method = "async"\n[server]\nrule = "naive"\ndn_c = 0.1\n[async]\nrule = "buffer"\n')
+    v = from_dict(load_toml(path)).async_
+    assert (v.rule, v.dn_c) == ("buffer", 0.1)
+    path.write_text('method = "async"\n[async]\nrule = "poly"\n')
+    assert from_dict(load_toml(path)).async_.rule == "poly"
+    with pytest.raises(UserError, match="unknown key 'async_'"):
+        from_dict({"async_": {"rule": "poly"}})
+
+
+def test_choices_come_from_the_components_that_implement_them():
+    def choices(path):
+        return settings.find(TrainConfig, path).meta.choices
+
+    assert choices("codec") == tuple(codec.CODECS)
+    assert choices("download_codec") == codec.DOWNLOAD_CODECS
+    assert choices("async.rule") == async_rules.ASYNC_RULES
+    assert choices("outer.opt") == outer.OUTER_OPTS
+    assert choices("after_drop") == outer_side.AFTER_DROP
+    assert choices("on_nonfinite") == outer_side.ON_NONFINITE
+
+
+def test_each_section_builds_its_component():
+    assert isinstance(OuterConfig().build(), outer.Nesterov)
+    sgd = OuterConfig(opt="sgd", lr=1.0, momentum=0.5).build()
+    assert type(sgd) is outer.SGD and (sgd.lr, sgd.momentum, sgd.nesterov) == (1.0, 0.5, False)
+    adam = OuterConfig(opt="adam", lr=0.1, adam_eps=0.2).build()
+    assert isinstance(adam, outer.Adam) and adam.eps == 0.2
+    rule = AsyncConfig(rule="buffer").build(OuterConfig(lr=0.5), num_workers=3)
+    assert isinstance(rule, async_rules.Buffer) and rule.size == 3
+    assert isinstance(AsyncConfig().build(OuterConfig(), 2), async_rules.DelayedNesterov)
+    assert TrainConfig().streaming.build() is None
+    cfg = TrainConfig(inner_steps=10, fragments=2, overlap_steps=2, mix_alpha=0.25)
+    assert cfg.streaming == StreamingConfig(10, 2, 2, 0.25)
+    assert cfg.streaming.build() == Schedule(10, 2, 2, 0.25)
+    cfg = TrainConfig(codec="topk", topk_fraction=0.2, error_feedback=True, download_codec="bf16")
+    up, down = cfg.communication.build_upload(), cfg.communication.build_download()
+    assert (up.name, up.fraction, up.error_feedback) == ("topk", 0.2, True)
+    assert (down.name, down.error_feedback) == ("bf16", False)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{"inner_steps": 2, "fragments": 3}, {"inner_steps": 10, "fragments": 2, "overlap_steps": 5}],
+)
+def test_streaming_settings_are_checked_once_by_the_schedule(values):
+    with pytest.raises(UserError) as from_config:
+        from_dict(values)
+    with pytest.raises(UserError) as from_schedule:
+        Schedule(values["inner_steps"], values["fragments"], values.get("overlap_steps", 0))
+    assert str(from_config.value) == str(from_schedule.value)

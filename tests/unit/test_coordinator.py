@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from diloco.config import ServerConfig, SimConfig
+from diloco.config import AsyncConfig, SimConfig
 from diloco.core.async_rules import build_async_rule
 from diloco.core.codec import Fp32Codec
 from diloco.core.outer import Nesterov
@@ -22,7 +22,7 @@ def make(tiny, *, method="diloco", k=2, **server):
         method=method,
         num_workers=k,
         runtime="server",
-        server=ServerConfig(**server),
+        async_=AsyncConfig(**server),
         sim=SimConfig(),
         checkpoint_every=1,
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco import settings
-from diloco.config import TrainConfig, load_json
+from diloco.config import TrainConfig, load_json, upgrade
 from diloco.errors import UserError
 from diloco.rundir.metrics import read_metrics
 
@@ -29,9 +29,9 @@ def run_label(config: dict) -> str:
     method = config.get("method", "?")
     label = method
     if method == "async":
-        server = config.get("server", {})
-        label += f" {server.get('rule', '?')}"
-        if server.get("dylu") or server.get("dylu_oracle"):
+        rule = upgrade(config).get("async", {})  # an older run's config.json: "server"
+        label += f" {rule.get('rule', '?')}"
+        if rule.get("dylu") or rule.get("dylu_oracle"):
             label += "+DyLU"
     if method != "single":
         label += f" k={config.get('num_workers')}"

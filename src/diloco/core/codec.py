@@ -361,11 +361,6 @@ CODECS: dict[str, type[Codec]] = {c.name: c for c in (Fp32Codec, Bf16Codec, Int8
 DOWNLOAD_CODECS = ("fp32", "bf16")  # what global parameters may be downloaded as (docs/communication.md)
 
 
-def codec_for(cfg) -> Codec:
-    """The outer_grad codec of a TrainConfig (--codec, --error-feedback, --topk-fraction)."""
-    return build_codec(cfg.codec, error_feedback=cfg.error_feedback, topk_fraction=cfg.topk_fraction)
-
-
 def build_codec(name: str, *, error_feedback: bool = False, topk_fraction: float = 0.01) -> Codec:
     """The codec called `name`; `topk_fraction` is used by topk only."""
     if name == "topk":

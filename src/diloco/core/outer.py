@@ -1,4 +1,4 @@
-"""Outer optimizers and outer_grad averaging (ALGORITHMS.md §1).
+"""Outer optimizers and outer_grad averaging (docs/method.md §1).
 
 The averaged outer_grad Δ = Σ w_i Δ_i is used as a gradient on the global parameters θ:
 - Nesterov (the paper's choice, lr 0.7, momentum 0.9), in the PyTorch form
@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from diloco.config import OuterConfig
-
 Tensors = list[torch.Tensor]
+OUTER_OPTS = ("nesterov", "sgd", "adam")  # --outer-opt (`build_outer_opt`)
 
 
 def weighted_average(outer_grads: list[Tensors], weights: list[float]) -> Tensors:
@@ -156,11 +155,20 @@ class Fragmented(OuterOpt):
             part.load_state_dict(s)
 
 
-def build_outer_opt(cfg: OuterConfig) -> OuterOpt:
-    if cfg.opt == "nesterov":
-        return Nesterov(cfg.lr, cfg.momentum)
-    if cfg.opt == "sgd":
-        return SGD(cfg.lr, cfg.momentum)
-    if cfg.opt == "adam":
-        return Adam(cfg.lr, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps)
-    raise ValueError(f"unknown outer optimizer {cfg.opt!r}")
+def build_outer_opt(
+    name: str,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 0.1,
+) -> OuterOpt:
+    """The outer optimizer `name` (one of OUTER_OPTS); `momentum` is nesterov's and sgd's,
+    `betas` and `eps` adam's (diloco.config.OuterConfig.build passes a run's settings)."""
+    if name == "nesterov":
+        return Nesterov(lr, momentum)
+    if name == "sgd":
+        return SGD(lr, momentum)
+    if name == "adam":
+        return Adam(lr, betas, eps)
+    raise ValueError(f"unknown outer optimizer {name!r}; use one of {', '.join(OUTER_OPTS)}")

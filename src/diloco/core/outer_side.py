@@ -30,12 +30,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from diloco.config import AFTER_DROP, ON_NONFINITE
 from diloco.core.async_rules import AsyncRule
 from diloco.core.codec import Codec, Encoded, Fp32Codec, tensor_bytes
 from diloco.core.membership import outer_grad_dropped
 from diloco.core.outer import Nesterov, OuterOpt, kept_weights
 from diloco.errors import RESUME_OR, NonFinite
+
+ON_NONFINITE = ("stop", "drop")  # --on-nonfinite: what a non-finite outer_grad does to the run
+AFTER_DROP = ("own", "global")  # --after-drop: where the worker of a dropped outer_grad goes on from
 
 
 class OuterSide:

@@ -1,4 +1,4 @@
-"""Streaming DiLoCo (ALGORITHMS.md §3): fragments synced at staggered steps, with overlap.
+"""Streaming DiLoCo (docs/method.md §3): fragments synced at staggered steps, with overlap.
 
 The model's blocks are split into P fragments, strided as in the paper (block b goes to fragment
 b mod P); parameters before the first block (embeddings) join fragment 0 and those after the
@@ -26,6 +26,8 @@ import re
 from dataclasses import dataclass
 
 import torch.nn as nn
+
+from diloco.errors import UserError
 
 _BLOCK = re.compile(r"(?:^|\.)(\d+)\.")
 
@@ -73,10 +75,22 @@ class Schedule:
     mix_alpha: float = 0.5
 
     def __post_init__(self) -> None:
+        """The one check of H, P and τ (diloco.config's validation builds the schedule too): a
+        UserError naming the flags, since a config's bad values end here."""
         H, P, tau = self.inner_steps, self.fragments, self.overlap_steps
-        if not 1 <= P <= H or tau < 0 or H // P - tau < 1:
-            raise ValueError(
-                f"a streaming schedule needs 1 <= P <= H and 0 <= τ < H // P, got H={H} P={P} τ={tau}"
+        if P < 1 or tau < 0:
+            raise ValueError(f"a streaming schedule needs P >= 1 and τ >= 0, got P={P} τ={tau}")
+        if P > H:
+            raise UserError(
+                f"fragments (--fragments) {P} is more than inner_steps (--inner-steps) {H}, and each "
+                f"fragment is sent at an inner step of its own: use --fragments {H} or fewer, or raise "
+                "--inner-steps."
+            )
+        if H // P - tau < 1:
+            raise UserError(
+                f"overlap_steps (--overlap-steps) {tau} must be below inner_steps / fragments = {H // P} "
+                "(each fragment's exchange must finish before the next one starts): use "
+                f"--overlap-steps {H // P - 1} or fewer, or raise --inner-steps."
             )
 
     @property

@@ -27,12 +27,13 @@ from typing import Any
 
 import numpy as np
 
+from diloco.config.parsers import BPE_MAX_VOCAB as BPE_MAX_VOCAB
+from diloco.config.parsers import BPE_MIN_VOCAB as BPE_MIN_VOCAB
+from diloco.config.parsers import parse_spec as parse_spec
 from diloco.errors import UserError
 
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")  # in order of preference
 BPE_EOS = "<|endoftext|>"
-BPE_MIN_VOCAB = 257 + 1  # the special token, the 256 bytes and at least one merge
-BPE_MAX_VOCAB = 1_000_000
 _BYTE_FINGERPRINT = hashlib.blake2b(b"diloco byte tokenizer: UTF-8 bytes as ids 0..255").hexdigest()
 
 
@@ -103,21 +104,6 @@ class HFTokenizer(Tokenizer):
         path = directory / "tokenizer.json"
         self.tok.save(str(path))
         return path
-
-
-def parse_spec(spec: str) -> tuple[str, int | str | None]:
-    """'byte' -> ('byte', None); 'bpe:N' -> ('bpe', N); anything else -> ('file', spec)."""
-    if spec == "byte":
-        return "byte", None
-    if spec.startswith("bpe:"):
-        n = spec[4:]
-        if not n.strip().isdigit() or not BPE_MIN_VOCAB <= int(n) <= BPE_MAX_VOCAB:
-            raise UserError(
-                f"--tokenizer {spec!r}: the BPE vocabulary size must be a whole number from "
-                f"{BPE_MIN_VOCAB} to {BPE_MAX_VOCAB:_}; use e.g. bpe:4096."
-            )
-        return "bpe", int(n)
-    return "file", spec
 
 
 def _tokenizer_path(path: str | Path) -> Path:

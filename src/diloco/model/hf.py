@@ -18,7 +18,6 @@ transformers is imported inside the functions that need it (it takes seconds to 
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from diloco.config.parsers import is_pretrained_dir as is_pretrained_dir
+from diloco.config.parsers import read_model_config
 from diloco.errors import UserError
 
 if TYPE_CHECKING:
@@ -34,42 +35,16 @@ if TYPE_CHECKING:
 # Encoder models (BERT, RoBERTa, ...) also have a causal-LM class, their LM head used as a decoder:
 # it attends causally only when the config says so, with this key (default `is_decoder`).
 _DECODER_SWITCH = {"xlm": "causal"}
-_WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 
 
-def load_model_config(text_or_path: str) -> dict:
+def load_model_config(text_or_path: str, where: str | None = None) -> dict:
     """A Hugging Face model config as a dict, from a JSON file's path or from JSON text ('{...').
 
-    UserError (naming the file and the fix) if it is missing, not a JSON object, has no known
-    `model_type`, or that model type is not a causal LM.
+    UserError (naming the file, or `where`, and the fix) if it is missing, not a JSON object, has
+    no known `model_type`, or that model type is not a causal LM.
     """
-    text_or_path = str(text_or_path)
-    if text_or_path.lstrip().startswith("{"):
-        where, text = "the model config text", text_or_path
-    else:
-        where = f"model config {text_or_path}"
-        try:
-            text = Path(text_or_path).read_text()
-        except OSError as e:
-            raise UserError(
-                f"{where} cannot be read ({e.strerror or e}): give the path of a transformers config.json."
-            ) from None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(
-            f"{where} is not valid JSON ({e}): fix it, or give a transformers config.json."
-        ) from None
-    if not isinstance(config, dict):
-        raise UserError(f"{where} is not a JSON object: give a transformers config.json, an object.")
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str) or not model_type:
-        raise UserError(f'{where} has no \'model_type\': add one, such as "llama", "gpt2" or "qwen2".')
+    config, where = read_model_config(text_or_path, where)
+    model_type = config["model_type"]
     _check_causal_lm(config, where)
     from huggingface_hub.errors import StrictDataclassError  # a config's own checks fail with it
 
@@ -278,20 +253,6 @@ def _quiet():
     finally:
         if enabled:
             hf_logging.enable_progress_bar()
-
-
-def is_pretrained_dir(path: str | Path) -> bool:
-    """Whether `path` is a save_pretrained directory: a config.json with 'model_type' and weights."""
-    path = Path(path)
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return (
-        isinstance(config, dict)
-        and isinstance(config.get("model_type"), str)
-        and any((path / name).is_file() for name in _WEIGHT_FILES)
-    )
 
 
 def load_pretrained(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -20,11 +20,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from diloco.config import InnerConfig, TrainConfig
-from diloco.core.async_rules import build_async_rule
-from diloco.core.codec import build_codec, codec_for
+from diloco.core.async_rules import AsyncRule
 from diloco.core.inner import Worker
 from diloco.core.lr import warmup_cosine
-from diloco.core.outer import Fragmented, OuterOpt, build_outer_opt
+from diloco.core.outer import Fragmented, OuterOpt
 from diloco.core.outer_side import OuterSide
 from diloco.core.streaming import Schedule
 from diloco.data.batches import ShardSampler, ShardSet, Windows, eval_windows
@@ -258,7 +257,7 @@ def build_worker(w: int, cfg: TrainConfig, shards: list[View], batch_multiple: i
         batches,
         lr_schedule=lr_schedule(cfg),
         grad_clip=cfg.inner.grad_clip,
-        codec=codec_for(cfg),
+        codec=cfg.communication.build_upload(),
     )
     return faults.wrap_worker(worker, w)
 
@@ -297,9 +296,11 @@ def fit_model(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
         return dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, vocab))
         )
-    from diloco.model.hf import hf_config
+    from diloco.model.hf import hf_config, load_model_config
 
-    spec = hf_config(json.loads(cfg.model.hf_config)).get_text_config()  # with the model type's defaults
+    # transformers must build it (a UserError naming --model-config otherwise), with its defaults
+    config = load_model_config(cfg.model.hf_config, where="the model config (--model-config)")
+    spec = hf_config(config).get_text_config()
     if spec.vocab_size < vocab:
         raise UserError(
             f"the model config's vocab_size is {spec.vocab_size} but the tokenizer "
@@ -460,8 +461,8 @@ def build_side(cfg: TrainConfig, data: Data, init: dict[str, torch.Tensor] | Non
         initial_model(cfg, init),
         cfg.num_workers,
         update=_async_rule(cfg) if cfg.method == "async" else outer_opt(cfg),
-        codec=codec_for(cfg),
-        download=build_codec(cfg.download_codec),
+        codec=cfg.communication.build_upload(),
+        download=cfg.communication.build_download(),
         weights=None if cfg.method == "async" else data.weights,
         drop_prob=cfg.drop_prob,
         after_drop=cfg.after_drop,
@@ -515,27 +516,15 @@ def build_trainer(
 
 def streaming_schedule(cfg: TrainConfig) -> Schedule | None:
     """Streaming DiLoCo's schedule (--fragments, --overlap-steps), or None for plain DiLoCo."""
-    if cfg.fragments == 1 and cfg.overlap_steps == 0:
-        return None
-    return Schedule(cfg.inner_steps, cfg.fragments, cfg.overlap_steps, cfg.mix_alpha)
+    return cfg.streaming.build()
 
 
 def outer_opt(cfg: TrainConfig) -> OuterOpt:
     """The sync outer optimizer: one, or one per fragment for Streaming DiLoCo."""
-    if streaming_schedule(cfg) is None:
-        return build_outer_opt(cfg.outer)
-    return Fragmented([build_outer_opt(cfg.outer) for _ in range(cfg.fragments)])
+    if not cfg.streaming.on:
+        return cfg.outer.build()
+    return Fragmented([cfg.outer.build() for _ in range(cfg.fragments)])
 
 
-def _async_rule(cfg: TrainConfig):
-    v = cfg.server
-    return build_async_rule(
-        v.rule,
-        lr=cfg.outer.lr,
-        momentum=cfg.outer.momentum,
-        num_workers=cfg.num_workers,
-        buffer=v.buffer,
-        c=v.dn_c,
-        poly_threshold=v.poly_threshold,
-        delaycomp_lambda=v.delaycomp_lambda,
-    )
+def _async_rule(cfg: TrainConfig) -> AsyncRule:
+    return cfg.async_.build(cfg.outer, cfg.num_workers)

@@ -10,29 +10,19 @@ B ÷ bandwidth + latency. Nothing here touches tensors; results depend only on t
 
 from __future__ import annotations
 
-import math
 import random
-from dataclasses import dataclass
 
-# Spread (slowest ÷ fastest seconds per step) of each named heterogeneity level. Worker i's time
-# per step is spread^(i / (k − 1)) seconds: geometric spacing from 1 s (worker 0) to `spread` s.
-HETEROGENEITY = {"none": 1.0, "slight": 1.5, "moderate": 3.0, "very": 6.0}
+from diloco.config.parsers import Slowdown as Slowdown
+from diloco.config.parsers import parse_slowdown as parse_slowdown
+from diloco.config.parsers import parse_speeds as parse_speeds
+from diloco.config.sections import HETEROGENEITY
 
 
 def profile(level: str, k: int) -> list[float]:
-    """Seconds per inner step of each of k workers for a named heterogeneity level."""
+    """Seconds per inner step of each of k workers for a named heterogeneity level: worker i's
+    is spread^(i / (k − 1)) seconds, geometric from 1 s (worker 0) to the level's spread."""
     spread = HETEROGENEITY[level]
     return [spread ** (i / (k - 1)) if k > 1 else 1.0 for i in range(k)]
-
-
-@dataclass(frozen=True)
-class Slowdown:
-    """Worker `worker` runs `factor` times slower while start_s <= t < end_s (simulated)."""
-
-    worker: int
-    factor: float
-    start_s: float
-    end_s: float
 
 
 class Clock:
@@ -88,18 +78,3 @@ class Clock:
     def true_step_s(self, worker: int, t: float) -> float:
         """The profile's time per step at time t, without jitter (what an oracle would know)."""
         return self.step_s[worker] * self._slowdown(worker, t)
-
-
-def parse_speeds(text: str) -> list[float]:
-    values = [float(x) for x in text.split(",") if x.strip()]
-    if not values or not all(math.isfinite(v) and v > 0 for v in values):
-        raise ValueError(text)
-    return values
-
-
-def parse_slowdown(text: str) -> Slowdown:
-    """'W:FACTOR@START-END', e.g. '2:4@100-200': worker 2 is 4× slower from 100 s to 200 s."""
-    worker, rest = text.split(":")
-    factor, span = rest.split("@")
-    start, end = span.split("-")
-    return Slowdown(int(worker), float(factor), float(start), float(end))

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco.config import TrainConfig
-from diloco.core.codec import Encoded, build_codec, codec_for
+from diloco.core.codec import Encoded, build_codec
 from diloco.core.outer_side import OuterSide
 from diloco.core.streaming import fragment_groups
 from diloco.errors import RESUME_OR, ReplicaMismatch, RunFailed, WorkerDied
@@ -166,7 +166,7 @@ class CollectiveDiLoCo:
             model,
             self.k,
             update=outer_opt(cfg),
-            codec=codec_for(cfg),
+            codec=cfg.communication.build_upload(),
             download=build_codec(cfg.download_codec),
             weights=weights,
             drop_prob=cfg.drop_prob,

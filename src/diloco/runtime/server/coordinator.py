@@ -130,7 +130,7 @@ class Coordinator:
         own shard. Async (Algorithm 2): a first job measures the worker's speed on H/10 steps;
         later ones have H_w = max(1, ⌊fastest s/step ÷ its s/step × H⌋) steps (DyLU), on a shard
         sampled by p_i ∝ max(|D_i|/Σ|D| − n_i/Σn, 0) (shard sampling), else its own."""
-        v, job = self.cfg.server, self.next_job
+        v, job = self.cfg.async_, self.next_job
         steps, shard = self.H, w
         if not self.sync:
             measured = {i: r["step_s"] for i, r in self.workers.items() if r["step_s"] is not None}
@@ -162,7 +162,7 @@ class Coordinator:
         """The grace period: `grace_s`, or for "auto" a tenth of a job, H × the fastest measured
         seconds per step (0 while none is measured)."""
         known = [r["step_s"] for r in self.workers.values() if r["step_s"] is not None]
-        return grace_period(self.cfg.server.grace_s, self.H, known)
+        return grace_period(self.cfg.async_.grace_s, self.H, known)
 
     def due(self, job: Job) -> float | None:
         """When the server expects job's push, from its worker's measured speed (None: unknown)."""
@@ -230,7 +230,7 @@ class Coordinator:
             self.norms.append(e["norm"])
         rec = self.workers[job.worker]
         rec["job"] = None
-        speed = SpeedEstimator(self.cfg.server.dylu_alpha)  # the EMA; its value lives in the record
+        speed = SpeedEstimator(self.cfg.async_.dylu_alpha)  # the EMA; its value lives in the record
         speed.step_s = rec["step_s"]
         rec["step_s"] = speed.update(e["compute_s"], job.steps)
         tot = self.totals[job.worker]

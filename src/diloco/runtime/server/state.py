@@ -291,7 +291,7 @@ class ServerState:
                 "run_dir": str(self.run_dir),
                 "run_id": self.run_id,
                 "method": self.cfg.method,
-                "rule": self.cfg.server.rule if not c.sync else self.cfg.outer.opt,
+                "rule": self.cfg.async_.rule if not c.sync else self.cfg.outer.opt,
                 "k": self.cfg.num_workers,
                 "H": self.cfg.inner_steps,
                 "version": self.side.version,

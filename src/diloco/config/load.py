@@ -1,0 +1,87 @@
+"""A TrainConfig from nested dicts: a TOML file (`--config`), config.json (`--resume`), flags, or
+a mix merged with `merge`; layouts written by older versions are upgraded on the way in.
+
+    python -c "from diloco.config.load import from_dict; print(from_dict({'async': {'rule': 'naive'}, \
+'method': 'async'}).async_.rule)"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from diloco import settings
+from diloco.config.parsers import is_pretrained_dir, read_model_config
+from diloco.config.sections import MODEL_PRESETS
+from diloco.config.train import TrainConfig
+from diloco.errors import UserError
+
+# the tables of a TOML file: model, data, inner, outer, sim, async
+_SECTIONS = settings.sections(TrainConfig)
+# tables renamed since a release wrote them (config.json, TOML): old name -> new name
+RENAMED_TABLES = {"server": "async"}  # the async rule's settings, [server] until the layout of issue 30
+
+
+def upgrade(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` in today's layout: a table under an old name (RENAMED_TABLES) moves to its new
+    one; given under both names, the new one's keys win."""
+    for old, new in RENAMED_TABLES.items():
+        if old in values:
+            values = dict(values)
+            was, now = values.pop(old), values.get(new)
+            both = isinstance(was, dict) and isinstance(now, dict)
+            values[new] = settings.merge(was, now) if both else (now if new in values else was)
+    return values
+
+
+def _inline_model(values: dict[str, Any]) -> dict[str, Any]:
+    """`model.hf_config` as the JSON text of the config it names; with `--init-from` a directory
+    saved by save_pretrained and no model config, that directory's config (the model it holds).
+    Whether transformers can build it is checked where the model is built (run.assemble.fit_model)."""
+    model = values.get("model")
+    model = dict(model) if isinstance(model, dict) else {}
+    given = model.get("hf_config")
+    init = values.get("init_from")
+    if not given and isinstance(init, str) and init and is_pretrained_dir(init):
+        given = str(Path(init) / "config.json")
+    if isinstance(given, str) and given:
+        loaded, _ = read_model_config(given)  # a missing file or one that is not JSON: refused here
+        if not given.lstrip().startswith("{"):
+            model["hf_config"] = json.dumps(loaded, sort_keys=True)
+            values = {**values, "model": model}
+    return values
+
+
+def from_dict(values: dict[str, Any], where: str = "the config") -> TrainConfig:
+    """Build a config from nested dicts (a parsed TOML file, config.json, or CLI overrides).
+
+    `model.name` picks a preset; the other model keys then override it.
+    """
+    values = _inline_model(settings.lists_to_tuples(TrainConfig, upgrade(values)))
+    sections = {}
+    for key, cls in _SECTIONS.items():
+        sub = values.pop(key, {}) or {}
+        if not isinstance(sub, dict):
+            raise UserError(f"{key} in {where} must be a table of settings, got {sub!r}.")
+        base = None
+        if key == "model":
+            preset = sub.get("name", "nano")
+            if not isinstance(preset, str) or preset not in MODEL_PRESETS:
+                raise UserError(
+                    f"unknown model {preset!r} (--model); use one of: {', '.join(MODEL_PRESETS)}."
+                )
+            base = MODEL_PRESETS[preset]
+        sections[settings.attr(key)] = settings.build(cls, sub, f"[{key}] of {where}", base)
+    known = {settings.key(f.name) for f in dataclasses.fields(TrainConfig)}
+    if unknown := sorted(set(values) - known):
+        raise UserError(
+            f"unknown key {unknown[0]!r} in {where}; top-level keys are: "
+            + ", ".join(sorted(known - set(_SECTIONS)))
+            + f", and the tables [{'], ['.join(_SECTIONS)}]."
+        )
+    try:
+        return TrainConfig(**values, **sections)
+    except TypeError as e:  # a value of a type dataclasses cannot even hold
+        raise UserError(f"bad value in {where}: {e}; fix that setting.") from None
