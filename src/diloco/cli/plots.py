@@ -39,7 +39,7 @@ def run_label(config: dict) -> str:
 
 
 # what run_label shows already, and settings that never change a run's results
-_NOT_IN_LEGEND = {"method", "num_workers", "inner_steps", "server.rule", "server.dylu", "server.dylu_oracle"}
+_NOT_IN_LEGEND = {"method", "num_workers", "inner_steps", "async.rule", "async.dylu", "async.dylu_oracle"}
 _NOT_IN_LEGEND |= {"out", "threads", "sim.procs", "data.cache_dir", "timeout_s"}
 
 
@@ -63,7 +63,7 @@ def run_labels(configs: list[dict]) -> list[str]:
     """A legend label per run: `run_label`, then the settings whose values differ between these
     runs, by flag name (e.g. 'diloco k=2 H=5 codec=int8'); runs that still share a label get a
     number."""
-    flats = [_flat(c) for c in configs]
+    flats = [_flat(upgrade(c)) for c in configs]  # older runs: "server" read as "async"
     paths = sorted({p for f in flats for p in f} - _NOT_IN_LEGEND)
     differ = [p for p in paths if len({repr(f.get(p)) for f in flats}) > 1]
     flags = {s.path: s.flag.lstrip("-") for s in settings.walk(TrainConfig) if s.flag}
