@@ -6,5 +6,7 @@ protocol's version and the size of a stream's chunks.
 
 from __future__ import annotations
 
-PROTOCOL = 3  # bumped when the messages change meaning
+PROTOCOL = (
+    4  # bumped when the messages change meaning (4: the config sent to workers says "async", not "server")
+)
 CHUNK_BYTES = 1 << 20  # a stream's chunks stay well under gRPC's 4 MB message limit
