@@ -274,7 +274,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _use(args: argparse.Namespace) -> int:
     """diloco eval, generate and export (use.py)."""
     from diloco.run import use
-    from diloco.run.train import set_threads
+    from diloco.run.threads import set_threads
     from diloco.rundir.metrics import to_json
 
     threads = getattr(args, "threads", 0)  # export has no --threads: it computes nothing
