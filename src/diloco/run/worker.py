@@ -4,10 +4,11 @@ It registers (getting its id, the run's settings and the data plan: nothing to r
 command line), builds its model replica, inner optimizer and data from those settings, then
 loops: get a job (the global parameters, how many steps, which shard and from which position),
 run the inner steps, push the outer_grad, until the server says the run is done. A heartbeat
-thread keeps its lease (link.py: the channel, its retries, the heartbeat). When the server cannot be reached the worker retries with backoff for
+thread keeps its lease. When the server cannot be reached the worker retries with backoff for
 `--retry-s` seconds (a restarted server finds it waiting), then gives up with one sentence (exit
-2). A worker whose lease ran out (the server thought it gone) throws its state away and joins
-again as a fresh worker, exactly as the server's event log records it.
+2); link.py holds the channel, its retries and the heartbeat. A worker whose lease ran out (the
+server thought it gone) throws its state away and joins again as a fresh worker, exactly as the
+server's event log records it.
 
     diloco worker --server localhost:7000 --threads 1
     diloco worker --server 10.0.0.5:7000 --device cuda --slowdown 2   # an emulated slower worker
