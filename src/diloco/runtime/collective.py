@@ -60,7 +60,9 @@ def _device() -> torch.device:
 
 class CollectiveDiLoCo(StreamingRounds):
     """One rank's share of sync DiLoCo, with the runtime interface of runtime/__init__.py.
-    Rank 0 is `is_main`; every rank holds the whole outer side."""
+    Rank 0 is `is_main`; every rank holds the whole outer side. The run's assembler
+    (run/assemble.py) gives it the `side` (the same on every rank), `build_worker(w,
+    batch_multiple=M)` for this rank's worker, and Streaming DiLoCo's `schedule` (None: plain)."""
 
     def __init__(
         self,
