@@ -33,17 +33,16 @@ def _rank_main(args) -> None:
     import torch.distributed as dist
 
     from diloco.config import TrainConfig
+    from diloco.data.recipe import prepare_data, sampler
     from diloco.model.gpt import GPT
-    from diloco.run.assemble import adamw, lr_schedule, prepare_data, sampler
-    from diloco.runtime import collective, torchrun
+    from diloco.run.assemble import adamw, build_trainer, lr_schedule
+    from diloco.runtime import torchrun
 
     torch.set_num_threads(1)
     cfg = TrainConfig(num_workers=2, runtime="collective", inner_steps=H, rounds=args.rounds, out=args.out)
     torchrun.init(cfg)
     data = prepare_data(cfg)
-    from diloco.run.assemble import build_worker
-
-    trainer = collective.CollectiveDiLoCo(cfg, data.shards, data.weights, build_worker=build_worker)
+    trainer = build_trainer(cfg, data)
     rank = dist.get_rank()
 
     # The baseline: a plain loop on this rank (same model, batches and per-step work).

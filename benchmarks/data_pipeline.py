@@ -57,10 +57,12 @@ import torch
 
 from diloco.config import DataConfig, SimConfig, TrainConfig
 from diloco.data.batches import ShardSampler
+from diloco.data.recipe import prepare_data, training_text
 from diloco.data.sources import read_documents
 from diloco.data.text import load_corpus, load_tokenizer, training_pieces
-from diloco.run.assemble import build_trainer, fit_model, prepare_data, training_text
-from diloco.run.train import set_threads
+from diloco.model.init import fit_model
+from diloco.run.assemble import build_trainer
+from diloco.run.threads import set_threads
 
 MB = 1 << 20
 FILES = 8

@@ -27,8 +27,8 @@ import torch
 from diloco.config import TrainConfig
 from diloco.core.lr import warmup_cosine
 from diloco.data.batches import ShardSampler
+from diloco.data.recipe import prepare_data
 from diloco.model.gpt import GPT
-from diloco.run.assemble import prepare_data
 from diloco.runtime.sim import DiLoCo
 
 sys.path.insert(0, str(Path(__file__).parent))

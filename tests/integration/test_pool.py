@@ -9,8 +9,9 @@ from functools import partial
 import pytest
 import torch
 
+from diloco.data.recipe import prepare_data
 from diloco.errors import RESUME_OR, WorkerDied
-from diloco.run.assemble import build_worker, prepare_data
+from diloco.run.assemble import build_worker
 from diloco.runtime.pool import ProcessPool
 
 RESUME = RESUME_OR + "start the run again"  # train.py names the run's command in it

@@ -20,8 +20,9 @@ import torch
 
 from diloco.config import AsyncConfig, SimConfig
 from diloco.core.codec import Fp32Codec
-from diloco.run.assemble import build_trainer, prepare_data
-from diloco.run.train import Run
+from diloco.data.recipe import prepare_data
+from diloco.run.assemble import build_trainer
+from diloco.run.loop import Run
 from diloco.run.worker import _push_chunks
 from diloco.rundir.metrics import MetricsWriter, read_metrics
 from diloco.runtime.server import diloco_pb2 as pb

@@ -118,7 +118,8 @@ def test_resume_continues_bit_for_bit(tiny, tmp_path):
 
 @pytest.mark.timeout(30)
 def test_non_iid_weights_reach_the_outer_step(tiny):
-    from diloco.run.assemble import build_trainer, prepare_data
+    from diloco.data.recipe import prepare_data
+    from diloco.run.assemble import build_trainer
 
     cfg = tiny(data=dataclasses.replace(tiny().data, shards="kmeans"), num_workers=3)
     data = prepare_data(cfg)
@@ -144,7 +145,7 @@ def test_with_a_worker_dropping_out_the_summary_counts_each_workers_steps(tiny):
 
 @pytest.mark.timeout(60)
 def test_shard_tokens_and_weights_are_in_the_summary_and_small_shards_are_warned_of(tiny, tmp_path, capsys):
-    from diloco.run.assemble import prepare_data
+    from diloco.data.recipe import prepare_data
 
     for name, lines in (("a.txt", 600), ("b.txt", 300)):  # two sources, ~24K and ~12K tokens
         (tmp_path / name).write_text("".join(f"{name} line {i}: to be or not to be\n" for i in range(lines)))

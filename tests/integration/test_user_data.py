@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 from diloco.cli.main import build_parser, main
 from diloco.config import TrainConfig, from_dict
 from diloco.data import tokens
+from diloco.data.recipe import prepare_data, training_corpus
 from diloco.data.text import load_corpus
 from diloco.data.tokenizer import ByteTokenizer
 from diloco.data.tokens import is_val_document
-from diloco.run.assemble import prepare_data, training_corpus
 from diloco.run.use import open_run, sample
 
 TINY_GPT = "[model]\nn_layer = 2\nn_head = 2\nd_model = 32\n[inner]\nwarmup_steps = 2\n"
@@ -327,8 +327,8 @@ def test_held_out_documents_feed_no_worker_and_one_picked_document_is_not_all_th
 
 @pytest.mark.timeout(60)
 def test_a_run_whose_text_an_older_diloco_cut_differently_is_refused(tmp_path):
+    from diloco.data.recipe import check_data, data_record
     from diloco.errors import UserError
-    from diloco.run.assemble import check_data, data_record
 
     data = _jsonl(tmp_path / "d.jsonl", _docs(40))
     cfg = from_dict({"data": {"paths": [str(data)], "shards": "kmeans"}})

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from diloco.errors import UserError
+from diloco.model.init import with_tied
 from diloco.rundir import checkpoint
 
 
@@ -308,11 +309,11 @@ def test_tied_weights_are_saved_once_and_tied_again_on_load(tmp_path):
     assert "model.transformer.wte.weight" in saved and "model.lm_head.weight" not in saved
     torch.manual_seed(1)
     again = HFCausalLM(config)
-    again.load_state_dict(checkpoint.with_tied(again, saved))
+    again.load_state_dict(with_tied(again, saved))
     assert again.model.lm_head.weight is again.model.transformer.wte.weight
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in state.items())
     with torch.device("meta"):  # shapes only, as --init-from checks them
-        assert checkpoint.with_tied(HFCausalLM(config), saved).keys() == state.keys()
+        assert with_tied(HFCausalLM(config), saved).keys() == state.keys()
     # a checkpoint keeps one copy too, and gives both names back
     empty = [torch.zeros(0), torch.zeros(0, 3, dtype=torch.int64)]  # no memory, and not one tensor
     path = checkpoint.save(tmp_path / "checkpoints", 1, {"model": state, "empty": empty})

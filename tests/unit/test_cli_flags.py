@@ -476,7 +476,7 @@ def test_negative_numbers_in_exponent_form_are_values(captured, capsys):
 
 
 def test_more_threads_than_cores_warns(capsys):
-    from diloco.run.train import set_threads
+    from diloco.run.threads import set_threads
 
     cores = len(os.sched_getaffinity(0))
     before = torch.get_num_threads()

@@ -7,12 +7,12 @@ import torch
 
 from diloco.config import TrainConfig
 from diloco.data.batches import ShardSampler, ShardSet, eval_windows
+from diloco.data.recipe import training_corpus
 from diloco.data.shards import KMEANS_UNIT_TOKENS, genre_groups, kmeans_units, make_shards, plan_shards
 from diloco.data.text import load_corpus
 from diloco.data.tokenizer import ByteTokenizer
 from diloco.data.tokens import tail_cut
 from diloco.errors import UserError
-from diloco.run.assemble import training_corpus
 
 
 def _corpus():

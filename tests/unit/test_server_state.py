@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from diloco.config import ServerConfig, SimConfig
+from diloco.config import AsyncConfig, SimConfig
 from diloco.core.async_rules import build_async_rule
 from diloco.core.outer import Nesterov
 from diloco.core.outer_side import OuterSide
@@ -27,7 +27,7 @@ def make(tiny, run_dir, *, method="diloco", k=2, opts=NO_TOKEN, **cfg) -> Server
         method=method,
         num_workers=k,
         runtime="server",
-        server=ServerConfig(),
+        async_=AsyncConfig(),
         sim=SimConfig(),
         checkpoint_every=1,
         **cfg,

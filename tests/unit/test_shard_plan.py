@@ -8,11 +8,11 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 from diloco.config import TrainConfig
+from diloco.data.recipe import training_corpus
 from diloco.data.shard_plan import ShardPlan
 from diloco.data.shards import kmeans_groups, make_shards, plan_shards
 from diloco.data.tokenizer import ByteTokenizer
 from diloco.errors import UserError
-from diloco.run.assemble import training_corpus
 
 
 def _texts() -> list[str]:

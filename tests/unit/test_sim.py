@@ -8,8 +8,8 @@ import torch
 from diloco.config import ModelConfig, TrainConfig
 from diloco.core.outer import SGD
 from diloco.data.batches import ShardSampler
+from diloco.data.recipe import prepare_data
 from diloco.model.gpt import GPT
-from diloco.run.assemble import prepare_data
 from diloco.runtime.sim import DataParallel, DiLoCo
 
 TINY = ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=32)

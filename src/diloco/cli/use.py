@@ -16,7 +16,7 @@ from diloco.errors import UserError
 def use_command(args: argparse.Namespace) -> int:
     """Run `diloco eval`, `generate` or `export` on a finished run: 0."""
     from diloco.run import use
-    from diloco.run.train import set_threads
+    from diloco.run.threads import set_threads
     from diloco.rundir.metrics import to_json
 
     threads = getattr(args, "threads", 0)  # export has no --threads: it computes nothing

@@ -1,16 +1,12 @@
 """Batches: the samplers that read a worker's batches from its shard (or, in async, from the
-shard the server hands it), and the fixed validation windows."""
+shard the server hands it), the adapters that cut a worker's batch for one rank or move it to a
+device, and the fixed validation windows."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from diloco.errors import UserError
-
-if TYPE_CHECKING:
-    pass
 
 
 class ShardSampler:
@@ -78,6 +74,51 @@ class ShardSet:
         self.current = int(state["current"])
         for sampler, step in zip(self.samplers, state["steps"], strict=True):
             sampler.step = int(step)
+
+
+class RankSlice:
+    """A rank's rows of its worker's batch (the collective runtime): the worker batch is M × B
+    rows, rank j takes rows [jB, (j+1)B), so M ranks together compute the gradient of the whole
+    worker batch."""
+
+    def __init__(self, batches, local: int, per_rank: int):
+        self.batches, self.local, self.per_rank = batches, local, per_rank
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        lo, hi = self.local * self.per_rank, (self.local + 1) * self.per_rank
+        return tuple(t[lo:hi] for t in next(self.batches))
+
+    def state_dict(self) -> dict:
+        return self.batches.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches.load_state_dict(state)
+
+
+class ToDevice:
+    """Batches moved to a device (a rank's GPU, or a server worker's --device): the data is
+    sampled on the CPU."""
+
+    def __init__(self, batches, device: torch.device):
+        self.batches, self.device = batches, device
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return tuple(t.to(self.device, non_blocking=True) for t in next(self.batches))
+
+    def seek(self, shard: int, step: int) -> None:  # a server's worker is told where to read
+        self.batches.seek(shard, step)
+
+    def state_dict(self) -> dict:
+        return self.batches.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches.load_state_dict(state)
 
 
 class Windows:

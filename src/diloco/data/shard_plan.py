@@ -10,7 +10,7 @@ where k-means (data.kmeans_groups) would come out otherwise on another machine.
 Units are what a shard kind deals out (data.shard_units): 4,096-token blocks of the training
 text (`iid`), ~4,096-token parts of documents (`kmeans`), documents (`genre`, `by-source`).
 
-    python -c "from diloco.run.assemble import prepare_data; from diloco.config import TrainConfig; \
+    python -c "from diloco.data.recipe import prepare_data; from diloco.config import TrainConfig; \
 print(prepare_data(TrainConfig()).plan.digest)"
 """
 

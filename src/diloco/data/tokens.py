@@ -14,7 +14,7 @@ sequence, so a corpus larger than memory trains with bounded memory and a second
 same data and tokenizer starts without tokenising anything. Building takes a lock on the cache
 folder, so ranks started together tokenise once; the folder appears whole (rename) or not at all.
 
-    python -c "from diloco.run.assemble import prepare_data; from diloco.config import TrainConfig; \
+    python -c "from diloco.data.recipe import prepare_data; from diloco.config import TrainConfig; \
 print(prepare_data(TrainConfig()).corpus.meta['tokens'])"
 """
 

@@ -1,126 +1,40 @@
-"""Build a run's pieces from a TrainConfig: data, workers, clock, and the runtime object.
+"""The one place that assembles a run from its TrainConfig: the workers (model replica, inner
+optimizer, batches, codec), the pool that computes them, the clock, the outer side (the global
+model, the outer optimizer or async rule, the codecs, the shard weights) and the runtime that
+moves messages between them. Each component is built here once and handed to the runtime that
+uses it (simulator, async simulator, collective, server; the server worker and replay build
+their workers and codecs here too); no runtime builds its own.
 
-Everything a user can get wrong is checked here, before the run directory exists.
-
-    python -c "from diloco.run.assemble import prepare_data; from diloco.config import TrainConfig; \
-print(len(prepare_data(TrainConfig()).shards))"
+    python -c "from diloco.run.assemble import build_trainer; from diloco.data.recipe import prepare_data; \
+from diloco.config import TrainConfig; c = TrainConfig(); \
+print(build_trainer(c, prepare_data(c)).num_workers)"
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from dataclasses import dataclass
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn as nn
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from diloco.config import InnerConfig, TrainConfig
 from diloco.core.async_rules import AsyncRule
+from diloco.core.codec import Codec
 from diloco.core.inner import Worker
 from diloco.core.lr import warmup_cosine
 from diloco.core.outer import Fragmented, OuterOpt
 from diloco.core.outer_side import OuterSide
 from diloco.core.streaming import Schedule
-from diloco.data.batches import ShardSampler, ShardSet, Windows, eval_windows
-from diloco.data.shard_plan import ShardPlan, recorded_plan
-from diloco.data.shards import make_shards, plan_shards
-from diloco.data.text import (
-    DATA_FILE,
-    TOKENIZER_FILE,
-    Text,
-    bundled_text,
-    eval_corpus,
-    load_tokenizer,
-    tokenised,
-    training_pieces,
-    user_text,
-)
-from diloco.data.tokenizer import Tokenizer
-from diloco.data.tokens import Corpus, View
-from diloco.errors import UserError
-from diloco.model.gpt import GPT
-from diloco.rundir import checkpoint
+from diloco.data.batches import ShardSet
+from diloco.data.recipe import Data, sampler
+from diloco.data.tokens import View
+from diloco.model.init import build_model, initial_model
 from diloco.runtime import faults
 from diloco.runtime.async_sim import AsyncDiLoCo
 from diloco.runtime.clock import Clock, parse_slowdown, profile
 from diloco.runtime.pool import InlinePool, ProcessPool, balanced_assignment
 from diloco.runtime.sim import DataParallel, DiLoCo, make_worker
-
-
-@dataclass
-class Data:
-    shards: list[View]
-    weights: list[float]
-    eval_subset: Windows  # fixed windows for periodic evals
-    eval_full: Windows  # the whole validation split
-    tokenizer: Tokenizer
-    corpus: Corpus  # the training text, tokenised
-    record: dict  # fingerprints of the text it came from (RUN_DIR/data.json)
-    plan: ShardPlan  # which units of the text each shard holds (RUN_DIR/shards.json)
-
-
-def prepare_data(
-    cfg: TrainConfig,
-    *,
-    run_dir: Path | None = None,
-    progress: bool | None = None,
-    plan: ShardPlan | None = None,
-) -> Data:
-    """The run's tokenizer (from `run_dir` when it holds one), tokens (cached), shards and
-    validation windows. The shards are cut by `plan` (a server's), else by the one recorded in
-    `run_dir`, else by a plan made now."""
-    d = cfg.data
-    text = training_text(cfg)
-    record = data_record(cfg, text)
-    if run_dir is not None:
-        finished = (run_dir / "model.safetensors").is_file()
-        check_data(
-            run_dir,
-            record,
-            "train a new run on it (diloco train with another --out"
-            + (f"; --init-from {run_dir} starts from this run's model)" if finished else ")"),
-        )
-    train = training_pieces(text, d.val_fraction, separate_val=bool(d.val_data))
-    tokenizer = load_tokenizer(d, text, train, run_dir)
-    corpus = training_corpus(cfg, tokenizer, progress, text=text, train=train)
-    k = 1 if cfg.method == "single" else cfg.num_workers
-    plan = plan or (recorded_plan(run_dir) if run_dir is not None else None)
-    plan = plan or plan_shards(corpus, k, kind=d.shards, seed=cfg.seed, decode=tokenizer.decode)
-    plan.check(d.shards, k, cfg.seed)
-    shards, weights = cut_shards(cfg, corpus, plan)
-    val = validation(cfg, tokenizer, progress, corpus=corpus)
-    return Data(
-        shards,
-        weights,
-        eval_windows(val, cfg.model.seq_len, d.eval_windows),
-        eval_windows(val, cfg.model.seq_len),
-        tokenizer,
-        corpus,
-        record,
-        plan,
-    )
-
-
-def cut_shards(cfg: TrainConfig, corpus: Corpus, plan: ShardPlan) -> tuple[list[View], list[float]]:
-    """The shards and their weights, cut by `plan`."""
-    shards, weights = make_shards(corpus, plan)
-    for i in range(len(shards)):
-        sampler(cfg, shards, i)  # a shard too small for one batch is a UserError now, not later
-    return shards, weights
-
-
-def use_plan(cfg: TrainConfig, data: Data, plan: ShardPlan) -> Data:
-    """`data` with its shards cut by `plan` (rank 0's, under torchrun) where its own differs."""
-    if plan == data.plan:
-        return data
-    plan.check(cfg.data.shards, len(data.shards), cfg.seed)
-    shards, weights = cut_shards(cfg, data.corpus, plan)
-    return dataclasses.replace(data, shards=shards, weights=weights, plan=plan)
 
 
 def small_shards(cfg: TrainConfig, data: Data) -> str | None:
@@ -142,91 +56,6 @@ def small_shards(cfg: TrainConfig, data: Data) -> str | None:
         f"({per_round:,}): {listed}{more}; they will repeat the same text"
         + (" and their outer_grads count little" if cfg.data.shards != "iid" else "")
         + f": use {fixes}a smaller --inner-steps or --batch-size, or more text."
-    )
-
-
-# Versions of the rules that cut a run's text, bumped when one changes what a run trains or
-# validates on (data.json keeps those that apply; older runs are refused rather than changed).
-RULES = {
-    "val_split": 3,  # user data: whole documents by hash, tails when that holds out < ½ or > 2 × val_fraction
-    # kmeans clusters ~4,096-token parts of documents (2), on one thread, ties of words broken by word (3)
-    "kmeans_units": 3,
-}
-
-
-def data_record(cfg: TrainConfig, text: Text | None = None) -> dict:
-    """Fingerprints of a run's training (and --val-data) text, and the versions of the rules
-    that cut it where they apply, as RUN_DIR/data.json keeps them."""
-    d = cfg.data
-    record: dict = {"text": (text or training_text(cfg)).fingerprint}
-    if d.val_data:
-        record["val"] = user_text(d.val_data, text_field=d.text_field, source_field="").fingerprint
-    applies = {"val_split": bool(d.paths and not d.val_data), "kmeans_units": d.shards == "kmeans"}
-    if rules := {name: version for name, version in RULES.items() if applies[name]}:
-        record["rules"] = rules
-    return record
-
-
-def check_data(run_dir: Path, record: dict, instead: str = "train a new run on it") -> None:
-    """Refuse to resume or evaluate a run on text other than what it trained on, or cut by
-    other rules (an older diloco's); `instead` is the step that works without the old text."""
-    path = run_dir / DATA_FILE
-    if not path.is_file():  # runs before this file: unchecked
-        return
-    saved = json.loads(path.read_text())
-    if {k: v for k, v in saved.items() if k != "rules"} != {k: v for k, v in record.items() if k != "rules"}:
-        raise UserError(
-            f"the text of {run_dir} (its --data or --val-data files) is not what the run trained on: "
-            f"a file changed, moved or was added; restore it, or {instead}."
-        )
-    if saved.get("rules", {}) != record.get("rules", {}):
-        changed = sorted(set(saved.get("rules", {}).items()) ^ set(record.get("rules", {}).items()))
-        raise UserError(
-            f"{run_dir} was made by an older diloco that cut its text differently "
-            f"({', '.join(sorted({name for name, _ in changed}))}); resume or evaluate it with that "
-            f"version, or {instead}."
-        )
-
-
-def training_text(cfg: TrainConfig) -> Text:
-    d = cfg.data
-    return (
-        user_text(d.paths, text_field=d.text_field, source_field=d.source_field)
-        if d.paths
-        else bundled_text()
-    )
-
-
-def training_corpus(
-    cfg: TrainConfig, tokenizer: Tokenizer, progress: bool | None, *, text: Text | None = None, train=None
-) -> Corpus:
-    """The run's training text, tokenised (from the cache when it is there). `train` (the
-    pieces of `text`, `training_pieces`) is given when the caller already made it."""
-    d = cfg.data
-    text = text or training_text(cfg)
-    train = train or training_pieces(text, d.val_fraction, separate_val=bool(d.val_data))
-    # a new way of holding documents out must not reuse an old cache entry
-    split = {"val_fraction": d.val_fraction, "separate_val": bool(d.val_data), "rule": RULES["val_split"]}
-    return tokenised(text, train, tokenizer, split, d, progress)
-
-
-def validation(
-    cfg: TrainConfig, tokenizer: Tokenizer, progress: bool | None, *, corpus: Corpus | None = None
-) -> View:
-    """The run's validation tokens: --val-data, or what its training text holds out."""
-    d = cfg.data
-    if d.val_data:
-        val_text = user_text(d.val_data, text_field=d.text_field, source_field="")
-        return eval_corpus(val_text, tokenizer, d, progress).split(True)
-    return (corpus or training_corpus(cfg, tokenizer, progress)).split(True)
-
-
-def sampler(cfg: TrainConfig, shards: list[View], i: int, batch_multiple: int = 1) -> ShardSampler:
-    return ShardSampler(
-        shards[i],
-        batch_size=cfg.data.batch_size * batch_multiple,
-        seq_len=cfg.model.seq_len,
-        seed=cfg.seed * 1_000_003 + i,
     )
 
 
@@ -257,15 +86,21 @@ def build_worker(w: int, cfg: TrainConfig, shards: list[View], batch_multiple: i
         batches,
         lr_schedule=lr_schedule(cfg),
         grad_clip=cfg.inner.grad_clip,
-        codec=cfg.communication.build_upload(),
+        codec=upload_codec(cfg),
     )
     return faults.wrap_worker(worker, w)
+
+
+def worker_factory(cfg: TrainConfig, data: Data) -> Callable[..., Worker]:
+    """`build_worker` for this run's shards: factory(w, batch_multiple=1) is worker w (what a
+    pool or a rank calls in its own process)."""
+    return partial(build_worker, cfg=cfg, shards=data.shards)
 
 
 def build_pool(cfg: TrainConfig, data: Data) -> InlinePool | ProcessPool:
     """Workers compute with one intra-op thread each, inline or in `procs` processes, so the
     results do not depend on the number of processes."""
-    factory = partial(build_worker, cfg=cfg, shards=data.shards)
+    factory = worker_factory(cfg, data)
     procs = min(cfg.resolved_procs, cfg.num_workers)
     if procs > 1:
         # Sync: every worker computes H steps a round. Async: a worker computes in proportion to
@@ -288,172 +123,6 @@ def build_clock(cfg: TrainConfig, k: int) -> Clock:
     )
 
 
-def fit_model(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
-    """`cfg` with a model that fits the tokenizer: diloco's GPT gets at least its vocabulary; a
-    Hugging Face config must already have it, and positions for --seq-len."""
-    vocab = tokenizer.vocab_size
-    if not cfg.model.hf_config:
-        return dataclasses.replace(
-            cfg, model=dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, vocab))
-        )
-    from diloco.model.hf import hf_config, load_model_config
-
-    # transformers must build it (a UserError naming --model-config otherwise), with its defaults
-    config = load_model_config(cfg.model.hf_config, where="the model config (--model-config)")
-    spec = hf_config(config).get_text_config()
-    if spec.vocab_size < vocab:
-        raise UserError(
-            f"the model config's vocab_size is {spec.vocab_size} but the tokenizer "
-            f"({cfg.data.tokenizer}) has {vocab} tokens; raise vocab_size in the config to at least {vocab}, "
-            "or use a smaller tokenizer."
-        )
-    positions = getattr(spec, "max_position_embeddings", None)  # GPT-2's n_positions too
-    if positions is not None and positions < cfg.model.seq_len:
-        raise UserError(
-            f"the model config allows {positions} positions but --seq-len is {cfg.model.seq_len}; "
-            f"use --seq-len {positions} or less."
-        )
-    blocks = getattr(spec, "num_hidden_layers", None)
-    if blocks is not None and blocks < 1:
-        raise UserError(
-            f"the model config has {blocks} blocks (num_hidden_layers); set num_hidden_layers to 1 or more."
-        )
-    if blocks is not None and cfg.fragments > blocks:
-        raise UserError(
-            f"fragments (--fragments) is {cfg.fragments} but the model has {blocks} blocks; "
-            f"use at most {blocks}."
-        )
-    return cfg
-
-
-def build_model(cfg: TrainConfig) -> nn.Module:
-    """The run's model, untrained: diloco's GPT, or the Hugging Face causal LM of --model-config."""
-    if cfg.model.hf_config:
-        from diloco.model.hf import HFCausalLM
-
-        return HFCausalLM(json.loads(cfg.model.hf_config))
-    return GPT(cfg.model)
-
-
-def load_init(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> dict[str, torch.Tensor] | None:
-    """The parameters `--init-from` names (a run directory's model.safetensors, that file, or a
-    directory saved by save_pretrained), checked against the model `cfg` builds and, where that
-    directory holds a tokenizer.json, against `tokenizer`; None without --init-from."""
-    if not cfg.init_from:
-        return None
-    from diloco.model import hf
-
-    path = Path(cfg.init_from)
-    fix = (
-        "give a finished run directory, a model.safetensors file, or a save_pretrained directory "
-        "of the same model"
-    )
-    if hf.is_pretrained_dir(path):
-        if not cfg.model.hf_config:
-            raise UserError(
-                f"--init-from {path} holds a Hugging Face model; give its config.json to --model-config too."
-            )
-        tensors = {f"model.{k}": v for k, v in hf.load_pretrained(path)[1].items()}
-    else:
-        if path.is_dir():
-            if not (path / "model.safetensors").is_file():
-                raise UserError(
-                    f"--init-from {path} has no model.safetensors (has that run finished?); {fix}."
-                )
-            path = path / "model.safetensors"
-        if not path.is_file():
-            raise UserError(f"--init-from {path} does not exist; {fix}.")
-        try:
-            tensors = load_file(str(path))
-        except (SafetensorError, OSError) as e:
-            raise UserError(f"--init-from {path} is not a readable safetensors file ({e}); {fix}.") from None
-    with torch.device("meta"):  # shapes only: nothing allocated
-        model = build_model(cfg)
-    tensors = checkpoint.with_tied(model, tensors)
-    want = {k: v.shape for k, v in model.state_dict().items()}
-    got = {k: v.shape for k, v in tensors.items()}
-    vocab = (
-        cfg.model.vocab_size if not cfg.model.hf_config else json.loads(cfg.model.hf_config).get("vocab_size")
-    )
-    for name in sorted(want.keys() & got.keys()):  # a vocabulary of another size: the likely cause
-        there, here = got[name], want[name]
-        if there != here and there[1:] == here[1:] and here[0] == vocab:
-            raise UserError(
-                f"--init-from {path} has a vocabulary of {there[0]} ({name}) but this run's tokenizer "
-                f"and model have {here[0]}; use the tokenizer (--tokenizer) of the run it came from."
-            )
-    for name in sorted(want.keys() | got.keys()):
-        if want.get(name) != got.get(name):
-            there, here = got.get(name), want.get(name)
-            shapes = (
-                f"{tuple(there) if there is not None else 'missing'} there, "
-                f"{tuple(here) if here is not None else 'absent'} here"
-            )
-            raise UserError(
-                f"--init-from {path} does not fit this model: {name} is {shapes}; "
-                "use the model settings (--model, --model-config) of the run it came from."
-            )
-    if tokenizer is None:
-        return tensors
-    known = check_init_tokenizer(path if path.is_dir() else path.parent, tokenizer)
-    # diloco's GPT has the rows this tokenizer gives it (checked above); a Hugging Face model
-    # learned its vocabulary's tokens, unknown here unless its folder names this tokenizer
-    if cfg.model.hf_config and not known and model.vocab_size != tokenizer.vocab_size:
-        raise UserError(
-            f"--init-from {path} has a vocabulary of {model.vocab_size} but this run's tokenizer "
-            f"({cfg.data.tokenizer}) has {tokenizer.vocab_size}, and its folder has no {TOKENIZER_FILE} "
-            "to show they match; give --tokenizer the tokenizer.json the model was trained with."
-        )
-    return tensors
-
-
-def check_init_tokenizer(folder: Path, tokenizer: Tokenizer) -> bool:
-    """A model to start from was trained with the tokenizer its folder names (its tokenizer.json,
-    or a diloco run's config.json saying byte): this run's tokenizer must give the same ids, or
-    the model would read other tokens than it learned. Returns whether the folder names one."""
-    from diloco.data.tokenizer import ByteTokenizer, load_tokenizer_file
-
-    if (folder / TOKENIZER_FILE).is_file():
-        theirs: Tokenizer = load_tokenizer_file(folder / TOKENIZER_FILE)
-        why, use = f"its {TOKENIZER_FILE} splits text differently", folder / TOKENIZER_FILE
-    elif _run_tokenizer(folder) == "byte":
-        theirs, why, use = ByteTokenizer(), "bytes, its config.json says", "byte"
-    else:
-        return False
-    probe = [PROBE_TEXT]
-    if theirs.encode_batch(probe)[0].tolist() != tokenizer.encode_batch(probe)[0].tolist():
-        raise UserError(
-            f"--init-from {folder} was trained with another tokenizer ({why}); give --tokenizer {use}."
-        )
-    return True
-
-
-def _run_tokenizer(folder: Path) -> str | None:
-    """The --tokenizer of the diloco run in `folder` (from its config.json), if it is one."""
-    try:
-        data = json.loads((folder / "config.json").read_text()).get("data")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return data.get("tokenizer") if isinstance(data, dict) else None
-
-
-# text every tokenizer must split the same way to be the same tokenizer (a sample, not a proof)
-PROBE_TEXT = (
-    "ROMEO. But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.\n"
-    "  Tabs\tand   spaces, numbers 0123456789, punctuation !?;:'\"()[]{}<>-_=+*/\\|@#$%^&~`\n"
-    "Unicode: café, naïve, Ærøskøbing, Ελληνικά, русский, 漢字, 日本語, 한국어, emoji 🙂🚀\n"
-)
-
-
-def initial_model(cfg: TrainConfig, init: dict[str, torch.Tensor] | None) -> nn.Module:
-    """The global model at the start: from `cfg.seed`, then `init`'s parameters if given."""
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg)
-    if init is not None:
-        model.load_state_dict(init)
-    return model
-
-
 def build_side(cfg: TrainConfig, data: Data, init: dict[str, torch.Tensor] | None = None) -> OuterSide:
     """The outer side of a DiLoCo or async run: the global model (from `cfg.seed`, or `init`),
     the outer optimizer or async rule, the codec and the shard weights."""
@@ -461,8 +130,8 @@ def build_side(cfg: TrainConfig, data: Data, init: dict[str, torch.Tensor] | Non
         initial_model(cfg, init),
         cfg.num_workers,
         update=_async_rule(cfg) if cfg.method == "async" else outer_opt(cfg),
-        codec=cfg.communication.build_upload(),
-        download=cfg.communication.build_download(),
+        codec=upload_codec(cfg),
+        download=download_codec(cfg),
         weights=None if cfg.method == "async" else data.weights,
         drop_prob=cfg.drop_prob,
         after_drop=cfg.after_drop,
@@ -482,10 +151,14 @@ def build_trainer(
     """The runtime for `cfg` (see runtime/__init__.py); the global model comes from `cfg.seed`,
     or from `init` (see `load_init`). The server runtime keeps its log in `run_dir` and faces the
     network as `serve` (a ServeOptions) says."""
-    if cfg.runtime == "collective":
+    if cfg.runtime == "collective":  # under torchrun (runtime/torchrun.py has joined the job)
         from diloco.runtime.collective import CollectiveDiLoCo
 
-        return CollectiveDiLoCo(cfg, data.shards, data.weights, build_worker=build_worker, init=init)
+        # every rank builds the same side (seed, or --init-from) and its own worker
+        side = build_side(cfg, data, init)
+        return CollectiveDiLoCo(
+            cfg, side, build_worker=worker_factory(cfg, data), schedule=streaming_schedule(cfg)
+        )
     if cfg.runtime == "server":
         from diloco.runtime.server.service import ServerRuntime
 
@@ -528,3 +201,13 @@ def outer_opt(cfg: TrainConfig) -> OuterOpt:
 
 def _async_rule(cfg: TrainConfig) -> AsyncRule:
     return cfg.async_.build(cfg.outer, cfg.num_workers)
+
+
+def upload_codec(cfg: TrainConfig) -> Codec:
+    """The codec of a worker's outer_grad (--codec, --error-feedback, --topk-fraction)."""
+    return cfg.communication.build_upload()
+
+
+def download_codec(cfg: TrainConfig) -> Codec:
+    """The codec of the global parameters a worker downloads (--download-codec)."""
+    return cfg.communication.build_download()

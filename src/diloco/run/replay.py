@@ -25,18 +25,18 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from diloco.data.recipe import prepare_data
 from diloco.errors import UserError
-from diloco.run.assemble import build_side, build_worker, load_init, prepare_data
+from diloco.model.init import load_init, with_tied
+from diloco.run.assemble import build_side, build_worker
+from diloco.run.threads import set_threads
 from diloco.rundir import load_run_config
-from diloco.rundir.checkpoint import with_tied
 from diloco.runtime.server.coordinator import Coordinator
 
 
 def replay(run_dir: Path, *, progress: bool | None = None) -> dict[str, Any]:
     """Replay `run_dir`; returns what was compared (see the module docstring)."""
     from tqdm import tqdm
-
-    from diloco.run.train import set_threads
 
     cfg = load_run_config(run_dir)
     if cfg.runtime != "server":

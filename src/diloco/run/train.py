@@ -1,6 +1,6 @@
-"""`diloco train`: build the run from a TrainConfig (build.py), drive its runtime (the simulator,
-or one rank under torchrun) through the runtime interface, evaluate, log metrics, checkpoint, and
-write the summary.
+"""`diloco train`: set a run up from a TrainConfig (its data, model and run directory; the runtime
+from run/assemble.py), drive it through the training loop (loop.py), and write the final model
+and the summary.
 
 Every check a user can fail runs before the run directory is created, so bad input leaves
 nothing behind.
@@ -11,10 +11,8 @@ nothing behind.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,280 +20,18 @@ import torch
 
 from diloco import rundir
 from diloco.config import TrainConfig
-from diloco.core.membership import active_workers, parse_workers_schedule
+from diloco.data.recipe import prepare_data, use_plan
 from diloco.data.shard_plan import SHARDS_FILE, ShardPlan
 from diloco.data.text import DATA_FILE, TOKENIZER_FILE
 from diloco.errors import Interrupted, RunFailed, UserError, resume_step
-from diloco.run.assemble import (
-    Data,
-    build_trainer,
-    fit_model,
-    load_init,
-    prepare_data,
-    small_shards,
-    use_plan,
-)
+from diloco.model.init import fit_model, load_init
+from diloco.run.assemble import build_trainer, small_shards
+from diloco.run.loop import Run, run_async, run_sync, save_checkpoint
+from diloco.run.threads import set_threads
 from diloco.rundir import checkpoint
-from diloco.rundir.metrics import MetricsWriter, NullWriter, perplexity
+from diloco.rundir.metrics import MetricsWriter, NullWriter
 from diloco.rundir.summary import summarize
 from diloco.runtime import is_main_process
-
-EVAL_BATCH = 64
-
-
-def set_threads(threads: int) -> None:
-    """Intra-op threads as configured; one inter-op thread (small models gain nothing more). More
-    threads than this process's cores only slow it down: a warning says so."""
-    cores = len(os.sched_getaffinity(0))
-    if threads > cores:
-        print(
-            f"diloco: warning: --threads {threads} is more than the {cores} cores this process may use, "
-            f"which makes it slower; use --threads {cores} or fewer.",
-            file=sys.stderr,
-            flush=True,
-        )
-    torch.set_num_threads(threads)
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:  # may be set only once per process, before any parallel work
-        pass
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, windows_NT: torch.Tensor) -> float:
-    """Mean next-token cross-entropy over all windows (batched in a fixed order)."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for start in range(0, len(windows_NT), EVAL_BATCH):
-        chunk = windows_NT[start : start + EVAL_BATCH]
-        total += model(chunk[:, :-1], chunk[:, 1:]).item() * chunk[:, 1:].numel()
-        count += chunk[:, 1:].numel()
-    model.train(was_training)
-    return total / count
-
-
-class Run:
-    """One run's bookkeeping: metrics, evaluations, time-to-target, the summary."""
-
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        trainer,
-        data: Data,
-        writer: MetricsWriter,
-        *,
-        tokens: int = 0,
-        wall_before: float = 0.0,
-        target: dict | None = None,
-    ):
-        self.cfg, self.trainer, self.data, self.writer = cfg, trainer, data, writer
-        self.tokens = tokens
-        self.wall_before = wall_before
-        self.t0 = time.perf_counter()
-        self.target = target  # first eval at or below cfg.target_loss: its sim time and step
-        self.val_loss: float | None = None
-        self.timing_total = {"compute_s": 0.0, "comm_s": 0.0}  # real runtimes: measured per round
-        self.eval_time_s = 0.0  # wall time spent evaluating (this session of the run)
-
-    @property
-    def is_main(self) -> bool:
-        """Only the main process (rank 0 under torchrun) evaluates and writes the run directory."""
-        return self.trainer.is_main
-
-    def clock(self, inner_step: int) -> dict[str, Any]:
-        line = {
-            "version": self.trainer.side.version,
-            "inner_step": inner_step,
-            "tokens": self.tokens,
-            "wall_time_s": round(self.wall_time_s(), 3),
-        }
-        if self.trainer.sim_time_s is not None:  # the simulator's clock; real runtimes have none
-            line["sim_time_s"] = round(self.trainer.sim_time_s, 6)
-        return line
-
-    def wall_time_s(self) -> float:
-        return self.wall_before + time.perf_counter() - self.t0
-
-    def evaluate(self, inner_step: int, split: str = "subset") -> float:
-        if not self.is_main:
-            return math.nan
-        windows = self.data.eval_subset if split == "subset" else self.data.eval_full
-        t0 = time.perf_counter()
-        loss = evaluate(self.trainer.side.model, windows)
-        self.eval_time_s += time.perf_counter() - t0
-        now = self.clock(inner_step)
-        self.writer.log(
-            "eval",
-            **now,
-            split=split,
-            val_loss=loss,
-            val_ppl=perplexity(loss),
-            bytes_sent=sum(self.trainer.side.bytes_sent),
-        )
-        if split == "subset":
-            self.val_loss = loss
-            if self.cfg.target_loss and self.target is None and loss <= self.cfg.target_loss:
-                self.target = {
-                    "sim_time_s": now.get("sim_time_s"),
-                    "inner_step": inner_step,
-                    "wall_time_s": now["wall_time_s"],
-                }
-        return loss
-
-
-def _progress(cfg: TrainConfig, total: int, initial: int, unit: str, progress: bool | None):
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total,
-        initial=initial,
-        desc=f"{cfg.method} k={cfg.num_workers} H={cfg.inner_steps}",
-        unit=unit,
-        disable=None if progress is None else not progress,
-    )
-
-
-def save_checkpoint(run: Run, round_: int, step: int, run_dir: Path) -> None:
-    """Checkpoint `round_`, taken at per-worker inner step `step` (a collective call under
-    torchrun: every rank joins)."""
-    state = run.trainer.state_dict()
-    if run.is_main:
-        checkpoint.save(
-            run_dir / "checkpoints",
-            round_,
-            {
-                "format": rundir.CHECKPOINT_FORMAT,
-                "step": step,
-                "trainer": state,
-                "torch_rng": torch.get_rng_state(),
-                "round": round_,
-                "tokens": run.tokens,
-                "wall_time_s": run.wall_time_s(),
-                "target": run.target,
-                "metrics_offset": run.writer.offset(),
-            },
-            keep=run.cfg.keep_checkpoints,
-        )
-    run.trainer.after_checkpoint()
-
-
-def _run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Path, progress) -> bool:
-    """Rounds of sync DiLoCo (or a baseline); returns False if stopped early by --stop-after."""
-    cfg, trainer, writer = run.cfg, run.trainer, run.writer
-    H = cfg.inner_steps
-    every = cfg.eval_every or H
-    # a worker of M ranks (collective runtime) processes M batches a step
-    ranks_per_worker = cfg.procs_per_worker if cfg.runtime == "collective" else 1
-    tokens_per_step = cfg.data.batch_size * cfg.model.seq_len * ranks_per_worker
-    schedule = parse_workers_schedule(cfg.workers_schedule, cfg.num_workers) if cfg.workers_schedule else None
-    bar = _progress(cfg, cfg.rounds, start_round, "round", progress)
-    try:
-        for r in range(start_round + 1, cfg.rounds + 1):
-            active = active_workers(schedule, r - 1, cfg.rounds) if schedule else trainer.num_workers
-            steps_before = trainer.side.total_steps
-            stats = trainer.round(active=active)
-            run.tokens += (trainer.side.total_steps - steps_before) * tokens_per_step  # what arrived
-            now = run.clock(stats.inner_step)
-            for w, loss in zip(stats.workers or range(len(stats.losses)), stats.losses, strict=True):
-                writer.log(
-                    "inner",
-                    **now,
-                    worker=w,
-                    train_loss=loss,
-                    lr=stats.lr,
-                    bytes_sent=stats.bytes_sent[w],
-                    bytes_received=stats.bytes_received[w],
-                )
-            timing = stats.timing  # real runtimes: measured compute and communication
-            if timing:
-                total_s = timing["compute_s"] + timing["comm_s"]
-                timing = {**timing, "compute_utilisation": timing["compute_s"] / total_s if total_s else 1.0}
-                run.timing_total["compute_s"] += timing["compute_s"]
-                run.timing_total["comm_s"] += timing["comm_s"]
-            writer.log(
-                "outer",
-                **now,
-                bytes_sent=sum(stats.bytes_sent),
-                bytes_received=sum(stats.bytes_received),
-                **(timing or {}),
-            )
-            if (r * H) // every > ((r - 1) * H) // every or r == cfg.rounds:
-                run.evaluate(stats.inner_step)
-            bar.update(1)
-            bar.set_postfix(
-                train_loss=f"{sum(stats.losses) / len(stats.losses):.3f}" if stats.losses else "-",
-                val_loss=f"{run.val_loss:.3f}" if run.val_loss is not None else "-",
-            )
-            stopping = stop_after is not None and r == stop_after and r < cfg.rounds
-            if (cfg.checkpoint_every and r % cfg.checkpoint_every == 0) or stopping:
-                save_checkpoint(run, r, stats.inner_step, run_dir)
-            if stopping:
-                return False
-    finally:
-        bar.close()
-    return True
-
-
-def _run_async(run: Run, *, start_round: int, stop_after: int | None, run_dir: Path, progress) -> bool:
-    """The asynchronous server until the compute budget (k × rounds × H inner steps) is spent.
-    A "round" here is k × H inner steps applied (one sync round's compute): checkpoints and
-    --stop-after count those, and are taken once the grace group that crossed one is applied.
-    Returns False if stopped early by --stop-after."""
-    cfg, trainer, writer = run.cfg, run.trainer, run.writer
-    k, H = trainer.num_workers, cfg.inner_steps
-    per_round = k * H
-    every = (cfg.eval_every or H) * k  # in inner steps summed over workers
-    tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
-    bar = _progress(cfg, trainer.step_budget, trainer.applied, "step", progress)
-    last_round = start_round  # the last round boundary handled
-    try:
-        while not trainer.done:
-            a = trainer.step()
-            if a is None:
-                break
-            before = trainer.applied - a.steps
-            run.tokens += a.steps * tokens_per_step
-            step = trainer.applied // k  # per-worker equivalent, comparable with sync's inner_step
-            now = run.clock(step)
-            writer.log(
-                "worker",
-                **now,
-                worker=a.worker,
-                steps=a.steps,
-                staleness=a.staleness,
-                shard=a.shard,
-                speed_est_s=a.speed_est_s,
-                train_loss=a.train_loss,
-                lr=a.lr,
-                bytes_sent=trainer.side.bytes_sent[a.worker],
-                bytes_received=trainer.side.bytes_received[a.worker],
-            )
-            if a.changed:
-                writer.log(
-                    "outer",
-                    **now,
-                    staleness=a.staleness,
-                    bytes_sent=sum(trainer.side.bytes_sent),
-                    bytes_received=sum(trainer.side.bytes_received),
-                )
-            if trainer.applied // every > before // every or trainer.applied == trainer.step_budget:
-                run.evaluate(step)
-            bar.update(a.steps)
-            bar.set_postfix(version=trainer.version, val_loss=f"{run.val_loss:.3f}" if run.val_loss else "-")
-            r = trainer.applied // per_round
-            if r == last_round or not trainer.at_boundary or trainer.done:
-                continue
-            crossed = range(last_round + 1, r + 1)
-            last_round = r
-            stopping = stop_after is not None and r >= stop_after
-            if (cfg.checkpoint_every and any(x % cfg.checkpoint_every == 0 for x in crossed)) or stopping:
-                save_checkpoint(run, r, step, run_dir)
-            if stopping:
-                return False
-    finally:
-        bar.close()
-    return True
 
 
 def train(
@@ -324,6 +60,8 @@ def train(
     set_threads(threads)
     main = is_main_process(cfg)
     restarted = collective and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    # which torchrun launch this rank belongs to: a restart of it may take its run directory again
+    launch = coll.launch_id() if collective and "TORCHELASTIC_RESTART_COUNT" in os.environ else None
     data = prepare_data(cfg, run_dir=resume, progress=progress if main else False)
     cfg = fit_model(cfg, data.tokenizer)
     init = (
@@ -332,7 +70,7 @@ def train(
     found: dict[str, Any] = {}
 
     def decide() -> tuple[str, bool, str]:  # rank 0's: the checkpoint stays in `found`
-        run_dir, found["state"] = rundir.open_run(cfg, resume, restarted=restarted)
+        run_dir, found["state"] = rundir.open_run(cfg, resume, restarted=restarted, launch=launch)
         return str(run_dir), found["state"] is not None, data.plan.to_json()
 
     if collective:
@@ -441,7 +179,7 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
             save_checkpoint(run, 0, 0, run_dir)
     if cfg.runtime == "server":
         trainer.attach_run(run)  # refused pushes get metrics lines
-    loop = _run_async if cfg.method == "async" else _run_sync
+    loop = run_async if cfg.method == "async" else run_sync
     try:
         finished = loop(
             run, start_round=start_round, stop_after=stop_after, run_dir=run_dir, progress=progress

@@ -22,12 +22,13 @@ from safetensors.torch import load_file
 
 from diloco.config import TrainConfig
 from diloco.data.batches import eval_windows
+from diloco.data.recipe import check_data, data_record, validation
 from diloco.data.text import TOKENIZER_FILE, bundled_text, eval_corpus, load_tokenizer, user_text
 from diloco.data.tokenizer import Tokenizer
 from diloco.errors import UserError
-from diloco.run.assemble import build_model, check_data, data_record, validation
+from diloco.model.evaluate import evaluate
+from diloco.model.init import build_model, with_tied
 from diloco.rundir import load_run_config, resume_command
-from diloco.rundir.checkpoint import with_tied
 from diloco.rundir.metrics import perplexity
 
 
@@ -83,8 +84,6 @@ def evaluate_run(
 ) -> dict:
     """{val_loss, val_ppl, tokens} of the run's final model on `paths` (every document of
     them), or on the run's own validation split."""
-    from diloco.run.train import evaluate
-
     run = open_run(run_dir)
     d = run.cfg.data
     if paths:

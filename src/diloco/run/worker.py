@@ -6,8 +6,9 @@ loops: get a job (the global parameters, how many steps, which shard and from wh
 run the inner steps, push the outer_grad, until the server says the run is done. A heartbeat
 thread keeps its lease. When the server cannot be reached the worker retries with backoff for
 `--retry-s` seconds (a restarted server finds it waiting), then gives up with one sentence (exit
-2). A worker whose lease ran out (the server thought it gone) throws its state away and joins
-again as a fresh worker, exactly as the server's event log records it.
+2); link.py holds the channel, its retries and the heartbeat. A worker whose lease ran out (the
+server thought it gone) throws its state away and joins again as a fresh worker, exactly as the
+server's event log records it.
 
     diloco worker --server localhost:7000 --threads 1
     diloco worker --server 10.0.0.5:7000 --device cuda --slowdown 2   # an emulated slower worker
@@ -18,188 +19,29 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import grpc
 import torch
 
 from diloco.config import from_dict
-from diloco.core.codec import Encoded, build_codec
+from diloco.core.codec import Encoded
 from diloco.core.inner import Worker
+from diloco.data.batches import ToDevice
+from diloco.data.recipe import prepare_data
 from diloco.data.shard_plan import ShardPlan
 from diloco.errors import Interrupted, UserError
-from diloco.run.assemble import build_worker, prepare_data
+from diloco.run.assemble import build_worker, download_codec
+from diloco.run.link import Heartbeat, Link, Refused, RunOver, log
+from diloco.run.threads import set_threads
 from diloco.runtime.server import diloco_pb2 as pb
-from diloco.runtime.server import diloco_pb2_grpc as rpc
-from diloco.runtime.server import security
 from diloco.runtime.server.wire import CHUNK_BYTES, PROTOCOL
 
-T = TypeVar("T")
-# the server is down, restarting or overloaded: wait and try again (for --retry-s seconds)
-RETRYABLE = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL,
-)
-
-
-def _log(text: str) -> None:
-    print(f"diloco worker: {text}", file=sys.stderr, flush=True)
-
-
-# a push the server refused (its reason in the message): the worker drops that job and goes on
-REFUSED = (
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.FAILED_PRECONDITION,
-)
 MAX_REFUSED_IN_A_ROW = 3  # then something is wrong with this worker: it stops (exit 2)
-
-
-class Refused(UserError):
-    """The server refused a call for a reason that retrying does not fix."""
-
-
-class RunOver(Exception):
-    """The heartbeat heard that the run is over: the job in hand is dropped (the server may
-    already be gone, so nothing is pushed or retried)."""
-
-
-# gRPC reconnects on its own schedule, under the retries of Link.call: by default 1 s growing by
-# 1.6x to 2 minutes apart, which found a server back after 16–20 s down only 5–12 s later and may
-# miss one within --retry-s. So it tries as documented, 0.1 s growing to 2 s apart, giving one
-# attempt (TCP and TLS handshakes) up to 5 s.
-OPTIONS = [
-    ("grpc.max_receive_message_length", 4 * CHUNK_BYTES),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-    ("grpc.min_reconnect_backoff_ms", 5000),  # gRPC's name for the time one attempt may take
-]
-
-
-class Link:
-    """The channel to the server (TLS with `tls_ca`), the token every call carries, and the
-    retry policy of every call."""
-
-    def __init__(self, server: str, retry_s: float, token: str | None = None, tls_ca: Path | None = None):
-        self.server, self.retry_s, self.tls_ca, self.token = server, retry_s, tls_ca, token
-        if tls_ca is not None:
-            self.channel = grpc.secure_channel(server, security.channel_credentials(tls_ca), options=OPTIONS)
-        else:
-            self.channel = grpc.insecure_channel(server, options=OPTIONS)
-        self.ready = threading.Event()  # the channel is connected
-        self.channel.subscribe(self._state)
-        self.stub = rpc.ParameterServerStub(self.channel)
-        self.meta = ((security.HEADER, f"Bearer {token}"),) if token else ()
-
-    def _state(self, state: grpc.ChannelConnectivity) -> None:
-        if state == grpc.ChannelConnectivity.READY:
-            self.ready.set()
-        else:
-            self.ready.clear()
-
-    def _pause(self, seconds: float) -> None:
-        """Wait `seconds` before the next try, or less: until a lost connection is back."""
-        if self.ready.is_set():  # connected, and yet the call failed: wait it out
-            time.sleep(seconds)
-        else:
-            self.ready.wait(seconds)
-
-    def call(self, what: str, fn: Callable[[], T], over: threading.Event | None = None) -> T:
-        """fn() until it succeeds; while the server is unreachable, retry with backoff (0.1 s up
-        to 2 s) for --retry-s seconds, then a UserError. A refusal is a UserError at once. With
-        `over` set (the run is over) it stops retrying: RunOver."""
-        start, delay, warned = 0.0, 0.1, False  # start: when the first try failed
-        while True:
-            if over is not None and over.is_set():
-                raise RunOver
-            try:
-                result = fn()
-            except grpc.RpcError as e:
-                code, details = e.code(), e.details() or ""
-                if (error := self._hopeless(what, code, details)) is not None:
-                    raise error from None
-                if code not in RETRYABLE:
-                    raise
-                start = start or time.monotonic()
-                waited = time.monotonic() - start
-                if waited >= self.retry_s:
-                    hint = "" if self.tls_ca else " (if it serves TLS, pass --tls-ca)"
-                    raise UserError(
-                        f"cannot reach the server at {self.server} ({what}) for {waited:.0f} s ({details}); "
-                        f"check that diloco serve runs there{hint} and the address is right, or raise "
-                        "--retry-s."
-                    ) from None
-                if not warned and waited >= 1.0:
-                    _log(
-                        f"the server at {self.server} does not answer ({what}); "
-                        f"retrying for up to {self.retry_s:g} s"
-                    )
-                    warned = True
-                self._pause(min(delay, max(0.0, self.retry_s - waited)))
-                delay = min(2 * delay, 2.0)
-                continue
-            if warned:
-                down_s = time.monotonic() - start
-                _log(f"the server at {self.server} answers again ({what}) after {down_s:.1f} s")
-            return result
-
-    def _hopeless(self, what: str, code: grpc.StatusCode, details: str) -> UserError | None:
-        """The error of a failed call that retrying does not fix (None: retry): a refusal, a wrong
-        token, TLS on one side only, a certificate this worker does not trust."""
-        if code == grpc.StatusCode.UNAUTHENTICATED:
-            given = "a token that is not the run's" if self.token else "no token"
-            return UserError(
-                f"the server at {self.server} refused this worker, which sent {given}; pass the "
-                "run's token with --token-file FILE or DILOCO_TOKEN (diloco serve printed where "
-                "it is)."
-            )
-        if code in REFUSED:
-            return Refused(f"the server at {self.server} refused {what}: {details}.")
-        if code not in RETRYABLE:
-            return None
-        problem = security.tls_problem(self.server, self.tls_ca, details)
-        return UserError(problem) if problem else None
-
-    def close(self) -> None:
-        self.channel.close()
-
-
-class _Heartbeat:
-    """Tells the server every `every` seconds that this worker is alive (its lease); sets `over`
-    when the answer says the run is over, so that a worker mid-job stops before the server,
-    which lingers only a few seconds for its stragglers, is gone."""
-
-    def __init__(self, link: Link, ref: pb.WorkerRef, every: float):
-        self.link, self.ref, self.every = link, ref, every
-        self._stop = threading.Event()
-        self.over = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every):
-            try:
-                timeout = max(1.0, self.every)
-                reply = self.link.stub.Heartbeat(self.ref, timeout=timeout, metadata=self.link.meta)
-            except grpc.RpcError:
-                continue  # the job loop finds out, and retries
-            if reply.done:
-                self.over.set()
-                return
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 def _get_job(link: Link, ref: pb.WorkerRef) -> tuple[pb.JobChunk, bytes]:
@@ -270,8 +112,6 @@ def run_worker(
 ) -> int:
     """Work for the server at `server` (HOST:PORT) until its run is done; returns the exit code.
     `acks`: a file that gets one JSON line per acknowledged push (job, seconds; load tests)."""
-    from diloco.run.train import set_threads
-
     set_threads(threads)
     dev = _device(device)
     link = Link(server, retry_s, token, tls_ca)
@@ -288,16 +128,16 @@ def run_worker(
                 lambda request=request: link.stub.Register(request, timeout=30.0, metadata=link.meta),
             )
             if reg.status == pb.RegisterReply.DONE:
-                _log(f"the run at {server} is over")
+                log(f"the run at {server} is over")
                 return 0
             if reg.status == pb.RegisterReply.FULL:
-                _log(f"every worker slot at {server} is taken; waiting for one to free up")
+                log(f"every worker slot at {server} is taken; waiting for one to free up")
                 time.sleep(reg.retry_s)
                 continue
             # the lease is kept from here on: tokenising the data (or training a BPE) on a first
             # join may take longer than --worker-timeout-s
             ref = pb.WorkerRef(worker=reg.worker, run_id=reg.run_id, token=reg.token)
-            beat = _Heartbeat(link, ref, reg.heartbeat_s)
+            beat = Heartbeat(link, ref, reg.heartbeat_s)
             try:
                 run = reg.config_json + reg.shard_plan
                 if run not in built:
@@ -313,21 +153,19 @@ def run_worker(
                     )
                 worker = build_worker(reg.worker, cfg, data.shards)
                 if dev.type != "cpu":
-                    from diloco.runtime.collective import _ToDevice
-
                     worker.model.to(dev)  # before the optimizer's first step, so its state follows
-                    worker.batches = _ToDevice(worker.batches, dev)
+                    worker.batches = ToDevice(worker.batches, dev)
                 if slowdown != 1.0:
                     _slowed(worker, slowdown, beat.over)
                 _stoppable(worker, beat.over)
-                _log(f"joined {server} as worker {reg.worker}")
+                log(f"joined {server} as worker {reg.worker}")
                 try:
                     done = _jobs(link, ref, worker, acked, cfg, len(data.shards), acks, beat.over)
                 except RunOver:
                     done = True
-                    _log("the server says the run is over; any job in hand is dropped")
+                    log("the server says the run is over; any job in hand is dropped")
                 if done:
-                    _log(f"the run at {server} is done; {len(acked)} pushes of this worker were acknowledged")
+                    log(f"the run at {server} is done; {len(acked)} pushes of this worker were acknowledged")
                     return 0
             except (KeyboardInterrupt, UserError) as e:  # stopping: tell the server (best effort)
                 try:
@@ -343,7 +181,7 @@ def run_worker(
                 raise
             finally:
                 beat.stop()
-            _log(f"worker {reg.worker}'s lease ran out; joining again as a fresh worker")
+            log(f"worker {reg.worker}'s lease ran out; joining again as a fresh worker")
     except KeyboardInterrupt:
         raise Interrupted(f"this worker stopped by Ctrl-C before it joined the run at {server}.") from None
     finally:
@@ -376,7 +214,7 @@ def _jobs(
     """Jobs until the run is done (True) or the server no longer knows this worker (False);
     RunOver when the heartbeat hears that the run is over mid-job."""
     refused = 0
-    download = build_codec(cfg.download_codec)  # how the server sends θ
+    download = download_codec(cfg)  # how the server sends θ
     while True:
         head, blob = link.call("asking for a job", lambda: _get_job(link, ref), over)
         if head.status == pb.JobChunk.DONE:
@@ -418,11 +256,11 @@ def _jobs(
             refused += 1
             if refused >= MAX_REFUSED_IN_A_ROW:
                 raise UserError(f"{e} ({refused} updates of this worker were refused in a row)") from None
-            _log(f"{e} Going on with the next job.")
+            log(f"{e} Going on with the next job.")
             continue
         refused = 0
         if reply.status == pb.PushReply.LATE:
-            _log(f"job {head.job} came too late and was dropped ({reply.reason})")
+            log(f"job {head.job} came too late and was dropped ({reply.reason})")
         else:  # accepted now, or before (a retry after a lost reply)
             acked.add(head.job)
             if acks is not None:

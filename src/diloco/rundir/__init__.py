@@ -27,30 +27,22 @@ LOCK_FILE = "server.lock"  # locked by the live server of a run directory, which
 CHECKPOINT_FORMAT = 2  # 2: one layout for every runtime (outer, workers, runtime)
 
 
-def _launch_id() -> str | None:
-    """This torchrun launch's id (the same in every restart of it, new for every launch), or None
-    outside torchrun; see runtime/torchrun.py."""
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
-        return None
-    from diloco.runtime import torchrun
-
-    return torchrun.launch_id()
-
-
-def _owned_by_this_launch(run_dir: Path) -> bool:
+def _owned_by_this_launch(run_dir: Path, launch: str | None) -> bool:
     """Whether run_dir was created by this very torchrun launch (a restart may take it again)."""
     try:
-        return json.loads((run_dir / LAUNCH_FILE).read_text()).get("run_id") == _launch_id()
+        return json.loads((run_dir / LAUNCH_FILE).read_text()).get("run_id") == launch
     except (OSError, ValueError, AttributeError):
         return False
 
 
-def new_run_dir(cfg: TrainConfig, *, restarted: bool = False) -> tuple[Path, bool]:
+def new_run_dir(cfg: TrainConfig, *, restarted: bool = False, launch: str | None = None) -> tuple[Path, bool]:
     """The run directory, created; returns (it, whether it is this launch's own from an earlier
-    attempt). A torchrun restart takes the directory again only if this launch created it: an
-    `--out` that holds another run stays refused on every attempt and is never touched."""
+    attempt). `launch` is the id of the torchrun launch this process belongs to (the same in every
+    restart of it, new for every launch; runtime/torchrun.py), None outside torchrun. A torchrun
+    restart takes the directory again only if this launch created it: an `--out` that holds
+    another run stays refused on every attempt and is never touched."""
     run_dir = cfg.run_dir
-    if restarted and run_dir.is_dir() and _owned_by_this_launch(run_dir):
+    if restarted and run_dir.is_dir() and _owned_by_this_launch(run_dir, launch):
         return run_dir, True
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--out {run_dir} is a file, not a directory; choose another --out.")
@@ -76,8 +68,8 @@ def new_run_dir(cfg: TrainConfig, *, restarted: bool = False) -> tuple[Path, boo
         raise UserError(
             f"cannot create run directory {run_dir} ({e.strerror}); choose another --out."
         ) from None
-    if _launch_id() is not None:
-        checkpoint.atomic_write_text(run_dir / LAUNCH_FILE, json.dumps({"run_id": _launch_id()}))
+    if launch is not None:
+        checkpoint.atomic_write_text(run_dir / LAUNCH_FILE, json.dumps({"run_id": launch}))
     return run_dir, False
 
 
@@ -96,11 +88,15 @@ def write_config(cfg: TrainConfig, run_dir: Path) -> TrainConfig:
     return cfg
 
 
-def open_run(cfg: TrainConfig, resume: Path | None, *, restarted: bool) -> tuple[Path, dict[str, Any] | None]:
+def open_run(
+    cfg: TrainConfig, resume: Path | None, *, restarted: bool, launch: str | None = None
+) -> tuple[Path, dict[str, Any] | None]:
     """The run directory and the checkpoint state to resume from (None: start from scratch):
-    `resume`'s newest valid checkpoint, or, after a torchrun restart of this launch, its own
-    directory's; otherwise a new directory."""
-    run_dir, own = (resume, True) if resume is not None else new_run_dir(cfg, restarted=restarted)
+    `resume`'s newest valid checkpoint, or, after a torchrun restart of this launch (`launch`,
+    see `new_run_dir`), its own directory's; otherwise a new directory."""
+    run_dir, own = (
+        (resume, True) if resume is not None else new_run_dir(cfg, restarted=restarted, launch=launch)
+    )
     if resume is None and not own:
         return run_dir, None
     latest = checkpoint.latest_valid(run_dir / "checkpoints")

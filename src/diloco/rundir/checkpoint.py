@@ -23,7 +23,8 @@ A process killed at any moment leaves a run that can be resumed from a valid che
 Other files the run writes whole (config.json, summary.json, model.safetensors) go through
 `atomic_write_text`, `atomic_write_json` and `atomic_save_safetensors`.
 Tied weights (one tensor under two names, as Hugging Face models tie the output head to the
-token embedding) are written once, under the first name; `with_tied` fills in the others on load.
+token embedding) are written once, under the first name; `diloco.model.init.with_tied` fills in the
+others on load.
 Every file gets the mode `open` gives a new file (the umask's), safetensors' 0600 included.
 
     diloco train --checkpoint-every 2 --rounds 4 && diloco train --resume runs/...
@@ -158,7 +159,8 @@ def atomic_save_safetensors(
 ) -> None:
     """Write a safetensors file whole or not at all (e.g. the run's model.safetensors): a
     temporary file in the same folder, fsync, os.replace, fsync the folder. A tensor that is an
-    earlier one (tied weights) is written once, under the earlier name (see `with_tied`)."""
+    earlier one (tied weights) is written once, under the earlier name (see
+    `diloco.model.init.with_tied`)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     once: dict[str, torch.Tensor] = {}
@@ -175,25 +177,6 @@ def atomic_save_safetensors(
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
-
-
-def with_tied(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`tensors` (a state dict of `model` saved with each tied weight once) with every name of a
-    tied weight filled in, as `model.load_state_dict` wants them. Works on the meta device."""
-    keys = model.state_dict().keys()
-    names: dict[int, list[str]] = {}  # each parameter or buffer: the state dict names it has
-    for name, t in [
-        *model.named_parameters(remove_duplicate=False),
-        *model.named_buffers(remove_duplicate=False),
-    ]:
-        if name in keys:
-            names.setdefault(id(t), []).append(name)
-    full = dict(tensors)
-    for group in names.values():
-        if len(group) > 1 and (have := next((n for n in group if n in full), None)) is not None:
-            for name in group:
-                full.setdefault(name, full[have])
-    return full
 
 
 def _round_dirs(checkpoint_dir: Path) -> dict[int, Path]:

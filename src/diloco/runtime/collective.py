@@ -16,9 +16,9 @@ links between workers instead of M, and the broadcast stays on the fast links in
 
 from __future__ import annotations
 
-import math
 import os
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -28,11 +28,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco.config import TrainConfig
-from diloco.core.codec import Encoded, build_codec
+from diloco.core.codec import Encoded
+from diloco.core.inner import Worker
 from diloco.core.outer_side import OuterSide
-from diloco.core.streaming import fragment_groups
+from diloco.core.streaming import Schedule
+from diloco.data.batches import RankSlice, ToDevice
 from diloco.errors import RESUME_OR, ReplicaMismatch, RunFailed, WorkerDied
 from diloco.runtime import faults, is_main_process
+from diloco.runtime.collective_streaming import StreamingRounds, unflatten
 from diloco.runtime.sim import RoundStats
 from diloco.runtime.torchrun import world_from_env
 
@@ -47,58 +50,6 @@ def param_hash(params: list[torch.Tensor]) -> int:
     return int(total)
 
 
-def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of `flat` shaped like each of `like`, in order."""
-    out, offset = [], 0
-    for t in like:
-        out.append(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return out
-
-
-class _Slice:
-    """This rank's rows of its worker's batch: the worker batch is M × B rows, rank j takes
-    rows [jB, (j+1)B), so M ranks together compute the gradient of the whole worker batch."""
-
-    def __init__(self, batches, local: int, per_rank: int):
-        self.batches, self.local, self.per_rank = batches, local, per_rank
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        lo, hi = self.local * self.per_rank, (self.local + 1) * self.per_rank
-        return tuple(t[lo:hi] for t in next(self.batches))
-
-    def state_dict(self) -> dict:
-        return self.batches.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.batches.load_state_dict(state)
-
-
-class _ToDevice:
-    """Batches moved to this rank's device (the data is sampled on the CPU)."""
-
-    def __init__(self, batches, device: torch.device):
-        self.batches, self.device = batches, device
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return tuple(t.to(self.device, non_blocking=True) for t in next(self.batches))
-
-    def seek(self, shard: int, step: int) -> None:  # a server's worker is told where to read
-        self.batches.seek(shard, step)
-
-    def state_dict(self) -> dict:
-        return self.batches.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.batches.load_state_dict(state)
-
-
 def _device() -> torch.device:
     """This rank's device: its GPU (by LOCAL_RANK) if it has one, else the CPU. Ranks of one job
     may differ; the outer sync always runs on CPU tensors over gloo."""
@@ -107,12 +58,19 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-class CollectiveDiLoCo:
+class CollectiveDiLoCo(StreamingRounds):
     """One rank's share of sync DiLoCo, with the runtime interface of runtime/__init__.py.
-    Rank 0 is `is_main`; every rank holds the whole outer side."""
+    Rank 0 is `is_main`; every rank holds the whole outer side. The run's assembler
+    (run/assemble.py) gives it the `side` (the same on every rank), `build_worker(w,
+    batch_multiple=M)` for this rank's worker, and Streaming DiLoCo's `schedule` (None: plain)."""
 
     def __init__(
-        self, cfg: TrainConfig, shards: list[torch.Tensor], weights: list[float], *, build_worker, init=None
+        self,
+        cfg: TrainConfig,
+        side: OuterSide,
+        *,
+        build_worker: Callable[..., Worker],
+        schedule: Schedule | None = None,
     ):
         self.rank, self.world, _ = world_from_env()
         M = cfg.procs_per_worker
@@ -143,17 +101,13 @@ class CollectiveDiLoCo:
             else None
             for w in range(self.k)
         ]
-        from diloco.run.assemble import initial_model, outer_opt, streaming_schedule
-
-        # the global parameters: the same on every rank by construction (seed, or --init-from)
-        model = initial_model(cfg, init)
-        worker = build_worker(self.worker_id, cfg, shards, batch_multiple=M)
+        worker = build_worker(self.worker_id, batch_multiple=M)
         self.device = _device()
         if M > 1:
-            worker.batches = _Slice(worker.batches, self.local, cfg.data.batch_size)
+            worker.batches = RankSlice(worker.batches, self.local, cfg.data.batch_size)
         if self.device.type != "cpu":
             worker.model.to(self.device)  # before the optimizer's first step, so its state follows
-            worker.batches = _ToDevice(worker.batches, self.device)
+            worker.batches = ToDevice(worker.batches, self.device)
         if M > 1:
             worker.model = DistributedDataParallel(
                 worker.model,
@@ -161,26 +115,12 @@ class CollectiveDiLoCo:
                 process_group=self._ddp_group(),
             )
         self.worker = worker
-        # Every rank keeps the whole outer side and applies the same summed update.
-        self.side = OuterSide(
-            model,
-            self.k,
-            update=outer_opt(cfg),
-            codec=cfg.communication.build_upload(),
-            download=build_codec(cfg.download_codec),
-            weights=weights,
-            drop_prob=cfg.drop_prob,
-            after_drop=cfg.after_drop,
-            seed=cfg.seed,
-            on_nonfinite=cfg.on_nonfinite,
-        )
+        # Every rank keeps the whole outer side (the same on every rank by construction: seed, or
+        # --init-from) and applies the same summed update.
+        self.side = side
         faults.wrap_side(self.side, self.rank)
         self.params = self.side.params
-        self.schedule = streaming_schedule(cfg)  # Streaming DiLoCo, or None
-        if self.schedule is not None:
-            self.groups = fragment_groups(model, self.schedule.fragments)
-            self._anchored = False  # this worker knows the global θ it measures outer_grads from
-            self._blob_len: dict[int, int] = {}  # fragment -> its encoded message's length
+        self._setup_streaming(schedule)
         self.rank_bytes = [0, 0]  # this rank's own payload bytes (sent, received)
         self.bytes_per_rank = [[0, 0] for _ in range(self.world)]  # every rank's, cumulative
         with self._collective("the first replica check"):
@@ -225,7 +165,7 @@ class CollectiveDiLoCo:
                 self.rank_bytes[0] += nbytes
                 self.rank_bytes[1] += nbytes
             self._share_in_worker(bucket, nbytes)
-        return _unflatten(flat, tensors)
+        return unflatten(flat, tensors)
 
     def _share_in_worker(self, tensor: torch.Tensor, nbytes: int) -> None:
         if self.M > 1:
@@ -307,102 +247,6 @@ class CollectiveDiLoCo:
             list(side.bytes_received),
             timing,
         )
-
-    # -- Streaming DiLoCo (streaming.py) --------------------------------------------------------
-    def _streaming_round(self) -> RoundStats:
-        """The schedule's segments on this rank's worker. A fragment's exchange starts as an
-        asynchronous collective (`async_op=True`) when its segment ends and is waited for at its
-        merge, τ inner steps later; only that wait counts as communication time."""
-        side, sched, H, k = self.side, self.schedule, self.cfg.inner_steps, self.k
-        t0 = time.perf_counter()
-        before = list(self.rank_bytes)
-        comm_s, total_loss, lr = 0.0, 0.0, 0.0
-        in_flight: dict[int, tuple] = {}
-        for n, seg in enumerate(sched.segments()):
-            kwargs: dict[str, Any] = {}
-            if n == 0 and not self._anchored:
-                kwargs["anchor"] = side.downloaded()
-                if side.rounds_done == 0:  # the first pull; after a resume workers hold their own θ
-                    kwargs["start"] = [side.pull(i) for i in range(k)][self.worker_id]
-            self._anchored = True
-            if seg.merge is not None:
-                waited = time.perf_counter()
-                with self._collective("a fragment's exchange"):
-                    fragment = self._land(seg.merge, *in_flight.pop(seg.merge))
-                comm_s += time.perf_counter() - waited
-                kwargs["merge"] = (self.groups[seg.merge], fragment, sched.alpha)
-            if seg.send is not None:
-                kwargs["send"] = (seg.send, self.groups[seg.send])
-            result = self.worker.segment(seg.steps, **kwargs)
-            total_loss += result.mean_loss * seg.steps
-            lr = result.last_lr if seg.steps else lr
-            if seg.send is not None:
-                started = time.perf_counter()
-                with self._collective("starting a fragment's exchange"):
-                    in_flight[seg.send] = self._launch(seg.send, result)
-                comm_s += time.perf_counter() - started
-        side.end_streaming_round(H)
-        compute_s = time.perf_counter() - t0 - comm_s
-        stats = self._finish_round(total_loss / H, lr, compute_s, comm_s, before, k)
-        # a NaN in steps after the last send is in no exchange: every rank learns it here, from
-        # the gathered losses, and stops before the round's checkpoint
-        for i, loss in enumerate(stats.losses):
-            side.stop_if_nonfinite(i, math.isfinite(loss), round_=side.rounds_done)
-        return stats
-
-    def _launch(self, p: int, result) -> tuple:
-        """Start fragment p's exchange among the worker leaders: an all-reduce of this worker's
-        float32 contribution (summable codecs) or an all-gather of its encoded message, plus an
-        all-reduce of every worker's message size and finiteness. Returns the pending work."""
-        side, group, w, k = self.side, self.groups[p], self.worker_id, self.k
-        info = torch.zeros(2 * k, dtype=torch.int64)
-        info[w], info[k + w] = result.message.nbytes, int(not result.finite)
-        if side.codec.summable:
-            payload = torch.cat([t.reshape(-1) for t in side.fragment_contribution(w, result.message, group)])
-            buffers = [payload]
-        else:
-            blob = result.message.to_bytes()
-            if p not in self._blob_len:  # the same for every worker: same shapes, same codec
-                zeros = [torch.zeros_like(self.params[i]) for i in group]
-                self._blob_len[p] = len(side.codec.encode(zeros, None).to_bytes())
-            if len(blob) != self._blob_len[p]:
-                raise RuntimeError(f"fragment {p}'s message has {len(blob)} bytes, not {self._blob_len[p]}")
-            payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-            buffers = [torch.empty_like(payload) for _ in range(k)]
-        works = []
-        if self.local == 0:
-            if side.codec.summable:
-                works.append(
-                    dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=self.leaders, async_op=True)
-                )
-                nbytes = payload.numel() * payload.element_size()
-                self.rank_bytes[0] += nbytes
-                self.rank_bytes[1] += nbytes
-            else:
-                works.append(dist.all_gather(buffers, payload, group=self.leaders, async_op=True))
-                self.rank_bytes[0] += payload.numel()
-                self.rank_bytes[1] += payload.numel() * k
-            works.append(dist.all_reduce(info, op=dist.ReduceOp.SUM, group=self.leaders, async_op=True))
-        return works, buffers, info
-
-    def _land(
-        self, p: int, works: list, buffers: list[torch.Tensor], info: torch.Tensor
-    ) -> list[torch.Tensor]:
-        """Wait for fragment p's exchange, share it inside the worker, take the fragment's outer
-        step; returns the fragment as this worker merges it."""
-        side, group, k = self.side, self.groups[p], self.k
-        for work in works:
-            work.wait()
-        for t in (*buffers, info):
-            self._share_in_worker(t, t.numel() * t.element_size())
-        for i in range(k):
-            side.sent_fragment(i, int(info[i]), not bool(info[k + i]))
-        if side.codec.summable:
-            summed = _unflatten(buffers[0], [self.params[i] for i in group])
-        else:
-            messages = [Encoded.from_bytes(b.numpy().tobytes()) for b in buffers]
-            summed = side.reduce_fragment(messages, group)
-        return side.end_fragment(p, group, summed)
 
     @contextmanager
     def _collective(self, what: str):
