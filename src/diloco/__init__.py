@@ -20,10 +20,12 @@ from diloco.core.outer import SGD, Adam, Nesterov, OuterOpt, weighted_average
 from diloco.errors import UserError
 from diloco.model.gpt import GPT
 from diloco.run.train import train
+from diloco.runtime import RoundStats
 from diloco.runtime.async_sim import AsyncDiLoCo
 from diloco.runtime.clock import Clock
+from diloco.runtime.data_parallel import DataParallel
 from diloco.runtime.pool import InlinePool
-from diloco.runtime.sim import DataParallel, DiLoCo, RoundStats, make_worker
+from diloco.runtime.sim import DiLoCo, make_worker
 
 __version__ = "0.1.0"
 

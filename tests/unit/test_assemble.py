@@ -18,8 +18,9 @@ from diloco.data.recipe import prepare_data
 from diloco.model.init import fit_model, initial_model
 from diloco.run import assemble
 from diloco.runtime.clock import HETEROGENEITY, profile
+from diloco.runtime.data_parallel import DataParallel
 from diloco.runtime.pool import InlinePool
-from diloco.runtime.sim import DataParallel, DiLoCo
+from diloco.runtime.sim import DiLoCo
 
 
 def _built(cfg, init=None, **kwargs):

@@ -10,7 +10,8 @@ from diloco.core.outer import SGD
 from diloco.data.batches import ShardSampler
 from diloco.data.recipe import prepare_data
 from diloco.model.gpt import GPT
-from diloco.runtime.sim import DataParallel, DiLoCo
+from diloco.runtime.data_parallel import DataParallel
+from diloco.runtime.sim import DiLoCo
 
 TINY = ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=32)
 

@@ -33,8 +33,9 @@ from diloco.model.init import build_model, initial_model
 from diloco.runtime import faults
 from diloco.runtime.async_sim import AsyncDiLoCo
 from diloco.runtime.clock import Clock, parse_slowdown, profile
+from diloco.runtime.data_parallel import DataParallel
 from diloco.runtime.pool import InlinePool, ProcessPool, balanced_assignment
-from diloco.runtime.sim import DataParallel, DiLoCo, make_worker
+from diloco.runtime.sim import DiLoCo, make_worker
 
 
 def small_shards(cfg: TrainConfig, data: Data) -> str | None:

@@ -19,10 +19,40 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from diloco.config import TrainConfig
 from diloco.core.outer_side import OuterSide
+
+
+@dataclass
+class RoundStats:
+    """What one round did: per-worker losses and the cumulative communication counters."""
+
+    version: int  # outer updates applied so far
+    inner_step: int  # inner steps each worker has taken so far
+    losses: list[float]  # mean training loss of each worker over the round
+    lr: float  # inner lr of the round's last step
+    bytes_sent: list[int] = field(default_factory=list)  # cumulative, per worker
+    bytes_received: list[int] = field(default_factory=list)  # cumulative, per worker
+    timing: dict[str, float] | None = None  # real runtimes: measured compute_s and comm_s of the round
+    workers: list[int] | None = None  # whose `losses` these are (None: workers 0, 1, ...)
+
+
+@dataclass
+class Arrival:
+    """One outer_grad applied (or dropped) by the server."""
+
+    worker: int
+    steps: int  # inner steps of this job (H_w)
+    staleness: int  # versions applied between the worker's pull and this push
+    changed: bool  # whether θ changed (a new version)
+    train_loss: float
+    lr: float
+    shard: int
+    speed_est_s: float | None  # the worker's estimated seconds per step after this job
+    sim_time_s: float
 
 
 def is_main_process(cfg: TrainConfig) -> bool:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from diloco.config import TrainConfig
@@ -37,25 +36,10 @@ from diloco.core.codec import Codec, Encoded
 from diloco.core.inner import InnerResult
 from diloco.core.outer_side import OuterSide
 from diloco.errors import UserError
-from diloco.runtime import SideView
+from diloco.runtime import Arrival, SideView
 from diloco.runtime.clock import Clock
 from diloco.runtime.pool import InlinePool, ProcessPool
 from diloco.runtime.sim import ModelFn
-
-
-@dataclass
-class Arrival:
-    """One outer_grad applied (or dropped) by the server."""
-
-    worker: int
-    steps: int  # inner steps of this job (H_w)
-    staleness: int  # versions applied between the worker's pull and this push
-    changed: bool  # whether θ changed (a new version)
-    train_loss: float
-    lr: float
-    shard: int
-    speed_est_s: float | None  # the worker's estimated seconds per step after this job
-    sim_time_s: float
 
 
 class AsyncDiLoCo(SideView):

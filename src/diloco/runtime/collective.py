@@ -34,9 +34,8 @@ from diloco.core.outer_side import OuterSide
 from diloco.core.streaming import Schedule
 from diloco.data.batches import RankSlice, ToDevice
 from diloco.errors import RESUME_OR, ReplicaMismatch, RunFailed, WorkerDied
-from diloco.runtime import faults, is_main_process
+from diloco.runtime import RoundStats, faults, is_main_process
 from diloco.runtime.collective_streaming import StreamingRounds, unflatten
-from diloco.runtime.sim import RoundStats
 from diloco.runtime.torchrun import world_from_env
 
 

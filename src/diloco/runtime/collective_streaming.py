@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from diloco.core.codec import Encoded
 from diloco.core.streaming import Schedule, fragment_groups
-from diloco.runtime.sim import RoundStats
+from diloco.runtime import RoundStats
 
 
 def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

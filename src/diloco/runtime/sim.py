@@ -1,9 +1,8 @@
 """The simulator runtime: k workers in one process, one after another each round.
 
 `DiLoCo` is also the library API: give it a model factory, an inner optimizer factory and one
-batch iterator per worker, and call `round()` from your own loop. `DataParallel` is the
-baseline on the same interface: one model, the k workers' batches averaged every step (with
-one worker it is plain single-worker AdamW). Bytes are real message sizes: each round a worker
+batch iterator per worker, and call `round()` from your own loop (`DataParallel`, the baseline on
+the same interface, is in data_parallel.py). Bytes are real message sizes: each round a worker
 downloads the global parameters and uploads its encoded outer_grad.
 
     diloco train --workers 4 --inner-steps 50 --rounds 6
@@ -12,9 +11,7 @@ downloads the global parameters and uploads its encoded outer_grad.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,27 +22,12 @@ from diloco.core.inner import LossFn, Worker, gpt_loss
 from diloco.core.outer import Fragmented, Nesterov, OuterOpt
 from diloco.core.outer_side import OuterSide
 from diloco.core.streaming import Schedule, fragment_groups
-from diloco.errors import NonFinite
-from diloco.runtime import SideView
+from diloco.runtime import RoundStats, SideView
 from diloco.runtime.clock import Clock
 from diloco.runtime.pool import InlinePool, ProcessPool
 
 ModelFn = Callable[[], nn.Module]
 OptFn = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-
-
-@dataclass
-class RoundStats:
-    """What one round did: per-worker losses and the cumulative communication counters."""
-
-    version: int  # outer updates applied so far
-    inner_step: int  # inner steps each worker has taken so far
-    losses: list[float]  # mean training loss of each worker over the round
-    lr: float  # inner lr of the round's last step
-    bytes_sent: list[int] = field(default_factory=list)  # cumulative, per worker
-    bytes_received: list[int] = field(default_factory=list)  # cumulative, per worker
-    timing: dict[str, float] | None = None  # real runtimes: measured compute_s and comm_s of the round
-    workers: list[int] | None = None  # whose `losses` these are (None: workers 0, 1, ...)
 
 
 def make_worker(model_fn: ModelFn, inner_opt_fn: OptFn, batches: Iterator, **kwargs: Any) -> Worker:
@@ -317,93 +299,3 @@ class DiLoCo(SideView):
 
     def close(self, *, clean: bool = True) -> None:
         self.pool.close()
-
-
-class _Together:
-    """One batch from each of k iterators per step (the data-parallel global batch)."""
-
-    def __init__(self, iterators: Sequence[Iterator]):
-        self.iterators = list(iterators)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> list[Any]:
-        return [next(it) for it in self.iterators]
-
-    def state_dict(self) -> dict:
-        return {"parts": [it.state_dict() for it in self.iterators if hasattr(it, "state_dict")]}
-
-    def load_state_dict(self, state: dict) -> None:
-        for it, s in zip(self.iterators, state["parts"], strict=True):
-            it.load_state_dict(s)
-
-
-class DataParallel(DiLoCo):
-    """Data parallel baseline: one model, each step the mean loss of the k workers' batches
-    (= the mean of their gradients, i.e. a k× batch), then one inner optimizer step.
-
-    Bytes are what real data parallel sends: each worker uploads its gradient and downloads the
-    parameters every step. With one worker this is plain AdamW and nothing is sent.
-    A round is `inner_steps` steps; no outer update happens, so `version` stays 0.
-    """
-
-    def __init__(
-        self,
-        model_fn: ModelFn,
-        inner_opt_fn: OptFn,
-        batches: Sequence[Iterator],
-        *,
-        inner_steps: int,
-        loss_fn: LossFn = gpt_loss,
-        clock: Clock | None = None,
-        **kwargs: Any,
-    ):
-        k = len(batches)
-
-        def mean_loss(model: nn.Module, parts: list[Any]) -> torch.Tensor:
-            return sum(loss_fn(model, b) for b in parts) / k
-
-        super().__init__(
-            model_fn,
-            inner_opt_fn,
-            [_Together(batches)],
-            inner_steps=inner_steps,
-            loss_fn=mean_loss,
-            clock=clock or Clock([1.0]),
-            **kwargs,
-        )
-        self.k = k
-        # The single replica *is* the model: it starts from the global initialisation, and the
-        # outer side (which never steps) holds it and the k workers' counters.
-        worker = self.workers[0]
-        worker.load_params(self.params)
-        self.side = OuterSide(worker.model, k, seed=self.side.seed)
-
-    @property
-    def num_workers(self) -> int:
-        return self.k
-
-    def round(self, *, active: int | None = None) -> RoundStats:
-        worker, side = self.workers[0], self.side
-        total, lr = 0.0, 0.0
-        for _ in range(self.inner_steps):
-            loss, lr = worker.train_step()
-            total += loss
-        if not math.isfinite(total):  # one model: nothing to drop (--on-nonfinite drop is refused)
-            raise NonFinite(
-                f"the training loss became non-finite (NaN or Inf) in round {side.rounds_done + 1}; the "
-                "run stopped and its last checkpoint is intact: start again with a lower --inner-lr."
-            )
-        step_bytes = side.param_bytes if self.k > 1 else 0
-        for w in range(self.k):
-            side.bytes_sent[w] += step_bytes * self.inner_steps
-            side.bytes_received[w] += step_bytes * self.inner_steps
-        # Every step waits for the slowest worker's gradient (one step each, then an exchange).
-        step_s = max(self.clock.step_s[: self.k] or [1.0])
-        self._sim_time_s += self.inner_steps * (step_s + 2 * self.clock.transfer_s(step_bytes))
-        side.inner_step += self.inner_steps
-        side.total_steps += self.k * self.inner_steps
-        side.worker_steps = [n + self.inner_steps for n in side.worker_steps]
-        side.rounds_done += 1
-        return self._stats([total / self.inner_steps], lr)

@@ -48,8 +48,7 @@ from diloco.core.async_policy import (
 from diloco.core.async_rules import DelayComp
 from diloco.core.codec import Encoded
 from diloco.core.outer_side import OuterSide
-from diloco.runtime.async_sim import Arrival
-from diloco.runtime.sim import RoundStats
+from diloco.runtime import Arrival, RoundStats
 
 NORM_WINDOW = 16  # --max-update-norm-ratio compares with the median of this many accepted pushes
 NORM_MIN = 4  # ... once there are at least this many
