@@ -1,4 +1,4 @@
-"""Asynchronous Local-SGD as the paper runs it against sync DiLoCo (ALGORITHMS.md §2).
+"""Asynchronous Local-SGD as the paper runs it against sync DiLoCo (docs/method.md §2).
 
 Nano GPT, 4 workers at 0.58 / 0.75 / 1.51 / 3.33 simulated seconds per inner step (the public
 toy example's profile), H = 50, equal total local steps (4 × rounds × H), three seeds, in three

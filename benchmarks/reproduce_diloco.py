@@ -1,4 +1,4 @@
-"""The DiLoCo paper's claims (ALGORITHMS.md §1, issue 13) reproduced at CPU scale.
+"""The DiLoCo paper's claims (docs/method.md §1, issue 13) reproduced at CPU scale.
 
 Every number comes from `diloco train` runs in subprocesses (`--threads 1 --procs 1`,
 OMP_NUM_THREADS=1, `--jobs` of them at once), compared over `--seeds` seeds by the final

@@ -1,4 +1,4 @@
-"""Server rules for asynchronous Local-SGD (ALGORITHMS.md §2): how an outer_grad that arrives
+"""Server rules for asynchronous Local-SGD (docs/method.md §2): how an outer_grad that arrives
 on its own, possibly stale, changes the global parameters.
 
 Every rule works in place on the server's parameters and returns whether they changed (a new

@@ -1,4 +1,4 @@
-"""The inner loop (ALGORITHMS.md §1): a worker runs H AdamW steps from the global parameters
+"""The inner loop (docs/method.md §1): a worker runs H AdamW steps from the global parameters
 and returns outer_grad = θ_start − θ_local.
 
 A worker owns its model replica, its inner optimizer state (kept across rounds, never sent),

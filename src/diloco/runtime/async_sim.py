@@ -1,4 +1,4 @@
-"""Asynchronous Local-SGD in the simulator (ALGORITHMS.md §2), on the virtual clock.
+"""Asynchronous Local-SGD in the simulator (docs/method.md §2), on the virtual clock.
 
 A worker pulls θ (at `version` v), runs its local steps, and pushes outer_grad = θ_pulled −
 θ_local; the server applies it at once to the current θ with an `AsyncRule`, and the worker

@@ -41,7 +41,7 @@ def make_worker(model_fn: ModelFn, inner_opt_fn: OptFn, batches: Iterator, **kwa
 
 
 class DiLoCo(SideView):
-    """Synchronous DiLoCo (ALGORITHMS.md §1) over simulated workers.
+    """Synchronous DiLoCo (docs/method.md §1) over simulated workers.
 
     Each round every worker starts from the global parameters, runs `inner_steps` steps of its
     own optimizer on its own batches, and sends outer_grad = θ_start − θ_local through `codec`;
