@@ -227,7 +227,7 @@ class SimConfig:
     latency_ms: float = setting(
         0.0, flag="--latency-ms", needs=ON_SIM, help="ms added to every pull and push"
     )
-    # never changes a result: a run moved to --runtime collective drops it (cli._resumed_config)
+    # never changes a result: a run moved to --runtime collective drops it (cli.configure.resumed_config)
     procs: int = setting(
         0, flag="--procs", needs=ON_SIM, help="processes computing workers, one thread each; 0: one per core"
     )

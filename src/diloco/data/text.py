@@ -83,7 +83,7 @@ def bundled_fingerprint() -> str:
 
 
 TOKENIZER_FILE = "tokenizer.json"  # a run's tokenizer (bpe:N or a file), saved in its directory
-DATA_FILE = "data.json"  # fingerprints of the text a run trains on (build.check_data)
+DATA_FILE = "data.json"  # fingerprints of the text a run trains on (data.recipe.check_data)
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ class AsyncDiLoCo(SideView):
     def from_config(
         cls, cfg: TrainConfig, side: OuterSide, pool, clock: Clock, *, shard_sizes: list[int]
     ) -> AsyncDiLoCo:
-        """A run built by build.py: the server's settings come from `cfg.async_`."""
+        """A run built by run/assemble.py: the server's settings come from `cfg.async_`."""
         v, self = cfg.async_, cls.__new__(cls)
         total = cfg.num_workers * cfg.total_inner_steps
         sizes = shard_sizes if v.shard_sampling else None

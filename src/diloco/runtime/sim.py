@@ -136,7 +136,7 @@ class DiLoCo(SideView):
         inner_steps: int,
         schedule: Schedule | None = None,
     ):
-        """A run built by build.py from its config: the outer side and the pool are ready (with a
+        """A run built by run/assemble.py from its config: the outer side and the pool are ready (with a
         `schedule`, Streaming DiLoCo: the side's update is then `Fragmented`)."""
         self = cls.__new__(cls)
         self._setup(side, pool, clock, inner_steps, schedule)

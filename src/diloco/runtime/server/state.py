@@ -65,7 +65,7 @@ class ServerState:
         self.max_message_bytes = len(template.to_bytes()) + MESSAGE_SLACK
         self._recent_rejected: deque = deque(maxlen=20)  # for the status page
         self._push_seconds: deque = deque(maxlen=1000)  # receive-to-acknowledge time of recent pushes
-        self.run = None  # train.Run, for the metrics lines of refused pushes (attach_run)
+        self.run = None  # run.loop.Run, for the metrics lines of refused pushes (attach_run)
         self.coord = Coordinator(cfg, side, shard_sizes)
         self.cond = threading.Condition()
         self.run_id = uuid.uuid4().hex
