@@ -121,7 +121,7 @@ def main() -> None:
     if args.rank:
         _rank_main(args)
         sys.stdout.flush()
-        os._exit(0)  # see diloco.cli: skip gloo's teardown race
+        os._exit(0)  # see diloco.cli.main: skip gloo's teardown race
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             sys.executable,

@@ -82,10 +82,10 @@ def main() -> None:
     from diloco.config import MODEL_PRESETS
     from diloco.core.codec import Fp32Codec
     from diloco.model.gpt import GPT
-    from diloco.run.worker import _push_chunks
     from diloco.runtime.server import diloco_pb2 as pb
     from diloco.runtime.server import diloco_pb2_grpc as rpc
     from diloco.runtime.server.handlers import PROTOCOL
+    from diloco.runtime.server.wire import push_chunks
 
     torch.set_num_threads(1)
     with torch.device("meta"):
@@ -141,7 +141,7 @@ def main() -> None:
         push = pb.PushChunk(worker=ref.worker, run_id=ref.run_id, token=ref.token, job=head.job,
                             steps=head.steps, mean_loss=1.0, last_lr=1e-3, finite=True, compute_s=1e-3,
                             total_bytes=len(message), version=head.version)  # fmt: skip
-        reply = stub.Push(_push_chunks(push, message), timeout=60, metadata=meta)
+        reply = stub.Push(push_chunks(push, message), timeout=60, metadata=meta)
         assert reply.status == pb.PushReply.ACCEPTED, reply
         return t1 - t0, time.perf_counter() - t1, down + len(message)
 

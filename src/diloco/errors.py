@@ -7,8 +7,9 @@
 Internal bugs raise ordinary exceptions instead.
 """
 
-# The step a RunFailed message offers where a checkpoint can continue the run; train.py names the
-# run's own command in it, or, where the run saved no checkpoint, leaves only the other step.
+# The step a RunFailed message offers where a checkpoint can continue the run; the training loop
+# (run/loop.py) names the run's own command in it, or, where the run saved no checkpoint, leaves
+# only the other step.
 RESUME_OR = "its last checkpoint is intact: continue with --resume RUN_DIR if the cause was passing, or "
 
 

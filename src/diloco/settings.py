@@ -45,12 +45,14 @@ class Meta:
     parse: Callable[[str], Any] | None = None  # flag text -> value, where the type cannot parse it
     default_help: str | None = None  # the default as help shows it, where the value does not say
     # the setting applies only while the setting at a path (from the root config) has a value:
-    # (path, value), or (path, op, value) with an op of CONDITIONS, e.g. ("drop_prob", ">", 0);
-    # changed from its default otherwise, it is an error (check_needs)
+    # (path, value), or (path, op, value) with an op of CONDITIONS, e.g. ("drop_prob", ">", 0),
+    # or a tuple of such conditions that must all hold; changed from its default otherwise, it is
+    # an error (check_needs), whose message gives `because` as the reason
     needs: tuple[Any, ...] | None = None
     # the group of `diloco train --help` that lists its flag; "": its section's (a top-level
     # setting must name one)
     group: str = ""
+    because: str = ""  # why the setting needs its condition, for check_needs' message
 
 
 def setting(
@@ -64,11 +66,11 @@ def setting(
     default_help: str | None = None,
     needs: tuple[Any, ...] | None = None,
     group: str = "",
+    because: str = "",
 ) -> Any:
     """A dataclass field with its flag, help, choices, applicability and help group (see `Meta`)."""
-    if needs is not None:
-        _condition(needs)  # a bad condition fails where it is declared
-    meta = {_KEY: Meta(flag, help, choices, parse, default_help, needs, group)}
+    conditions(needs)  # a bad condition fails where it is declared
+    meta = {_KEY: Meta(flag, help, choices, parse, default_help, needs, group, because)}
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -83,13 +85,20 @@ CONDITIONS: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
 }
 
 
-def _condition(needs: tuple[Any, ...]) -> tuple[str, str, Any]:
-    """(path, op, value) of a `needs`: (path, value) means (path, "==", value)."""
-    if len(needs) == 2:
-        return needs[0], "==", needs[1]
-    if len(needs) == 3 and needs[1] in CONDITIONS:
-        return needs[0], needs[1], needs[2]
-    raise ValueError(f"needs must be (path, value) or (path, op, value) with op in {list(CONDITIONS)}")
+def conditions(needs: tuple[Any, ...] | None) -> list[tuple[str, str, Any]]:
+    """The (path, op, value) conditions of a `needs`, in order: (path, value) means
+    (path, "==", value); a tuple of conditions gives each; None gives none."""
+    if needs is None:
+        return []
+    if needs and all(isinstance(n, tuple) for n in needs):
+        return [c for n in needs for c in conditions(n)]
+    if len(needs) == 2 and isinstance(needs[0], str):
+        return [(needs[0], "==", needs[1])]
+    if len(needs) == 3 and isinstance(needs[0], str) and needs[1] in CONDITIONS:
+        return [(needs[0], needs[1], needs[2])]
+    raise ValueError(
+        f"needs must be (path, value), (path, op, value) with op in {list(CONDITIONS)}, or a tuple of those"
+    )
 
 
 def key(name: str) -> str:
@@ -249,28 +258,29 @@ def check_needs(cfg: Any, commands: dict[tuple[str, Any], str] | None = None) ->
     `commands` names the command that meets a need no flag can (the server runtime: diloco serve)."""
     cls = type(cfg)
     for s in walk(cls):
-        if s.meta.needs is None or not changed(cfg, s.path):
+        if not changed(cfg, s.path):
             continue
-        path, op, wanted = _condition(s.meta.needs)
-        test, phrase = CONDITIONS[op]
-        if test(get(cfg, path), wanted):
-            continue
-        flag = find(cls, path).flag
-        if op == "==":
-            need = f"{flag} {wanted}" if flag else f"{path} = {wanted!r}"
-            if command := (commands or {}).get((path, wanted)):
+        for path, op, wanted in conditions(s.meta.needs):  # the first that fails is reported
+            test, phrase = CONDITIONS[op]
+            if test(get(cfg, path), wanted):
+                continue
+            flag = find(cls, path).flag
+            why = f": {s.meta.because}" if s.meta.because else ""
+            if op == "==" and (command := (commands or {}).get((path, wanted))):
                 raise UserError(
                     f"{label(cls, s.path)} applies only with {path} = {wanted!r} (this run has "
-                    f"{get(cfg, path)}); run it with {command}, or drop it."
+                    f"{get(cfg, path)}){why}; run it with {command}, or drop it."
                 )
-            fix = f"add {need}"
-        else:
-            need = f"{flag or path} {phrase.format(wanted)}"
-            fix = f"set {need}"
-        raise UserError(
-            f"{label(cls, s.path)} applies only with {need} (this run has {get(cfg, path)}); "
-            f"{fix} or drop it."
-        )
+            if op == "==":
+                need = f"{flag} {wanted}" if flag else f"{path} = {wanted!r}"
+                fix = f"add {need}"
+            else:
+                need = f"{flag or path} {phrase.format(wanted)}"
+                fix = f"set {need}"
+            raise UserError(
+                f"{label(cls, s.path)} applies only with {need} (this run has {get(cfg, path)}){why}; "
+                f"{fix} or drop it."
+            )
 
 
 def help_text(s: Setting) -> str:

@@ -173,7 +173,7 @@ def test_a_toml_value_of_the_wrong_type_exits_2_naming_key_flag_and_type(
         (["--codec", "fp8"], "must be one of fp32, bf16, int8, fp4, topk, got 'fp8'"),
         (["--topk-fraction", "0.1"], "topk_fraction (--topk-fraction) applies only with --codec topk"),
         (["--codec", "topk", "--topk-fraction", "0"], "topk_fraction (--topk-fraction) must be"),
-        (["--error-feedback"], "fp32 leaves out nothing: add --codec bf16, int8, fp4 or topk"),
+        (["--error-feedback"], "fp32 leaves out nothing; set --codec other than fp32 or drop it."),
         (["--download-codec", "fp4"], "must be one of fp32, bf16, got 'fp4'"),
         (["--method", "dp", "--codec", "int8"], "--method dp sends none of them: drop it."),
         (["--method", "single", "--download-codec", "bf16"], "download_codec (--download-codec) encodes"),
@@ -188,10 +188,13 @@ def test_a_toml_value_of_the_wrong_type_exits_2_naming_key_flag_and_type(
         (["--fragments", "2", "--drop-prob", "0.1"], "does not simulate lost outer_grads"),
         (
             ["--after-drop", "global"],
-            "applies only with --drop-prob above 0 (this run has 0.0); set --drop-prob",
+            "applies only with --drop-prob above 0 (this run has 0.0): it says what a dropped",
         ),
         (["--drop-prob", "0.1", "--after-drop", "mine"], "must be one of own, global, got 'mine'"),
-        (["--method", "async", "--after-drop", "global"], "after_drop (--after-drop) applies only with"),
+        (  # the method first: --drop-prob is refused with async too
+            ["--method", "async", "--after-drop", "global"],
+            "after_drop (--after-drop) applies only with --method diloco (this run has async)",
+        ),
         (["--overlap-steps", "2", "--on-nonfinite", "drop"], "use --on-nonfinite stop"),
     ],
 )

@@ -19,6 +19,11 @@ CASES = {
         [*TRAIN, "--model-config", "heads.json"],
         "hidden size (30) is not a multiple of the number of attention heads (4)",
     ),
+    # the model is checked before the data is read: this data's tokenizer would fail too, later
+    "heads-first": (
+        [*TRAIN, "--model-config", "heads.json", "--data", "text.txt", "--tokenizer", "bpe:100000"],
+        "hidden size (30) is not a multiple of the number of attention heads (4)",
+    ),
     "negative": ([*TRAIN, "--model-config", "negative.json"], "negative dimension -32"),
     "window": ([*TRAIN, "--seq-len", "100000"], "--seq-len 8192 or less"),
     "bpe": (

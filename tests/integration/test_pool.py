@@ -14,7 +14,7 @@ from diloco.errors import RESUME_OR, WorkerDied
 from diloco.run.assemble import build_worker
 from diloco.runtime.pool import ProcessPool
 
-RESUME = RESUME_OR + "start the run again"  # train.py names the run's command in it
+RESUME = RESUME_OR + "start the run again"  # run/loop.py names the run's command in it
 
 
 @pytest.fixture

@@ -23,12 +23,12 @@ from diloco.core.codec import Fp32Codec
 from diloco.data.recipe import prepare_data
 from diloco.run.assemble import build_trainer
 from diloco.run.loop import Run
-from diloco.run.worker import _push_chunks
 from diloco.rundir.metrics import MetricsWriter, read_metrics
 from diloco.runtime.server import diloco_pb2 as pb
 from diloco.runtime.server import diloco_pb2_grpc as rpc
 from diloco.runtime.server.handlers import CHUNK_BYTES, PROTOCOL
 from diloco.runtime.server.security import ServeOptions
+from diloco.runtime.server.wire import push_chunks
 
 TOKEN = "hostile-suite-token-0123456789"
 
@@ -72,7 +72,7 @@ class Client:
             version=head.version,
         )
         values.update(fields)
-        return self.stub.Push(_push_chunks(pb.PushChunk(**values), blob), timeout=30, metadata=self.meta)
+        return self.stub.Push(push_chunks(pb.PushChunk(**values), blob), timeout=30, metadata=self.meta)
 
 
 @pytest.fixture
@@ -109,7 +109,7 @@ def _serving(tmp_path, **overrides):
     rt.attach_run(Run(cfg, rt, data, MetricsWriter(run_dir)))
     errors: list[BaseException] = []
 
-    def main_loop():  # what train.py's loop does with the runtime: step until the budget is spent
+    def main_loop():  # what run/loop.py does with the runtime: step until the budget is spent
         try:
             while rt.step() is not None:
                 pass

@@ -2,8 +2,9 @@ import math
 
 import pytest
 
+from diloco.config.parsers import Slowdown, parse_slowdown
 from diloco.core.async_policy import SpeedEstimator, dylu_steps, grace_close, shard_probabilities
-from diloco.runtime.clock import Clock, Slowdown, parse_slowdown, profile
+from diloco.runtime.clock import Clock, profile
 
 
 def test_heterogeneity_levels_span_their_spread():

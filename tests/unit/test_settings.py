@@ -35,6 +35,14 @@ class Root:
     ratio: float = setting(0.0, needs=("mode", "!=", "slow"), help="no flag")
     level: int = setting(0, flag="--level", group="run", needs=("steps", ">=", 2), help="at least 2 steps")
     on: bool = setting(False, flag="--on", group="run", help="a switch")
+    depth: int = setting(
+        0,
+        flag="--depth",
+        group="run",
+        needs=(("mode", "fast"), ("steps", ">", 0)),  # both must hold
+        because="it counts down the steps",
+        help="depth",
+    )
     part: Part = field(default_factory=Part)
     global_: Rule = field(default_factory=Rule)  # `global` is a keyword: its key drops the underscore
 
@@ -48,6 +56,14 @@ def test_setting_keeps_its_declaration_in_the_field_metadata():
         setting(1, needs=("steps", "~", 0))
     with pytest.raises(ValueError, match="needs must be"):
         setting(1, needs=("steps",))
+    with pytest.raises(ValueError, match="needs must be"):
+        setting(1, needs=(("steps", ">", 0), "mode"))
+    assert settings.conditions(settings.find(Root, "depth").meta.needs) == [
+        ("mode", "==", "fast"),
+        ("steps", ">", 0),
+    ]
+    assert settings.conditions(None) == []
+    assert settings.conditions(("mode", "fast")) == [("mode", "==", "fast")]
 
 
 def test_walk_flattens_sections_to_dotted_paths_by_key():
@@ -59,6 +75,7 @@ def test_walk_flattens_sections_to_dotted_paths_by_key():
         "ratio",
         "level",
         "on",
+        "depth",
         "part.size",
         "part.names",
         "part.rate",
@@ -116,6 +133,16 @@ def test_type_and_choice_checks_name_the_setting_its_flag_and_the_type():
             "ratio applies only with --mode other than slow (this run has slow); set --mode other than slow "
             "or drop it.",
         ),
+        (  # several conditions: the first that fails is named, with the reason
+            Root(depth=1, steps=1),
+            "depth (--depth) applies only with --mode fast (this run has slow): it counts down the steps; "
+            "add --mode fast or drop it.",
+        ),
+        (
+            Root(depth=1, mode="fast"),
+            "depth (--depth) applies only with --steps above 0 (this run has 0): it counts down the steps; "
+            "set --steps above 0 or drop it.",
+        ),
     ],
 )
 def test_a_changed_setting_whose_condition_fails_is_an_error(cfg, message):
@@ -126,7 +153,9 @@ def test_a_changed_setting_whose_condition_fails_is_an_error(cfg, message):
 
 def test_conditions_that_hold_or_settings_at_their_defaults_pass():
     settings.check_needs(Root())  # defaults apply anywhere
-    settings.check_needs(Root(mode="fast", steps=2, keep=5, level=1, ratio=0.5, global_=Rule(kind="b")))
+    settings.check_needs(
+        Root(mode="fast", steps=2, keep=5, level=1, depth=3, ratio=0.5, global_=Rule(kind="b"))
+    )
 
 
 def test_a_need_no_flag_meets_names_its_command():

@@ -35,7 +35,7 @@ def test_kmeans_groups_do_not_depend_on_input_order_or_threads():
         with threadpool_limits(threads):
             assert kmeans_groups(texts, 4, seed=0) == groups
     # golden, from this fixed tiny input: a change here changes every kmeans run's shards
-    # (bump build.RULES["kmeans_units"]); groups are numbered by their first text
+    # (bump data.recipe.RULES["kmeans_units"]); groups are numbered by their first text
     assert groups == [
         [0, 2, 5, 6, 12, 13, 23, 26, 28],
         [1, 7, 18, 35],

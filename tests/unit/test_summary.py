@@ -28,7 +28,7 @@ def _mse(model, batch):
 
 
 class _Finished:
-    """What summarize reads of a finished run (train.py's Run): its runtime, data and tallies."""
+    """What summarize reads of a finished run (run/loop.py's Run): its runtime, data and tallies."""
 
     def __init__(self, trainer, *, timing=(0.0, 0.0), target=None):
         self.trainer = trainer

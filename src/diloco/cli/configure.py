@@ -42,6 +42,14 @@ def with_flags(values: dict[str, Any], flags: dict[str, Any], where: str) -> Tra
     return from_dict(values, where=where)
 
 
+def resumed_run(run_dir: Path, flags: dict[str, Any], allowed: tuple[str, ...], config_file: Path | None):
+    """The config `--resume run_dir` continues with: its config.json under `resumed_config`'s rules."""
+    from diloco.rundir import load_run_config
+
+    where = f"{run_dir / 'config.json'} with the flags"
+    return resumed_config(load_run_config(run_dir), flags, allowed, where=where, config_file=config_file)
+
+
 def resumed_config(
     saved: TrainConfig,
     flags: dict[str, Any],
@@ -78,11 +86,12 @@ def resumed_config(
     # Moving runtimes: the settings of the runtime the run leaves (its clock, its buckets and
     # timeout) never change a sync run's parameters, so they go back to their defaults.
     moved = runtime != saved.runtime
-    left = {
-        s.path: s.default
-        for s in settings.walk(TrainConfig)
-        if moved and s.meta.needs and s.meta.needs[0] == "runtime" and s.meta.needs[1] != runtime
-    }
+
+    def elsewhere(s: settings.Setting) -> bool:  # a setting of another runtime than this one
+        needs = settings.conditions(s.meta.needs)
+        return any(p == "runtime" and op == "==" and v != runtime for p, op, v in needs)
+
+    left = {s.path: s.default for s in settings.walk(TrainConfig) if moved and elsewhere(s)}
     return with_flags(saved.to_dict(), left | flags, where)
 
 

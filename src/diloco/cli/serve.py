@@ -14,7 +14,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from diloco.cli.configure import SERVE_RESUME_OVERRIDES, finished, given_settings, resumed_config, with_flags
+from diloco.cli.configure import SERVE_RESUME_OVERRIDES, finished, given_settings, resumed_run, with_flags
 from diloco.config import TrainConfig, load_toml
 from diloco.errors import UserError
 
@@ -22,20 +22,14 @@ from diloco.errors import UserError
 def serve_command(args: argparse.Namespace) -> tuple[TrainConfig, dict] | None:
     """Run `diloco serve`: its config and summary, or None where --resume finds the run finished."""
     from diloco.run.train import train
-    from diloco.rundir import load_run_config, lock
+    from diloco.rundir import lock
     from diloco.runtime.server import security
 
     flags = given_settings(args)
     if flags.pop("runtime", "server") != "server":
         raise UserError("diloco serve is the server runtime; drop --runtime (or use diloco train).")
     if args.resume is not None:
-        cfg = resumed_config(
-            load_run_config(args.resume),
-            flags,
-            SERVE_RESUME_OVERRIDES,
-            where=f"{args.resume / 'config.json'} with the flags",
-            config_file=args.config,
-        )
+        cfg = resumed_run(args.resume, flags, SERVE_RESUME_OVERRIDES, config_file=args.config)
         if cfg.runtime != "server":
             raise UserError(f"{args.resume} is not a server run; continue it with diloco train --resume.")
         if finished(args.resume):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from diloco.cli.configure import RESUME_OVERRIDES, finished, given_settings, resumed_config, with_flags
+from diloco.cli.configure import RESUME_OVERRIDES, finished, given_settings, resumed_run, with_flags
 from diloco.config import TrainConfig, load_toml
 from diloco.errors import UserError
 
@@ -18,20 +18,13 @@ from diloco.errors import UserError
 def train_command(args: argparse.Namespace) -> tuple[TrainConfig, dict] | None:
     """Run `diloco train`: its config and summary, or None where --resume finds the run finished."""
     from diloco.run.train import train
-    from diloco.rundir import load_run_config
 
     flags = given_settings(args)
     not_here = "the server runtime is started by diloco serve (see docs/server.md), not diloco train."
     if flags.get("runtime") == "server":
         raise UserError(not_here)
     if args.resume is not None:
-        cfg = resumed_config(
-            load_run_config(args.resume),
-            flags,
-            RESUME_OVERRIDES,
-            where=f"{args.resume / 'config.json'} with the flags",
-            config_file=args.config,
-        )
+        cfg = resumed_run(args.resume, flags, RESUME_OVERRIDES, config_file=args.config)
         if cfg.runtime == "server":
             raise UserError(
                 f"{args.resume} is a parameter server run; continue it with diloco serve --resume."

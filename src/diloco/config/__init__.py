@@ -19,22 +19,11 @@ field and the fix. Adding a setting touches its field, its component, and a rang
     diloco train --config my.toml --workers 8
 """
 
-from diloco.config.load import RENAMED_TABLES, from_dict, upgrade
+from diloco.config.load import from_dict, upgrade
 from diloco.config.sections import (
     CODECS,
     FLAG_GROUPS,
-    GPT_MAX_SEQ_LEN,
-    HETEROGENEITY,
-    METHODS,
     MODEL_PRESETS,
-    ON_ASYNC,
-    ON_COLLECTIVE,
-    ON_DILOCO,
-    ON_SERVER,
-    ON_SIM,
-    PRESETS,
-    RUNTIMES,
-    SHARDINGS,
     AsyncConfig,
     CommunicationConfig,
     DataConfig,
@@ -45,35 +34,16 @@ from diloco.config.sections import (
     StreamingConfig,
 )
 from diloco.config.train import TrainConfig, flag, label
-from diloco.config.validate import SIMULATED_FAULTS, validate
-from diloco.core.async_rules import ASYNC_RULES
 from diloco.core.codec import DOWNLOAD_CODECS
-from diloco.core.outer import OUTER_OPTS
-from diloco.core.outer_side import AFTER_DROP, ON_NONFINITE
 from diloco.settings import load_json, load_toml, merge
 
+# the public names; the choices of each component live with it (core.codec.CODECS,
+# core.async_rules.ASYNC_RULES, core.outer.OUTER_OPTS, ...) and the checks in config.validate
 __all__ = [
-    "AFTER_DROP",
-    "ASYNC_RULES",
     "CODECS",
     "DOWNLOAD_CODECS",
     "FLAG_GROUPS",
-    "GPT_MAX_SEQ_LEN",
-    "HETEROGENEITY",
-    "METHODS",
     "MODEL_PRESETS",
-    "ON_ASYNC",
-    "ON_COLLECTIVE",
-    "ON_DILOCO",
-    "ON_NONFINITE",
-    "ON_SERVER",
-    "ON_SIM",
-    "OUTER_OPTS",
-    "PRESETS",
-    "RENAMED_TABLES",
-    "RUNTIMES",
-    "SHARDINGS",
-    "SIMULATED_FAULTS",
     "AsyncConfig",
     "CommunicationConfig",
     "DataConfig",
@@ -90,5 +60,4 @@ __all__ = [
     "load_toml",
     "merge",
     "upgrade",
-    "validate",
 ]

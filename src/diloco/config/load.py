@@ -39,7 +39,8 @@ def upgrade(values: dict[str, Any]) -> dict[str, Any]:
 def _inline_model(values: dict[str, Any]) -> dict[str, Any]:
     """`model.hf_config` as the JSON text of the config it names; with `--init-from` a directory
     saved by save_pretrained and no model config, that directory's config (the model it holds).
-    Whether transformers can build it is checked where the model is built (run.assemble.fit_model)."""
+    Whether transformers can build it is checked before the data is read
+    (diloco.model.init.check_model_config, called first thing in run.train.train)."""
     model = values.get("model")
     model = dict(model) if isinstance(model, dict) else {}
     given = model.get("hf_config")

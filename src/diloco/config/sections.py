@@ -290,12 +290,13 @@ class AsyncConfig:
 @dataclass(frozen=True)
 class StreamingConfig:
     """Streaming DiLoCo's settings (docs/method.md §3), read from TrainConfig's flat fields
-    (`TrainConfig.streaming`): config.json keeps them at its top level."""
+    (`TrainConfig.streaming`): config.json keeps them at its top level. A view: the settings, their
+    defaults and flags are declared on TrainConfig, whose fields of these names fill it."""
 
     inner_steps: int
-    fragments: int = 1
-    overlap_steps: int = 0
-    mix_alpha: float = 0.5
+    fragments: int
+    overlap_steps: int
+    mix_alpha: float
 
     @property
     def on(self) -> bool:
@@ -313,12 +314,13 @@ class StreamingConfig:
 @dataclass(frozen=True)
 class CommunicationConfig:
     """What crosses the network (docs/communication.md), read from TrainConfig's flat fields
-    (`TrainConfig.communication`): config.json keeps them at its top level."""
+    (`TrainConfig.communication`): config.json keeps them at its top level. A view, as
+    StreamingConfig is."""
 
-    codec: str = "fp32"
-    topk_fraction: float = 0.01
-    error_feedback: bool = False
-    download_codec: str = "fp32"
+    codec: str
+    topk_fraction: float
+    error_feedback: bool
+    download_codec: str
 
     def build_upload(self) -> Codec:
         """The codec workers encode outer_grads with (--codec, --error-feedback, --topk-fraction)."""

@@ -72,6 +72,7 @@ class TrainConfig:
         flag="--keep-checkpoints",
         group="output",
         needs=("checkpoint_every", ">", 0),
+        because="without checkpoints there are none to keep",
         help="checkpoints kept, oldest removed",
     )
     on_nonfinite: str = setting(
@@ -96,6 +97,8 @@ class TrainConfig:
         False,
         flag="--error-feedback",
         group="communication",
+        needs=("codec", "!=", "fp32"),
+        because="it keeps what a lossy codec leaves out, and fp32 leaves out nothing",
         help="a worker adds what its earlier messages left out to its next outer_grad (lossy codecs)",
     )
     download_codec: str = setting(
@@ -124,7 +127,8 @@ class TrainConfig:
         0.5,
         flag="--mix-alpha",
         group="communication",
-        needs=("overlap_steps", ">", 0),  # without overlap a fragment is replaced
+        needs=("overlap_steps", ">", 0),
+        because="it mixes a fragment that arrives late, and without overlap a fragment is replaced",
         help="with overlap, a merged fragment is α·local + (1 − α)·global",
     )
     out: str = setting(
@@ -197,7 +201,8 @@ class TrainConfig:
         flag="--after-drop",
         group="faults",
         choices=AFTER_DROP,
-        needs=("drop_prob", ">", 0),  # which needs --method diloco
+        needs=(ON_DILOCO, ("drop_prob", ">", 0)),
+        because="it says what a dropped outer_grad's worker does",
         help="where a worker whose outer_grad was lost (--drop-prob) starts its next round: own (its "
         "own parameters, as if it had not synchronised) or global (the global ones: its round is lost)",
     )
@@ -223,12 +228,12 @@ class TrainConfig:
     @property
     def streaming(self) -> StreamingConfig:
         """Streaming DiLoCo's settings; `.build()` is the schedule, or None for plain DiLoCo."""
-        return StreamingConfig(self.inner_steps, self.fragments, self.overlap_steps, self.mix_alpha)
+        return _view(StreamingConfig, self)
 
     @property
     def communication(self) -> CommunicationConfig:
         """The codecs' settings; `.build_upload()` and `.build_download()` are the codecs."""
-        return CommunicationConfig(self.codec, self.topk_fraction, self.error_feedback, self.download_codec)
+        return _view(CommunicationConfig, self)
 
     @property
     def total_inner_steps(self) -> int:
@@ -261,3 +266,8 @@ def flag(path: str) -> str | None:
 def label(path: str) -> str:
     """How messages name the setting at `path`: "inner.lr (--inner-lr)", or "model.n_layer"."""
     return settings.label(TrainConfig, path)
+
+
+def _view(cls: type, cfg: TrainConfig) -> Any:
+    """A section that views TrainConfig's flat fields, filled by name (no default written twice)."""
+    return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})

@@ -126,11 +126,6 @@ def validate(cfg: Any) -> None:
 
 def _validate_communication(cfg: Any) -> None:
     settings.in_range(cfg, "topk_fraction", lo=0.0, hi=1.0, lo_open=True)
-    if cfg.error_feedback and cfg.codec == "fp32":
-        raise UserError(
-            "error_feedback (--error-feedback) keeps what a lossy codec leaves out, and fp32 leaves out "
-            "nothing: add --codec bf16, int8, fp4 or topk, or drop it."
-        )
     if cfg.error_feedback and cfg.method in ("single", "dp"):
         raise UserError(
             f"error_feedback (--error-feedback) needs outer_grads; --method {cfg.method} sends none."

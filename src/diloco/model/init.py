@@ -24,6 +24,15 @@ from diloco.errors import UserError
 from diloco.model.gpt import GPT
 
 
+def check_model_config(cfg: TrainConfig) -> None:
+    """Refuse a --model-config transformers cannot build (a UserError naming it and the fix), before
+    any data is read or tokenized. The config layer reads the file; building needs the model room."""
+    if cfg.model.hf_config:
+        from diloco.model.hf import load_model_config
+
+        load_model_config(cfg.model.hf_config, where="the model config (--model-config)")
+
+
 def fit_model(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
     """`cfg` with a model that fits the tokenizer: diloco's GPT gets at least its vocabulary; a
     Hugging Face config must already have it, and positions for --seq-len."""

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from diloco.config import InnerConfig, TrainConfig
+from diloco.config.parsers import parse_slowdown
 from diloco.core.async_rules import AsyncRule
 from diloco.core.codec import Codec
 from diloco.core.inner import Worker
@@ -32,7 +33,7 @@ from diloco.data.tokens import View
 from diloco.model.init import build_model, initial_model
 from diloco.runtime import faults
 from diloco.runtime.async_sim import AsyncDiLoCo
-from diloco.runtime.clock import Clock, parse_slowdown, profile
+from diloco.runtime.clock import Clock, profile
 from diloco.runtime.data_parallel import DataParallel
 from diloco.runtime.pool import InlinePool, ProcessPool, balanced_assignment
 from diloco.runtime.sim import DiLoCo, make_worker

@@ -24,7 +24,7 @@ from diloco.data.recipe import prepare_data, use_plan
 from diloco.data.shard_plan import SHARDS_FILE, ShardPlan
 from diloco.data.text import DATA_FILE, TOKENIZER_FILE
 from diloco.errors import Interrupted, RunFailed, UserError, resume_step
-from diloco.model.init import fit_model, load_init
+from diloco.model.init import check_model_config, fit_model, load_init
 from diloco.run.assemble import build_trainer, small_shards
 from diloco.run.loop import Run, run_async, run_sync, save_checkpoint
 from diloco.run.threads import set_threads
@@ -58,6 +58,7 @@ def train(
         coll.init(cfg)
         threads = coll.threads_per_rank(cfg)
     set_threads(threads)
+    check_model_config(cfg)  # a model transformers cannot build is refused before the data is read
     main = is_main_process(cfg)
     restarted = collective and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     # which torchrun launch this rank belongs to: a restart of it may take its run directory again

@@ -22,7 +22,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -39,7 +38,7 @@ from diloco.run.assemble import build_worker, download_codec
 from diloco.run.link import Heartbeat, Link, Refused, RunOver, log
 from diloco.run.threads import set_threads
 from diloco.runtime.server import diloco_pb2 as pb
-from diloco.runtime.server.wire import CHUNK_BYTES, PROTOCOL
+from diloco.runtime.server.wire import PROTOCOL, push_chunks
 
 MAX_REFUSED_IN_A_ROW = 3  # then something is wrong with this worker: it stops (exit 2)
 
@@ -52,13 +51,6 @@ def _get_job(link: Link, ref: pb.WorkerRef) -> tuple[pb.JobChunk, bytes]:
     if head.status == pb.JobChunk.RUN and len(blob) != head.total_bytes:
         raise UserError(f"job {head.job} came with {len(blob)} bytes of parameters, not {head.total_bytes}")
     return head, blob
-
-
-def _push_chunks(head: pb.PushChunk, blob: bytes) -> Iterator[pb.PushChunk]:
-    head.data = blob[:CHUNK_BYTES]
-    yield head
-    for at in range(CHUNK_BYTES, len(blob), CHUNK_BYTES):
-        yield pb.PushChunk(data=blob[at : at + CHUNK_BYTES])
 
 
 def _slowed(worker: Worker, factor: float, over: threading.Event) -> None:
@@ -248,7 +240,7 @@ def _jobs(
             reply = link.call(
                 f"job {head.job}'s update",
                 lambda push=push, message=message: link.stub.Push(
-                    _push_chunks(push, message), timeout=120.0, metadata=link.meta
+                    push_chunks(push, message), timeout=120.0, metadata=link.meta
                 ),
                 over,
             )

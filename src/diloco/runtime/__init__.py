@@ -1,6 +1,6 @@
 """Runtimes: where workers compute and how messages and time move. Each keeps an `OuterSide`
-(outer_side.py) and exposes the small interface below, which is all `train.py` and
-`summary.py` use; they never ask which runtime they hold.
+(outer_side.py) and exposes the small interface below, which is all the training loop
+(run/loop.py) and the summary (rundir/summary.py) use; they never ask which runtime they hold.
 
 - `side`: the OuterSide (global parameters `side.model`, `version`, counters).
 - `num_workers`, `is_main` (this process evaluates and writes the run directory).

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import random
 
-from diloco.config.parsers import Slowdown as Slowdown
-from diloco.config.parsers import parse_slowdown as parse_slowdown
-from diloco.config.parsers import parse_speeds as parse_speeds
+from diloco.config.parsers import Slowdown
 from diloco.config.sections import HETEROGENEITY
 
 
