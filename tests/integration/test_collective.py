@@ -104,6 +104,7 @@ def test_two_workers_of_two_ranks_equal_two_simulated_workers_at_double_batch(ti
     assert _max_rel(real, sim) < 1e-4
 
 
+@pytest.mark.slow  # long; in `make test-all` (pytest -m slow)
 @pytest.mark.timeout(120)
 def test_a_rank_killed_mid_round_restarts_and_resumes_from_the_checkpoint(tiny, tmp_path):
     out = tmp_path / "c"

@@ -61,7 +61,10 @@ def _strict_json_lines(path: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("launch", [("--standalone",), ("--nnodes", "1", "--master-port", "29617")])
+@pytest.mark.parametrize(
+    "launch",
+    [("--standalone",), pytest.param(("--nnodes", "1", "--master-port", "29617"), marks=pytest.mark.slow)],
+)
 def test_a_torchrun_restart_never_takes_over_another_run(tmp_path, launch):
     # torchrun's own run id is "none" for every launch without --standalone: it cannot tell them apart
     out = tmp_path / "earlier"
@@ -115,6 +118,7 @@ def test_on_nonfinite_drop_goes_on_and_keeps_the_files_strict_json(tmp_path, cap
         assert summary["outer_updates"] == 3  # worker 0's outer_grad still made round 2's update
 
 
+@pytest.mark.slow  # long; in `make test-all` (pytest -m slow)
 @pytest.mark.timeout(90)
 def test_a_hung_rank_ends_the_run_within_the_timeout(tmp_path):
     t0 = time.monotonic()

@@ -93,7 +93,20 @@ def test_async_stop_after_and_resume_ends_bit_identical(tmp_path, capsys, extra)
             "--speeds",
             "1,2",
         ],
-        ["--fragments", "2", "--codec", "fp4", "--error-feedback", "--procs", "2", "--bandwidth-mbps", "1"],
+        pytest.param(
+            [
+                "--fragments",
+                "2",
+                "--codec",
+                "fp4",
+                "--error-feedback",
+                "--procs",
+                "2",
+                "--bandwidth-mbps",
+                "1",
+            ],
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["fp4-ef", "topk-ef-bf16-download", "streaming-overlap-int8", "streaming-two-procs"],
 )
@@ -137,6 +150,7 @@ def _torchrun(tmp_path, *flags, env=None, timeout=100):
     )
 
 
+@pytest.mark.slow  # long; in `make test-all` (pytest -m slow)
 @pytest.mark.timeout(200)
 def test_a_checkpoint_moves_between_the_simulator_and_torchrun_both_ways(tmp_path):
     flags_c = [*_config(tmp_path), "--workers", "2", "--rounds", "4"]

@@ -190,7 +190,7 @@ def test_async_worker_joins_and_one_is_killed_mid_job(tmp_path):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("method", ["async", "diloco"])
+@pytest.mark.parametrize("method", [pytest.param("async", marks=pytest.mark.slow), "diloco"])
 def test_server_killed_and_resumed_loses_and_repeats_nothing(tmp_path, method):
     """kill -9 of the server mid-run (in sync mode: mid-round), then `diloco serve --resume`: the
     workers carry on; every acknowledged push is applied exactly once, and the whole log still
@@ -232,6 +232,7 @@ def test_server_killed_and_resumed_loses_and_repeats_nothing(tmp_path, method):
     assert replay(run_dir)["bitwise_equal"]
 
 
+@pytest.mark.slow  # long; in `make test-all` (pytest -m slow)
 @pytest.mark.timeout(180)
 def test_a_paused_worker_loses_its_slot_and_cannot_act_for_its_successor(tmp_path):
     """A worker frozen (SIGSTOP: a network gone quiet) past its lease is replaced by a new worker
@@ -272,6 +273,7 @@ def test_a_paused_worker_loses_its_slot_and_cannot_act_for_its_successor(tmp_pat
     assert replay(run_dir)["bitwise_equal"]
 
 
+@pytest.mark.slow  # long; in `make test-all` (pytest -m slow)
 @pytest.mark.timeout(120)
 def test_sync_round_timeout_drops_the_late_worker(tmp_path):
     """Sync with --round-timeout-s: a much slower worker's outer_grads arrive after their round

@@ -31,6 +31,7 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+@pytest.mark.slow  # long; in `make test-all` (pytest -m slow)
 @pytest.mark.timeout(150)
 def test_a_worker_reconnects_within_2_s_of_the_server_back_on_the_same_port(tmp_path):
     """kill -9 of the server mid-run, down 20 s, then `diloco serve --resume` on the same port:
