@@ -272,7 +272,7 @@ def check_needs(cfg: Any, commands: dict[tuple[str, Any], str] | None = None) ->
                     f"{get(cfg, path)}){why}; run it with {command}, or drop it."
                 )
             if op == "==":
-                need = f"{flag} {wanted}" if flag else f"{path} = {wanted!r}"
+                need = (flag if wanted is True else f"{flag} {wanted}") if flag else f"{path} = {wanted!r}"
                 fix = f"add {need}"
             else:
                 need = f"{flag or path} {phrase.format(wanted)}"

@@ -242,11 +242,67 @@ def test_measured_speeds_follow_a_slowdown(tiny, tmp_path):
     assert all(m["steps"] == 6 for m in lines if m["worker"] == 1 and m["sim_time_s"] < 60)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "dylu_by,times,steps",
+    [
+        # 1-step probes measure 1.0 and 2.5 s per step. H_w from speeds: worker 1 takes
+        # ⌊1/2.5 · 4⌋ = 1 step and is due when it lands, at 2.5: its window (to 3.5) does not
+        # wait for worker 0 (due at 4.0), so it restarts alone; worker 0's window (4.0 to 5.0)
+        # catches worker 1's next push at 5.0, and the two drift apart again.
+        ("steps", [2.5, 4.0, 5.0, 7.5, 9.0], [1, 4, 1, 1, 4]),
+        # Deadlines of 4 × 1.0 s: worker 1 fits 1 step (a second would end at 5.0) and lands at
+        # 2.5, but was due at its deadline, 4.0: the window opens then and takes worker 0's push
+        # at 4.0; both restart at 4.0, and again at 8.0.
+        ("time", [2.5, 4.0, 6.5, 8.0, 10.5], [1, 4, 1, 4, 1]),
+    ],
+)
+def test_deadline_jobs_land_in_one_grace_group(tiny, tmp_path, dylu_by, times, steps):
+    cfg = tiny(
+        method="async",
+        sim=SimConfig(speeds=(1.0, 2.5), procs=1),
+        async_=AsyncConfig(**{**BARE, "dylu": True, "dylu_by": dylu_by, "grace_s": 1.0}),
+    )
+    train(cfg, progress=False)
+    lines = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "worker"]
+    assert [round(m["sim_time_s"], 6) for m in lines[:5]] == times
+    assert [m["steps"] for m in lines[:5]] == steps
+
+
+@pytest.mark.timeout(120)
+def test_with_jitter_deadline_jobs_keep_every_grace_group_whole(tiny, tmp_path):
+    # The benchmark's profile with each job ±10%: jobs of H_w steps land up to a tenth of a job
+    # apart and their groups split (a push then lands with staleness other than its place in a
+    # whole group); deadline jobs land together, every group holds all 4 workers, and DN sees
+    # each group as a synchronous round: staleness 0, 1, 2, 3 in every group.
+    stale = {}
+    for dylu_by in ("steps", "time"):
+        cfg = tiny(
+            method="async",
+            num_workers=4,
+            inner_steps=20,
+            rounds=4,
+            sim=SimConfig(speeds=SPEEDS, speed_jitter=0.1, procs=1),
+            async_=AsyncConfig(dylu_by=dylu_by),
+            out=str(tmp_path / dylu_by),
+            eval_every=0,
+        )
+        train(cfg, progress=False)
+        stale[dylu_by] = [m["staleness"] for m in read_metrics(tmp_path / dylu_by) if m["kind"] == "worker"]
+    whole = [0, 1, 2, 3] * (len(stale["time"]) // 4)
+    assert len(stale["time"]) >= 12 and stale["time"][: len(whole)] == whole
+    assert stale["steps"][: len(whole)] != [0, 1, 2, 3] * (len(whole) // 4)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "server",
-    [AsyncConfig(shard_sampling=False), AsyncConfig(shard_sampling=False, dylu_oracle=True)],
-    ids=["measured", "oracle"],
+    [
+        AsyncConfig(shard_sampling=False),
+        AsyncConfig(shard_sampling=False, dylu_oracle=True),
+        AsyncConfig(shard_sampling=False, dylu_by="time"),
+    ],
+    ids=["measured", "oracle", "deadlines"],
 )
 def test_async_with_equal_speeds_reduces_to_sync_diloco(tiny, tmp_path, server):
     # The paper's footnote: equal speeds, no jitter, DN with N = k and c = 0, DyLU and a grace

@@ -73,6 +73,7 @@ EXPECTED = {
     "--dylu": "async.dylu",
     "--dylu-oracle": "async.dylu_oracle",
     "--dylu-alpha": "async.dylu_alpha",
+    "--dylu-by": "async.dylu_by",
     "--shard-sampling": "async.shard_sampling",
     "--grace-s": "async.grace_s",
     # new settings

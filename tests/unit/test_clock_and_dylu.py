@@ -3,7 +3,14 @@ import math
 import pytest
 
 from diloco.config.parsers import Slowdown, parse_slowdown
-from diloco.core.async_policy import SpeedEstimator, dylu_steps, grace_close, shard_probabilities
+from diloco.core.async_policy import (
+    SpeedEstimator,
+    dylu_steps,
+    grace_close,
+    job_seconds,
+    shard_probabilities,
+    steps_within,
+)
 from diloco.runtime.clock import Clock, profile
 
 
@@ -90,3 +97,43 @@ def test_grace_window_closes_at_the_last_expected_push(in_flight, close):
 
 def test_unbounded_grace_waits_for_every_push_in_flight():
     assert grace_close(10.0, math.inf, [(11.0, 50.0), (90.0, 12.0)]) == 90.0
+
+
+@pytest.mark.parametrize(
+    "seconds,durations,steps",
+    [
+        # 1 s steps in 3.5 s: after 3 steps, a 4th (at the mean, 1 s) would end at 4 > 3.5
+        (3.5, [1.0] * 10, 3),
+        # a step longer than the whole job: still one step
+        (0.5, [2.0] * 10, 1),
+        # the worker judges by its mean so far: after 1 + 1 s a third step "fits" in 3.4 s, and
+        # takes 2 s; then it stops (4 s spent)
+        (3.4, [1.0, 1.0, 2.0, 1.0], 3),
+        # H equal steps fit a job of H × s exactly, whatever the rounding of the sum
+        (50 * 0.58, [0.58] * 60, 50),
+    ],
+)
+def test_a_deadline_job_takes_the_steps_that_fit(seconds, durations, steps):
+    assert steps_within(seconds, iter(durations)) == steps
+
+
+def test_a_deadline_is_h_steps_of_the_fastest_and_the_clock_gives_each_steps_time():
+    assert job_seconds(50, [0.75, 0.58, 3.33]) == 50 * 0.58
+    clock = Clock([1.0, 2.0], slowdowns=(Slowdown(1, 3.0, 4.0, math.inf),))
+    times = clock.step_times(1, 0.0, job=0)
+    assert [next(times) for _ in range(4)] == [2.0, 2.0, 6.0, 6.0]  # 3x from the step starting at 4 s
+    assert steps_within(9.0, clock.step_times(1, 0.0, job=0)) == 3  # 2 + 2 (+2 at the mean fits) + 6
+
+
+@pytest.mark.parametrize(
+    "in_flight,close",
+    [
+        # the first push landed at 8, before its deadline at 10: the window runs from 10 to 13
+        ([(9.5, 10.0)], 9.5),  # the other one due at 10 lands at 9.5: closed then
+        ([(12.0, 10.0)], 12.0),  # ... lands late but inside the window
+        ([(14.0, 10.0)], 13.0),  # ... lands after it: closed at the window's end
+        ([], 8.0),  # nobody else: closed when the push landed
+    ],
+)
+def test_a_window_opened_by_an_early_deadline_push_runs_from_its_deadline(in_flight, close):
+    assert grace_close(8.0, 3.0, in_flight, opens_s=10.0) == close

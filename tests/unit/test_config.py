@@ -149,6 +149,15 @@ def test_an_int_is_a_float_and_inf_is_a_grace_and_a_slowdown_end():
         ),
         ({"async": {"grace_s": 1.0}, "method": "single"}, "run has single); add --method async or drop it."),
         ({"async": {"dylu_oracle": True}}, "async.dylu_oracle (--dylu-oracle) applies only with"),
+        ({"async": {"dylu_by": "time"}}, "async.dylu_by (--dylu-by) applies only with --method async"),
+        (
+            {"method": "async", "async": {"dylu_by": "time", "dylu": False}},
+            "async.dylu_by (--dylu-by) applies only with --dylu (this run has False)",
+        ),
+        (
+            {"method": "async", "runtime": "server", "checkpoint_every": 1, "async": {"dylu_by": "time"}},
+            "async.dylu_by (--dylu-by) time is simulated only so far",
+        ),
         (
             {"procs_per_worker": 2},
             "procs_per_worker (--procs-per-worker) applies only with --runtime collective",
@@ -205,7 +214,11 @@ def test_a_config_json_with_the_old_server_table_loads_its_values_into_async():
     assert (v.rule, v.delaycomp_lambda, v.dylu, v.grace_s) == ("delaycomp", 0.3, False, 1.5)
     assert v != AsyncConfig()
     written = cfg.to_dict()  # what config.json holds from now on
-    assert written["async"] == old["server"] and "server" not in written and "async_" not in written
+    # the old table's values, and the settings added since at their defaults
+    added = {"dylu_by": "steps"}
+    assert (
+        written["async"] == {**old["server"], **added} and "server" not in written and "async_" not in written
+    )
     assert from_dict(written) == cfg
 
 

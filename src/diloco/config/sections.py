@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from diloco.config.parsers import parse_speeds
+from diloco.core.async_policy import DYLU_BY
 from diloco.core.async_rules import ASYNC_RULES, AsyncRule, build_async_rule
 from diloco.core.codec import CODECS as _CODECS
 from diloco.core.codec import Codec, build_codec
@@ -256,6 +257,14 @@ class AsyncConfig:
     )
     dylu_alpha: float = setting(
         0.5, flag="--dylu-alpha", needs=ON_ASYNC, help="EMA weight of a new speed measurement"
+    )
+    dylu_by: str = setting(
+        "steps",
+        flag="--dylu-by",
+        choices=DYLU_BY,
+        needs=(ON_ASYNC, ("async.dylu", True)),
+        help="steps: a job is H_w = ⌊v_w / max v · H⌋ steps (the paper); time: a job is a deadline of H × "
+        "the fastest measured seconds per step, and its worker trains until it (at least one step)",
     )
     shard_sampling: bool = setting(
         True, flag="--shard-sampling", needs=ON_ASYNC, help="shards by p_i ∝ max(|D_i|/Σ|D| − n_i/Σn, 0)"

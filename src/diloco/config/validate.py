@@ -94,6 +94,11 @@ def validate(cfg: Any) -> None:
                     f"{_label(cfg, key)} simulates {what}, which the parameter server has for real "
                     "(timeouts, workers joining and leaving); drop it."
                 )
+        if cfg.async_.dylu_by != "steps":
+            raise UserError(
+                "async.dylu_by (--dylu-by) time is simulated only so far: the parameter server hands out "
+                "jobs of H_w steps; use --dylu-by steps (the default) with diloco serve."
+            )
         if cfg.async_.dylu_oracle:
             raise UserError(
                 "async.dylu_oracle (--dylu-oracle) reads the simulator's true speeds, which a real server "

@@ -8,6 +8,12 @@ pushes join an update, and shard sampling by how far each shard lags behind its 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+
+# How DyLU sizes a job: "steps", H_w from the measured speeds (the paper's form), or "time", a
+# deadline every worker trains until, so jobs handed out together land together whatever a job's
+# speed turns out to be (docs/async.md, "Speeds that wander").
+DYLU_BY = ("steps", "time")
 
 
 def dylu_steps(step_s: list[float], inner_steps: int) -> list[int]:
@@ -15,6 +21,26 @@ def dylu_steps(step_s: list[float], inner_steps: int) -> list[int]:
     every worker takes about as long per round as the fastest does for H steps."""
     fastest = min(step_s)
     return [max(1, math.floor(fastest / s * inner_steps)) for s in step_s]
+
+
+def job_seconds(inner_steps: int, known_step_s: list[float]) -> float:
+    """A time-budgeted job's length ("--dylu-by time"): H × the fastest known seconds per step,
+    what the fastest worker needs for H steps."""
+    return inner_steps * min(known_step_s)
+
+
+def steps_within(seconds: float, step_s: Iterable[float]) -> int:
+    """The inner steps a worker trains in a job of `seconds`, `step_s` giving each step's
+    duration in turn: after its first step it starts another while the time spent plus one more
+    step at its mean so far fits, as a real worker can judge; at least one step, so every job
+    makes progress."""
+    done, spent = 0, 0.0
+    for s in step_s:
+        # (1 + 1e-9): H equal steps of s fit a job of H·s, whatever the rounding of their sum
+        if done and spent + spent / done > seconds * (1 + 1e-9):
+            break
+        done, spent = done + 1, spent + s
+    return done
 
 
 # A worker's first job measures its speed on its first tenth (at least one step) before DyLU
@@ -37,15 +63,18 @@ def grace_period(grace_s: float | str, inner_steps: int, known_step_s: list[floa
     return AUTO_GRACE_FRACTION * inner_steps * min(known_step_s) if known_step_s else 0.0
 
 
-def grace_close(first_s: float, grace_s: float, in_flight: list[tuple[float, float | None]]) -> float:
-    """When the server closes the grace window opened by a push landing at `first_s`.
+def grace_close(
+    first_s: float, grace_s: float, in_flight: list[tuple[float, float | None]], opens_s: float | None = None
+) -> float:
+    """When the server closes the grace window opened by a push landing at `first_s` (or, for a
+    push that landed before it was due, at `opens_s`, when it was due: a deadline job's).
 
     `in_flight` holds the other jobs as (when its push lands, when the server expects it; None
     if it cannot tell yet). The server waits for every push it expects inside the window (one it
     cannot predict may land any time) and never past the window's end: it closes as soon as the
     last expected push has landed, or at the window's end if one of them is late. Every push
     landed by then belongs to the group, and the group restarts at that moment."""
-    end = first_s + grace_s
+    end = (first_s if opens_s is None else max(first_s, opens_s)) + grace_s
     expected = [lands for lands, due in in_flight if due is None or due <= end]
     if any(lands > end for lands in expected):
         return end

@@ -28,8 +28,10 @@ from diloco.core.async_policy import (
     dylu_steps,
     grace_close,
     grace_period,
+    job_seconds,
     probe_steps,
     shard_probabilities,
+    steps_within,
 )
 from diloco.core.async_rules import AsyncRule, DelayComp
 from diloco.core.codec import Codec, Encoded
@@ -71,6 +73,7 @@ class AsyncDiLoCo(SideView):
         dylu: bool = True,
         dylu_oracle: bool = False,
         dylu_alpha: float = 0.5,
+        dylu_by: str = "steps",
         grace_s: float | str = "auto",
         shard_sizes: list[int] | None = None,
         seed: int = 0,
@@ -79,9 +82,8 @@ class AsyncDiLoCo(SideView):
         side = OuterSide(
             model_fn(), len(pool), update=rule, codec=codec, seed=seed, on_nonfinite=on_nonfinite
         )
-        self._setup(
-            side, pool, clock, inner_steps, total_steps, dylu, dylu_oracle, dylu_alpha, grace_s, shard_sizes
-        )
+        dylu_how = (dylu, dylu_oracle, dylu_alpha, dylu_by)
+        self._setup(side, pool, clock, inner_steps, total_steps, dylu_how, grace_s, shard_sizes)
 
     @classmethod
     def from_config(
@@ -91,18 +93,17 @@ class AsyncDiLoCo(SideView):
         v, self = cfg.async_, cls.__new__(cls)
         total = cfg.num_workers * cfg.total_inner_steps
         sizes = shard_sizes if v.shard_sampling else None
-        self._setup(
-            side, pool, clock, cfg.inner_steps, total, v.dylu, v.dylu_oracle, v.dylu_alpha, v.grace_s, sizes
-        )
+        dylu_how = (v.dylu, v.dylu_oracle, v.dylu_alpha, v.dylu_by)
+        self._setup(side, pool, clock, cfg.inner_steps, total, dylu_how, v.grace_s, sizes)
         return self
 
-    def _setup(
-        self, side, pool, clock, inner_steps, total_steps, dylu, dylu_oracle, dylu_alpha, grace_s, shard_sizes
-    ) -> None:
+    def _setup(self, side, pool, clock, inner_steps, total_steps, dylu_how, grace_s, shard_sizes) -> None:
         k = len(pool)
+        dylu, dylu_oracle, dylu_alpha, dylu_by = dylu_how
         self.side, self.pool, self.rule, self.clock = side, pool, side.update, clock
         self.inner_steps, self.step_budget = inner_steps, total_steps
         self.dylu, self.dylu_oracle, self.grace_s = dylu or dylu_oracle, dylu_oracle, grace_s
+        self.by_time = self.dylu and dylu_by == "time"  # jobs are deadlines (job_seconds)
         self.estimators = [SpeedEstimator(dylu_alpha) for _ in range(k)]
         self._push_bytes = side.codec.message_bytes(side.params)  # one encoded outer_grad
         self._probes: dict[int, tuple[float, float]] = {}  # worker -> (probe ends at, s per step)
@@ -152,18 +153,24 @@ class AsyncDiLoCo(SideView):
         known = [s for s in self.known_step_s(t) if s is not None]
         return grace_period(self.grace_s, self.inner_steps, known)
 
-    def _steps_for(self, w: int, t: float) -> int:
-        """H_w of a job handed out at t; a first job's is set when its probe ends (`_probe`)."""
+    def _steps_for(self, w: int, t: float, start_s: float) -> tuple[int, float | None]:
+        """H_w of a job handed out at t whose steps start at `start_s`, and its length in seconds
+        when jobs are deadlines (else None); a first job's is set when its probe ends (`_probe`)."""
         if not self.dylu:
-            return self.inner_steps
+            return self.inner_steps, None
+        first = self.estimators[w].step_s is None and not self.dylu_oracle
         if self.dylu_oracle:
             speeds = [self.clock.true_step_s(i, t) for i in range(self.num_workers)]
-            return dylu_steps(speeds, self.inner_steps)[w]
-        first = self.estimators[w].step_s is None
-        known = self.known_step_s(self._probes[w][0] if first else t)
-        # a worker not measured yet is no faster than w: every faster one has ended its probe
-        speeds = [s if s is not None else known[w] for s in known]
-        return max(self.probe_steps if first else 1, dylu_steps(speeds, self.inner_steps)[w])
+        else:
+            known = self.known_step_s(self._probes[w][0] if first else t)
+            # a worker not measured yet is no faster than w: every faster one has ended its probe
+            speeds = [s if s is not None else known[w] for s in known]
+        least = self.probe_steps if first else 1
+        if self.by_time:  # the worker trains until the deadline: H_w is what fits in it
+            seconds = job_seconds(self.inner_steps, speeds)
+            steps = steps_within(seconds, self.clock.step_times(w, start_s, job=self._jobs[w]))
+            return max(least, steps), seconds
+        return max(least, dylu_steps(speeds, self.inner_steps)[w]), None
 
     def _probe(self, w: int, t: float) -> None:
         """Worker w's first job starts at t: its first steps measure its speed."""
@@ -178,16 +185,16 @@ class AsyncDiLoCo(SideView):
         return self.rng.choices(range(len(probs)), weights=probs)[0]
 
     def _dispatch(self, w: int, t: float) -> None:
-        steps = min(self._steps_for(w, t), self.step_budget - self.dispatched)
+        pulled_at = t + self.clock.transfer_s(self.side.pull_bytes)
+        steps, seconds = self._steps_for(w, t, pulled_at)
+        steps = min(steps, self.step_budget - self.dispatched)
         if steps <= 0:
             return
         shard = self._pick_shard(w)
         key = w if shard is None else shard
         shard_step = self.shard_steps[key]
         self.shard_steps[key] += steps
-        pull_bytes = self.side.pull_bytes
         self.pool.submit(w, self.side.pull(w), steps, lr_step=shard_step, shard=shard)
-        pulled_at = t + self.clock.transfer_s(pull_bytes)
         compute_s = self.clock.compute_s(w, pulled_at, steps, job=self._jobs[w])
         arrival = pulled_at + compute_s + self.clock.transfer_s(self._push_bytes)
         self._jobs[w] += 1
@@ -200,6 +207,7 @@ class AsyncDiLoCo(SideView):
             "version": self.version,
             "pulled": pulled,
             "shard": key,
+            "seconds": seconds,
         }
         heapq.heappush(self._heap, (arrival, w, w))
 
@@ -219,10 +227,13 @@ class AsyncDiLoCo(SideView):
         )
 
     def _due(self, w: int, step_s: float | None) -> float | None:
-        """When the server expects worker w's push, knowing its seconds per step (None: unknown)."""
+        """When the server expects worker w's push, knowing its seconds per step (None: unknown);
+        a deadline job's is its deadline's, whatever the speed."""
+        job = self._inflight[w]
+        if job["seconds"] is not None:
+            return job["started_s"] + job["seconds"] + self.clock.transfer_s(self._push_bytes)
         if step_s is None:
             return None
-        job = self._inflight[w]
         return job["started_s"] + job["steps"] * step_s + self.clock.transfer_s(self._push_bytes)
 
     @property
@@ -252,7 +263,10 @@ class AsyncDiLoCo(SideView):
             grace = self.grace_at(t)  # without one, each push is on its own, ties too
             if grace > 0:
                 known = self.known_step_s(t)
-                close = grace_close(t, grace, [(lands, self._due(j, known[j])) for lands, _, j in self._heap])
+                # a deadline job may land before its deadline: the window opens when it was due
+                opens = self._due(w, None) if self._inflight[w]["seconds"] is not None else None
+                in_flight = [(lands, self._due(j, known[j])) for lands, _, j in self._heap]
+                close = grace_close(t, grace, in_flight, opens)
             while grace > 0 and self._heap and self._heap[0][0] <= close:
                 ta, _, wa = heapq.heappop(self._heap)
                 self._group.append((ta, wa))
@@ -350,6 +364,7 @@ class AsyncDiLoCo(SideView):
                 "version": int(job["version"]),
                 "pulled": [t.clone() for t in job["pulled"]] if job["pulled"] else None,
                 "shard": int(job["shard"]),
+                "seconds": None if job.get("seconds") is None else float(job["seconds"]),
             }
         self._probes = {w: (float(p[0]), float(p[1])) for w, p in enumerate(a["probes"]) if p is not None}
         for e, step_s in zip(self.estimators, a["speed_estimates"], strict=True):

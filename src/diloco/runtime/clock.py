@@ -11,6 +11,7 @@ B ÷ bandwidth + latency. Nothing here touches tensors; results depend only on t
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 from diloco.config.parsers import Slowdown
 from diloco.config.sections import HETEROGENEITY
@@ -72,6 +73,15 @@ class Clock:
         for _ in range(steps):
             t += base * self._slowdown(worker, t)
         return t - start_s
+
+    def step_times(self, worker: int, start_s: float, *, job: int) -> Iterator[float]:
+        """The durations of `worker`'s inner steps from `start_s` on, one by one (endless), as
+        `compute_s` adds them up."""
+        base, t = self.step_s[worker] * self._jitter(worker, job), start_s
+        while True:
+            step = base * self._slowdown(worker, t)
+            yield step
+            t += step
 
     def true_step_s(self, worker: int, t: float) -> float:
         """The profile's time per step at time t, without jitter (what an oracle would know)."""

@@ -1,0 +1,246 @@
+"""Asynchronous methods against sync DiLoCo when worker speeds wander (issue 31; docs/async.md).
+
+The profile of benchmarks/async_vs_sync.py (nano GPT, 4 workers at 0.58 / 0.75 / 1.51 / 3.33
+simulated seconds per inner step, H = 50, 8 rounds: 1,600 local steps for every method), with
+`--speed-jitter` 0, 0.1 and 0.2 (each job's time per step × 1 + J·U(−1, 1)), five seeds, from
+scratch and from a warm start (one single-worker model pretrained for 400 steps, seed 1000).
+
+Methods (`METHODS`): sync DiLoCo; the paper's baselines on Algorithm 2's framework with a fixed
+H (shard sampling and the grace period on): naive, poly, polythres, delay compensation, buffer,
+DN; DN + DyLU in the paper's form (H_w from measured speeds, `--dylu-by steps`); and DN + DyLU
+with jobs as deadlines (`--dylu-by time`, the fix this benchmark measures).
+
+Each method's outer lr is the best of {0.1, 0.3, 0.5, 0.7, 1.0} on seed 100 (not among the
+reported seeds) at jitter 0.1 from scratch (`--sweep`), and is used at every jitter level and in
+both scenarios. Every run directory is kept under `--out`/async_jitter_runs and reused when its
+summary.json exists, so the benchmark can be stopped and continued (hours on 2 cores: each run
+takes about 1.7 minutes; 50 sweep runs, then up to 300).
+
+    python benchmarks/async_jitter.py --sweep                  # the outer-lr sweep (seed 100)
+    python benchmarks/async_jitter.py                          # every cell; cached runs reused
+    python benchmarks/async_jitter.py --seeds 1 --jitters 0.1 --scenarios scratch   # a quick look
+
+Per method and jitter level it reports the final validation loss (mean, min–max, mean of the
+per-seed % vs sync), `speedup` (sync's simulated time to its own final subset loss ÷ the
+method's time to that loss; None where the method never reaches it), outer updates applied and
+mean staleness; `best_async_method_jJ` is the asynchronous method with the lowest mean loss.
+Prints the result as JSON last and writes benchmarks/results/async_jitter.json and one figure
+per jitter level (docs/figures/async_jitter_jJ.png, seed 0, from scratch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+from async_vs_sync import SPEEDS, final_subset_loss, time_to_loss
+
+from diloco.cli.plots import plot_runs
+from diloco.config import AsyncConfig, OuterConfig, SimConfig, TrainConfig
+from diloco.run.train import train
+from diloco.rundir.metrics import read_metrics
+
+K, H, ROUNDS = 4, 50, 8
+FIXED_H = AsyncConfig(dylu=False)  # Algorithm 2's shard sampling and grace period, fixed H
+METHODS = {
+    "sync": ("diloco", AsyncConfig()),
+    "naive": ("async", dataclasses.replace(FIXED_H, rule="naive")),
+    "poly": ("async", dataclasses.replace(FIXED_H, rule="poly")),
+    "polythres": ("async", dataclasses.replace(FIXED_H, rule="polythres")),
+    "delaycomp": ("async", dataclasses.replace(FIXED_H, rule="delaycomp")),
+    "buffer": ("async", dataclasses.replace(FIXED_H, rule="buffer")),
+    "dn": ("async", FIXED_H),
+    "dn_dylu": ("async", AsyncConfig()),  # the paper's form: H_w from measured speeds
+    "dn_dylu_time": ("async", AsyncConfig(dylu_by="time")),  # jobs as deadlines
+}
+JITTERS = (0.0, 0.1, 0.2)
+SEEDS = 5
+SWEEP_SEED, SWEEP_JITTER, SWEEP_LRS = 100, 0.1, (0.1, 0.3, 0.5, 0.7, 1.0)
+PRETRAIN_SEED = 1000
+RESULTS = Path(__file__).parent / "results"
+FIGURES = Path(__file__).parent.parent / "docs" / "figures"
+
+
+def config(name: str, seed: int, jitter: float, out: Path, lr: float, init: str = "") -> TrainConfig:
+    method, rule = METHODS[name]
+    return TrainConfig(
+        method=method,
+        num_workers=K,
+        inner_steps=H,
+        rounds=ROUNDS,
+        seed=seed,
+        eval_every=H // 2 if method == "async" else 0,
+        out=str(out),
+        init_from=init,
+        outer=OuterConfig(lr=lr),
+        sim=SimConfig(speeds=SPEEDS, speed_jitter=jitter),
+        async_=rule,
+    )
+
+
+def run(cfg: TrainConfig, label: str) -> dict:
+    """The run's summary: from its directory when it finished before, else trained now."""
+    summary = Path(cfg.out) / "summary.json"
+    if summary.is_file():
+        return json.loads(summary.read_text())
+    started = time.perf_counter()
+    result = train(cfg, progress=False)
+    print(
+        f"{label:44s} val_loss {result['val_loss']:.4f}  ({time.perf_counter() - started:.0f} s)", flush=True
+    )
+    return result
+
+
+def sweep(runs: Path, methods: list[str]) -> dict:
+    table = {
+        name: {
+            str(lr): round(
+                run(
+                    config(name, SWEEP_SEED, SWEEP_JITTER, runs / "sweep" / f"{name}-lr{lr}", lr),
+                    f"sweep {name} lr {lr}",
+                )["val_loss"],
+                5,
+            )
+            for lr in SWEEP_LRS
+        }
+        for name in methods
+    }
+    return {
+        "benchmark": "async_jitter_outer_lr",
+        "seed": SWEEP_SEED,
+        "jitter": SWEEP_JITTER,
+        "outer_lrs": SWEEP_LRS,
+        "final_val_loss": table,
+        "best_outer_lr": {m: float(min(losses, key=losses.get)) for m, losses in table.items()},
+    }
+
+
+def staleness(run_dir: Path) -> float | None:
+    stale = [m["staleness"] for m in read_metrics(run_dir) if m["kind"] == "worker"]
+    return round(statistics.fmean(stale), 3) if stale else None
+
+
+def cell(runs: Path, methods: list[str], seeds: list[int]) -> dict:
+    """Every figure of one jitter level and scenario, from the runs' summary.json and metrics."""
+    per: dict[str, dict[str, list]] = {
+        m: {"loss": [], "pct": [], "speedup": [], "updates": [], "stale": []} for m in methods
+    }
+    for seed in seeds:
+        sync_dir = runs / f"sync-s{seed}"
+        sync_loss = json.loads((sync_dir / "summary.json").read_text())["val_loss"]
+        target = final_subset_loss(sync_dir)
+        sync_t = time_to_loss(sync_dir, target)
+        for name in methods:
+            d = runs / f"{name}-s{seed}"
+            s = json.loads((d / "summary.json").read_text())
+            p = per[name]
+            p["loss"].append(s["val_loss"])
+            p["pct"].append(100 * (s["val_loss"] / sync_loss - 1))
+            p["updates"].append(s["outer_updates"])
+            p["stale"].append(staleness(d))
+            t = time_to_loss(d, target)
+            p["speedup"].append(round(sync_t / t, 3) if t else None)
+    out = {}
+    for name, p in per.items():
+        speedups = p["speedup"]
+        out[name] = {
+            "val_loss": {
+                "mean": round(statistics.fmean(p["loss"]), 5),
+                "min": round(min(p["loss"]), 5),
+                "max": round(max(p["loss"]), 5),
+            },
+            "val_loss_by_seed": [round(x, 5) for x in p["loss"]],
+            "vs_sync_pct": round(statistics.fmean(p["pct"]), 3),
+            "vs_sync_pct_by_seed": [round(x, 3) for x in p["pct"]],
+            "speedup_by_seed": speedups,
+            "min_speedup": None if None in speedups else min(speedups),
+            "outer_updates_mean": statistics.fmean(p["updates"]),
+            "mean_staleness": None if None in p["stale"] else round(statistics.fmean(p["stale"]), 3),
+        }
+    return out
+
+
+def compare(args, lrs: dict[str, float]) -> dict:
+    runs = args.out / "async_jitter_runs"
+    seeds = list(range(args.seeds))
+    methods = args.methods.split(",")
+    pretrain = runs / "pretrain"
+    if "warm" in args.scenarios:
+        single = TrainConfig(
+            method="single", inner_steps=H, rounds=ROUNDS, seed=PRETRAIN_SEED, out=str(pretrain)
+        )
+        run(single, f"pretrain (single worker, seed {PRETRAIN_SEED})")
+    result: dict = {
+        "benchmark": "async_jitter",
+        "speeds_s_per_step": SPEEDS,
+        "num_workers": K,
+        "inner_steps": H,
+        "rounds": ROUNDS,
+        "total_local_steps": K * ROUNDS * H,
+        "seeds": seeds,
+        "jitters": args.jitters,
+        "scenarios": args.scenarios,
+        "outer_lr": {m: lrs[m] for m in methods},
+    }
+    for scenario in args.scenarios:
+        init = str(pretrain) if scenario == "warm" else ""
+        for j in args.jitters:
+            where = runs / scenario / f"j{j:g}"
+            for seed in seeds:
+                for name in methods:
+                    cfg = config(name, seed, j, where / f"{name}-s{seed}", lrs[name], init)
+                    run(cfg, f"{scenario} j{j:g} seed {seed} {name}")
+            table = cell(where, methods, seeds)
+            prefix = "" if scenario == "scratch" else "warm_"
+            result[f"{prefix}j{j:g}"] = table
+            asyn = [m for m in methods if METHODS[m][0] == "async"]
+            best = min(asyn, key=lambda m: table[m]["val_loss"]["mean"])
+            result[f"{prefix}best_async_method_j{j:g}"] = best
+            result[f"{prefix}best_async_vs_sync_pct_j{j:g}"] = table[best]["vs_sync_pct"]
+            result[f"{prefix}best_async_min_speedup_j{j:g}"] = table[best]["min_speedup"]
+            if "sync_dylu" in table:
+                result[f"{prefix}sync_dylu_vs_sync_pct_j{j:g}"] = table["sync_dylu"]["vs_sync_pct"]
+                result[f"{prefix}sync_dylu_min_speedup_j{j:g}"] = table["sync_dylu"]["min_speedup"]
+            if scenario == "scratch" and args.figures is not None:
+                dirs = [where / f"{m}-s0" for m in methods if m != "naive"]  # naive diverges off the axis
+                plot_runs(
+                    dirs,
+                    x="sim_time_s",
+                    out=args.figures / f"async_jitter_j{j:g}.png",
+                    labels=[m for m in methods if m != "naive"],
+                    title=f"speed jitter {j:g}, seed 0: validation loss against simulated time",
+                )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="run the outer-lr sweep (seed 100)")
+    parser.add_argument("--seeds", type=int, default=SEEDS)
+    parser.add_argument("--jitters", type=lambda s: [float(x) for x in s.split(",")], default=list(JITTERS))
+    parser.add_argument("--scenarios", type=lambda s: s.split(","), default=["scratch", "warm"])
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--figures", type=Path, default=FIGURES)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    lr_file = args.out / "async_jitter_outer_lr.json"
+    if args.sweep:
+        result = sweep(args.out / "async_jitter_runs", args.methods.split(","))
+        name = lr_file.name
+    else:
+        if not lr_file.is_file():
+            raise SystemExit(f"no outer-lr sweep at {lr_file}: run with --sweep first")
+        lrs = json.loads(lr_file.read_text())["best_outer_lr"]
+        result = compare(args, lrs)
+        name = "async_jitter.json"
+    (args.out / name).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
