@@ -223,6 +223,19 @@ def test_measured_dylu_sizes_the_first_jobs_like_the_oracle(tiny, tmp_path):
     assert [(m["worker"], m["steps"]) for m in m_lines] == [(m["worker"], m["steps"]) for m in o_lines]
 
 
+@pytest.mark.timeout(120)
+def test_on_a_fixed_profile_deadline_jobs_are_the_h_w_step_jobs(tiny, tmp_path):
+    # Without jitter a deadline of H × the fastest speed fits exactly DyLU's H_w steps, and the
+    # pushes land as they did: the same jobs and the same θ, bit for bit.
+    sim = SimConfig(speeds=SPEEDS, procs=1)
+    _, by_steps = _dylu_run(tiny, tmp_path, "steps", AsyncConfig(), sim)
+    _, by_time = _dylu_run(tiny, tmp_path, "time", AsyncConfig(dylu_by="time"), sim)
+    assert [(m["worker"], m["steps"], m["sim_time_s"]) for m in by_time] == [
+        (m["worker"], m["steps"], m["sim_time_s"]) for m in by_steps
+    ]
+    assert _equal(_params(tmp_path / "time"), _params(tmp_path / "steps"))
+
+
 @pytest.mark.timeout(60)
 def test_measured_speeds_follow_a_slowdown(tiny, tmp_path):
     # Worker 0 is 3x slower from 12 s on: its estimate (EMA, weight 0.5) climbs towards 3 s and

@@ -2,10 +2,11 @@
 
 import json
 import math
+import signal
 
 import pytest
 
-from diloco.rundir.metrics import MetricsWriter, json_safe, perplexity, read_metrics
+from diloco.rundir.metrics import MetricsWriter, interrupts_deferred, json_safe, perplexity, read_metrics
 
 
 @pytest.mark.timeout(10)
@@ -44,3 +45,28 @@ def test_metrics_jsonl_is_strict_json_with_non_finite_values(tmp_path):
     assert lines[1]["train_loss"] is None and lines[1]["grad_norm"] == [1.0, None]
     assert lines[2]["train_loss"] == 2.5
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+
+
+@pytest.mark.timeout(10)
+def test_a_ctrl_c_inside_the_tensorboard_writer_acts_once_the_writer_is_done():
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            signal.raise_signal(signal.SIGINT)  # what Ctrl-C does, here mid-write
+            done.append("the write finished")
+    assert done == ["the write finished"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
+
+
+@pytest.mark.timeout(10)
+def test_a_sigterm_inside_the_writer_reaches_the_handler_the_run_set_afterwards():
+    seen = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with interrupts_deferred():
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGTERM)  # twice: the handler runs once, after the block
+            assert seen == []
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)
