@@ -50,12 +50,17 @@ def test_metrics_jsonl_is_strict_json_with_non_finite_values(tmp_path):
 @pytest.mark.timeout(10)
 def test_a_ctrl_c_inside_the_tensorboard_writer_acts_once_the_writer_is_done():
     done = []
-    with pytest.raises(KeyboardInterrupt):
-        with interrupts_deferred():
-            signal.raise_signal(signal.SIGINT)  # what Ctrl-C does, here mid-write
-            done.append("the write finished")
-    assert done == ["the write finished"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
+    # Python's own Ctrl-C handler (a shell may start the tests with SIGINT ignored)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts_deferred():
+                signal.raise_signal(signal.SIGINT)  # what Ctrl-C does, here mid-write
+                done.append("the write finished")
+        assert done == ["the write finished"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.mark.timeout(10)
