@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -83,10 +84,12 @@ def config(name: str, seed: int, jitter: float, out: Path, lr: float, init: str 
 
 
 def run(cfg: TrainConfig, label: str) -> dict:
-    """The run's summary: from its directory when it finished before, else trained now."""
+    """The run's summary: from its directory when it finished before, else trained now (a
+    directory left by a run stopped midway is started over)."""
     summary = Path(cfg.out) / "summary.json"
     if summary.is_file():
         return json.loads(summary.read_text())
+    shutil.rmtree(cfg.out, ignore_errors=True)
     started = time.perf_counter()
     result = train(cfg, progress=False)
     print(
