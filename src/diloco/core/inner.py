@@ -44,6 +44,30 @@ class InnerResult:
     finite: bool = True  # every loss and the outer_grad were finite
     message: Encoded | None = None  # the outer_grad encoded by the worker's codec
 
+    def state_dict(self) -> dict[str, Any]:
+        """The result as checkpoint state: its message, not the raw outer_grad (an async job's
+        result saved with the job in flight)."""
+        assert self.message is not None, "a result is saved with its encoded message"
+        return {
+            "steps": self.steps,
+            "mean_loss": self.mean_loss,
+            "last_lr": self.last_lr,
+            "finite": self.finite,
+            "message": self.message.state_dict(),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> InnerResult:
+        message = Encoded.from_state(state["message"])
+        return cls(
+            [],
+            int(state["steps"]),
+            float(state["mean_loss"]),
+            float(state["last_lr"]),
+            bool(state["finite"]),
+            message,
+        )
+
 
 class Worker:
     """One DiLoCo worker: a model replica, its inner optimizer and its data.

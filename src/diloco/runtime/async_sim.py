@@ -34,7 +34,7 @@ from diloco.core.async_policy import (
     steps_within,
 )
 from diloco.core.async_rules import AsyncRule, DelayComp
-from diloco.core.codec import Codec, Encoded
+from diloco.core.codec import Codec
 from diloco.core.inner import InnerResult
 from diloco.core.outer_side import OuterSide
 from diloco.errors import UserError
@@ -308,7 +308,7 @@ class AsyncDiLoCo(SideView):
                 **{k: v for k, v in job.items() if k != "pulled"},
                 "worker": w,
                 "pulled": job["pulled"] if job["pulled"] is not None else [],
-                "result": _result_state(self._ready[w]),
+                "result": self._ready[w].state_dict(),
             }
             for w, job in sorted(self._inflight.items())
         ]
@@ -356,7 +356,7 @@ class AsyncDiLoCo(SideView):
         self._inflight, self._ready = {}, {}
         for job in a["inflight"]:
             w = int(job["worker"])
-            self._ready[w] = _result_from_state(job["result"])
+            self._ready[w] = InnerResult.from_state(job["result"])
             self._inflight[w] = {
                 "steps": int(job["steps"]),
                 "started_s": float(job["started_s"]),
@@ -375,26 +375,3 @@ class AsyncDiLoCo(SideView):
 
     def close(self, *, clean: bool = True) -> None:
         self.pool.close()
-
-
-def _result_state(r: InnerResult) -> dict[str, Any]:
-    """A job's result as checkpoint state (its message, not the raw outer_grad)."""
-    return {
-        "steps": r.steps,
-        "mean_loss": r.mean_loss,
-        "last_lr": r.last_lr,
-        "finite": r.finite,
-        "message": r.message.state_dict(),
-    }
-
-
-def _result_from_state(state: dict[str, Any]) -> InnerResult:
-    message = Encoded.from_state(state["message"])
-    return InnerResult(
-        [],
-        int(state["steps"]),
-        float(state["mean_loss"]),
-        float(state["last_lr"]),
-        bool(state["finite"]),
-        message,
-    )
