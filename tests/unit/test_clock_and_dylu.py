@@ -137,3 +137,17 @@ def test_a_deadline_is_h_steps_of_the_fastest_and_the_clock_gives_each_steps_tim
 )
 def test_a_window_opened_by_an_early_deadline_push_runs_from_its_deadline(in_flight, close):
     assert grace_close(8.0, 3.0, in_flight, opens_s=10.0) == close
+
+
+def test_a_worker_given_a_deadline_takes_what_fits_and_says_so():
+    import torch
+
+    from diloco.core.inner import Worker
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    worker = Worker(model, opt, iter([None] * 20), loss_fn=lambda m, _: m.weight.sum())
+    start = [p.detach().clone() for p in model.parameters()]
+    assert worker.run(start, 5, seconds=0.0).steps == 1  # the first step always, then nothing fits
+    assert worker.run(start, 5, seconds=1e9).steps == 5  # `steps` bounds a long deadline
+    assert worker.run(start, 3).steps == 3 and worker.step == 9  # without one: all of them

@@ -29,15 +29,20 @@ def job_seconds(inner_steps: int, known_step_s: list[float]) -> float:
     return inner_steps * min(known_step_s)
 
 
+def another_step_fits(done: int, spent: float, seconds: float) -> bool:
+    """Whether a worker that took `done` steps in `spent` seconds of a job of `seconds` starts
+    another: always a first one, so every job makes progress; after it, while the time spent plus
+    one more step at its mean so far fits, as a real worker can judge. (1 + 1e-9): H equal steps
+    of s fit a job of H·s, whatever the rounding of their sum."""
+    return done == 0 or spent + spent / done <= seconds * (1 + 1e-9)
+
+
 def steps_within(seconds: float, step_s: Iterable[float]) -> int:
-    """The inner steps a worker trains in a job of `seconds`, `step_s` giving each step's
-    duration in turn: after its first step it starts another while the time spent plus one more
-    step at its mean so far fits, as a real worker can judge; at least one step, so every job
-    makes progress."""
+    """The inner steps a worker trains in a job of `seconds` (`another_step_fits`), `step_s`
+    giving each step's duration in turn: what the simulator's clock says a worker would do."""
     done, spent = 0, 0.0
     for s in step_s:
-        # (1 + 1e-9): H equal steps of s fit a job of H·s, whatever the rounding of their sum
-        if done and spent + spent / done > seconds * (1 + 1e-9):
+        if not another_step_fits(done, spent, seconds):
             break
         done, spent = done + 1, spent + s
     return done

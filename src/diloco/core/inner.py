@@ -15,6 +15,7 @@ job), and the outer side decides whether to stop the run or drop that outer_grad
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from diloco.core.async_policy import another_step_fits
 from diloco.core.codec import Codec, Encoded, Fp32Codec
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -129,9 +131,13 @@ class Worker:
         lr_step: int | None = None,
         shard: int | None = None,
         position: int | None = None,
+        seconds: float | None = None,
     ) -> InnerResult:
         """θ_local ← start; `steps` inner steps; return outer_grad = start − θ_local. With
         `start` None the worker continues from its own parameters (after a dropped outer_grad).
+        With `seconds`, a deadline job (docs/method.md §2): at most `steps`, and no more than fit
+        in `seconds` of this process's time (`async_policy.another_step_fits`); the result says
+        how many it took.
 
         `lr_step`, if given, is the schedule step of the first of these steps: sync DiLoCo's
         round (so a worker that joins mid-run takes the run's lr, not a fresh warm-up), async's
@@ -144,10 +150,13 @@ class Worker:
         if start is None:  # continue from the worker's own parameters
             start = [p.detach().clone() for p in self.params]
         self.load_params(start)
-        total_loss, lr = 0.0, 0.0
+        total_loss, lr, began, taken = 0.0, 0.0, time.perf_counter(), 0
         for j in range(steps):
+            if seconds is not None and not another_step_fits(j, time.perf_counter() - began, seconds):
+                break
             loss, lr = self.train_step(None if lr_step is None else lr_step + j)
-            total_loss += loss
+            total_loss, taken = total_loss + loss, j + 1
+        steps = taken
         with torch.no_grad():
             # On the start's device: the CPU for a GPU worker of the collective runtime.
             outer_grad = [s - p.to(s.device) for s, p in zip(start, self.params, strict=True)]
