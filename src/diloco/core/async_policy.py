@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 # How DyLU sizes a job: "steps", H_w from the measured speeds (the paper's form), or "time", a
 # deadline every worker trains until, so jobs handed out together land together whatever a job's
-# speed turns out to be (docs/async.md, "Speeds that wander").
+# speed turns out to be (docs/async.md, DyLU, "Jobs as deadlines").
 DYLU_BY = ("steps", "time")
 
 
