@@ -12,9 +12,11 @@ with jobs as deadlines (`--dylu-by time`, the fix this benchmark measures).
 
 Each method's outer lr is the best of {0.1, 0.3, 0.5, 0.7, 1.0} on seed 100 (not among the
 reported seeds) at jitter 0.1 from scratch (`--sweep`), and is used at every jitter level and in
-both scenarios. Every run directory is kept under `--out`/async_jitter_runs and reused when its
-summary.json exists, so the benchmark can be stopped and continued (hours on 2 cores: each run
-takes about 1.7 minutes; 50 sweep runs, then up to 300).
+both scenarios. The grid stops rising once a method diverges and widens past an edge that wins
+(halving below 0.1, ×1.4 above 1.0) until the best lies inside it. Every run directory is kept
+under `--out`/async_jitter_runs and reused when its summary.json exists, so the benchmark can be
+stopped and continued (hours on 2 cores: each run takes about 1.7 minutes alone; about 50 sweep
+runs, then 15 per method and scenario).
 
     python benchmarks/async_jitter.py --sweep                  # the outer-lr sweep (seed 100)
     python benchmarks/async_jitter.py                          # every cell; cached runs reused
@@ -31,7 +33,6 @@ per jitter level (docs/figures/async_jitter_jJ.png, seed 0, from scratch).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import statistics
@@ -41,33 +42,36 @@ from pathlib import Path
 from async_vs_sync import SPEEDS, final_subset_loss, time_to_loss
 
 from diloco.cli.plots import plot_runs
-from diloco.config import AsyncConfig, OuterConfig, SimConfig, TrainConfig
+from diloco.config import AsyncConfig, DyluConfig, OuterConfig, SimConfig, TrainConfig
 from diloco.run.train import train
 from diloco.rundir.metrics import read_metrics
 
 K, H, ROUNDS = 4, 50, 8
-FIXED_H = AsyncConfig(dylu=False)  # Algorithm 2's shard sampling and grace period, fixed H
+FIXED_H = DyluConfig(enabled=False)  # with Algorithm 2's shard sampling and grace period: fixed H
+# name -> (method, the async settings, DyLU's)
 METHODS = {
-    "sync": ("diloco", AsyncConfig()),
-    "naive": ("async", dataclasses.replace(FIXED_H, rule="naive")),
-    "poly": ("async", dataclasses.replace(FIXED_H, rule="poly")),
-    "polythres": ("async", dataclasses.replace(FIXED_H, rule="polythres")),
-    "delaycomp": ("async", dataclasses.replace(FIXED_H, rule="delaycomp")),
-    "buffer": ("async", dataclasses.replace(FIXED_H, rule="buffer")),
-    "dn": ("async", FIXED_H),
-    "dn_dylu": ("async", AsyncConfig()),  # the paper's form: H_w from measured speeds
-    "dn_dylu_time": ("async", AsyncConfig(dylu_by="time")),  # jobs as deadlines
+    "sync": ("diloco", AsyncConfig(), DyluConfig()),
+    "sync_dylu": ("diloco", AsyncConfig(), DyluConfig(enabled=True)),  # H_w per round, all sync together
+    "naive": ("async", AsyncConfig(rule="naive"), FIXED_H),
+    "poly": ("async", AsyncConfig(rule="poly"), FIXED_H),
+    "polythres": ("async", AsyncConfig(rule="polythres"), FIXED_H),
+    "delaycomp": ("async", AsyncConfig(rule="delaycomp"), FIXED_H),
+    "buffer": ("async", AsyncConfig(rule="buffer"), FIXED_H),
+    "dn": ("async", AsyncConfig(), FIXED_H),
+    "dn_dylu": ("async", AsyncConfig(), DyluConfig()),  # the paper's form: H_w from measured speeds
+    "dn_dylu_time": ("async", AsyncConfig(), DyluConfig(by="time")),  # jobs as deadlines
 }
 JITTERS = (0.0, 0.1, 0.2)
 SEEDS = 5
 SWEEP_SEED, SWEEP_JITTER, SWEEP_LRS = 100, 0.1, (0.1, 0.3, 0.5, 0.7, 1.0)
+SWEEP_MIN_LR, SWEEP_MAX_LR = 0.02, 2.8
 PRETRAIN_SEED = 1000
 RESULTS = Path(__file__).parent / "results"
 FIGURES = Path(__file__).parent.parent / "docs" / "figures"
 
 
 def config(name: str, seed: int, jitter: float, out: Path, lr: float, init: str = "") -> TrainConfig:
-    method, rule = METHODS[name]
+    method, rule, dylu = METHODS[name]
     return TrainConfig(
         method=method,
         num_workers=K,
@@ -80,6 +84,7 @@ def config(name: str, seed: int, jitter: float, out: Path, lr: float, init: str 
         outer=OuterConfig(lr=lr),
         sim=SimConfig(speeds=SPEEDS, speed_jitter=jitter),
         async_=rule,
+        dylu=dylu,
     )
 
 
@@ -98,20 +103,35 @@ def run(cfg: TrainConfig, label: str) -> dict:
     return result
 
 
-def sweep(runs: Path, methods: list[str]) -> dict:
-    table = {
-        name: {
-            str(lr): round(
-                run(
-                    config(name, SWEEP_SEED, SWEEP_JITTER, runs / "sweep" / f"{name}-lr{lr}", lr),
-                    f"sweep {name} lr {lr}",
-                )["val_loss"],
-                5,
-            )
-            for lr in SWEEP_LRS
-        }
-        for name in methods
-    }
+def sweep_one(runs: Path, name: str) -> dict[str, float]:
+    """One method's final loss per outer lr: the grid in ascending order, stopped once a loss is
+    20% above the best so far (it diverged; larger lrs would too), and widened past an edge that
+    wins (halved below the smallest, ×1.4 above the largest) until the best is inside the grid."""
+
+    def loss(lr: float) -> float:
+        d = runs / "sweep" / f"{name}-lr{lr}"
+        return round(
+            run(config(name, SWEEP_SEED, SWEEP_JITTER, d, lr), f"sweep {name} lr {lr:g}")["val_loss"], 5
+        )
+
+    table: dict[float, float] = {}
+    for lr in SWEEP_LRS:
+        table[lr] = loss(lr)
+        if table[lr] > 1.2 * min(table.values()):
+            break
+    while True:
+        best = min(table, key=table.get)
+        if best == min(table) and best / 2 >= SWEEP_MIN_LR:
+            table[round(best / 2, 4)] = loss(round(best / 2, 4))
+        elif best == max(table) and best * 1.4 <= SWEEP_MAX_LR:
+            table[round(best * 1.4, 4)] = loss(round(best * 1.4, 4))
+        else:
+            return {f"{lr:g}": table[lr] for lr in sorted(table)}
+
+
+def sweep(runs: Path, methods: list[str], before: dict) -> dict:
+    """The sweep of `methods`, added to the table of an earlier sweep (`before`, may be empty)."""
+    table = before.get("final_val_loss", {}) | {name: sweep_one(runs, name) for name in methods}
     return {
         "benchmark": "async_jitter_outer_lr",
         "seed": SWEEP_SEED,
@@ -233,7 +253,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     lr_file = args.out / "async_jitter_outer_lr.json"
     if args.sweep:
-        result = sweep(args.out / "async_jitter_runs", args.methods.split(","))
+        before = json.loads(lr_file.read_text()) if lr_file.is_file() else {}
+        result = sweep(args.out / "async_jitter_runs", args.methods.split(","), before)
         name = lr_file.name
     else:
         if not lr_file.is_file():

@@ -31,7 +31,6 @@ on the whole validation split.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import statistics
@@ -39,22 +38,23 @@ import time
 from pathlib import Path
 
 from diloco.cli.plots import plot_runs
-from diloco.config import AsyncConfig, OuterConfig, SimConfig, TrainConfig
+from diloco.config import AsyncConfig, DyluConfig, OuterConfig, SimConfig, TrainConfig
 from diloco.run.train import train
 from diloco.rundir.metrics import read_metrics
 
 SPEEDS = (0.58, 0.75, 1.51, 3.33)
 K = 4
-NO_DYLU = AsyncConfig(dylu=False)  # Algorithm 2's shard sampling and grace period, fixed H
+NO_DYLU = DyluConfig(enabled=False)  # with Algorithm 2's shard sampling and grace period: fixed H
+# name -> (method, the async settings, DyLU's)
 METHODS = {
-    "sync": ("diloco", AsyncConfig()),
-    "naive": ("async", dataclasses.replace(NO_DYLU, rule="naive")),
-    "dn": ("async", NO_DYLU),
-    "buffer": ("async", dataclasses.replace(NO_DYLU, rule="buffer")),
-    "dn_dylu": ("async", AsyncConfig()),
-    "dn_dylu_oracle": ("async", AsyncConfig(dylu_oracle=True)),
-    "dn_dylu_no_grace": ("async", AsyncConfig(grace_s=0.0)),
-    "dn_dylu_no_sampling": ("async", AsyncConfig(shard_sampling=False)),
+    "sync": ("diloco", AsyncConfig(), DyluConfig()),
+    "naive": ("async", AsyncConfig(rule="naive"), NO_DYLU),
+    "dn": ("async", AsyncConfig(), NO_DYLU),
+    "buffer": ("async", AsyncConfig(rule="buffer"), NO_DYLU),
+    "dn_dylu": ("async", AsyncConfig(), DyluConfig()),
+    "dn_dylu_oracle": ("async", AsyncConfig(), DyluConfig(oracle=True)),
+    "dn_dylu_no_grace": ("async", AsyncConfig(grace_s=0.0), DyluConfig()),
+    "dn_dylu_no_sampling": ("async", AsyncConfig(shard_sampling=False), DyluConfig()),
 }
 SCENARIOS = {
     "scratch": [
@@ -104,7 +104,7 @@ def _mean_spread(values: list[float]) -> dict:
 def _config(
     name: str, seed: int, out: Path, args, *, lr: float, jitter: float = 0.0, init: str = ""
 ) -> TrainConfig:
-    method, server = METHODS[name]
+    method, server, dylu = METHODS[name]
     return TrainConfig(
         method=method,
         num_workers=K,
@@ -117,6 +117,7 @@ def _config(
         outer=OuterConfig(lr=lr),
         sim=SimConfig(speeds=SPEEDS, speed_jitter=jitter, procs=args.procs),
         async_=server,
+        dylu=dylu,
     )
 
 

@@ -31,7 +31,7 @@ def _run(method: str, procs: int, out: Path, args) -> dict:
         rounds=args.rounds,
         out=str(out),
         sim=SimConfig(speeds=SPEEDS, procs=procs),
-        async_=AsyncConfig(rule="dn", dylu=True) if method == "async" else AsyncConfig(),
+        async_=AsyncConfig(rule="dn"),
     )
     summary = train(cfg, progress=False)
     return {

@@ -82,6 +82,7 @@ CONDITIONS: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
     "!=": (operator.ne, "other than {}"),
     ">": (operator.gt, "above {}"),
     ">=": (operator.ge, "at least {}"),
+    "in": (lambda value, allowed: value in allowed, "{}"),  # the value: a tuple, said "a or b"
 }
 
 
@@ -185,6 +186,12 @@ def _element(kind: Any) -> Any:
     return args[0] if typing.get_origin(kind) is tuple and len(args) == 2 and args[1] is Ellipsis else None
 
 
+def is_switch(kind: Any) -> bool:
+    """Whether a setting of type `kind` is an on/off switch: bool, or bool | None (None: unset, a
+    default that depends on other settings)."""
+    return kind is bool or set(_alternatives(kind)) == {bool, type(None)}
+
+
 def is_list(kind: Any) -> bool:
     return _element(kind) is not None
 
@@ -200,7 +207,13 @@ def describe(kind: Any) -> str:
         return " or ".join(describe(a) for a in alternatives)
     if (item := _element(kind)) is not None:
         return {int: "a list of integers", float: "a list of numbers", str: "a list of strings"}[item]
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+    return {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        type(None): "unset",
+    }[kind]
 
 
 def type_ok(kind: Any, value: Any) -> bool:
@@ -275,7 +288,8 @@ def check_needs(cfg: Any, commands: dict[tuple[str, Any], str] | None = None) ->
                 need = (flag if wanted is True else f"{flag} {wanted}") if flag else f"{path} = {wanted!r}"
                 fix = f"add {need}"
             else:
-                need = f"{flag or path} {phrase.format(wanted)}"
+                shown = " or ".join(map(str, wanted)) if op == "in" else wanted
+                need = f"{flag or path} {phrase.format(shown)}"
                 fix = f"set {need}"
             raise UserError(
                 f"{label(cls, s.path)} applies only with {need} (this run has {get(cfg, path)}){why}; "

@@ -8,13 +8,14 @@ import pytest
 from conftest import check_summary
 from safetensors.torch import load_file
 
-from diloco.config import AsyncConfig, SimConfig
+from diloco.config import AsyncConfig, DyluConfig, SimConfig
 from diloco.run.train import train
 from diloco.rundir.metrics import read_metrics
 
 SPEEDS = (0.58, 0.75, 1.51, 3.33)
 # The bare rule: Algorithm 2's DyLU, shard sampling and grace period off (they are on by default).
-BARE = {"dylu": False, "shard_sampling": False, "grace_s": 0.0}
+BARE = {"shard_sampling": False, "grace_s": 0.0}  # with NO_DYLU
+NO_DYLU = DyluConfig(enabled=False)
 
 
 def _params(run_dir):
@@ -34,6 +35,7 @@ def test_unbounded_grace_and_buffer_of_k_reproduce_sync_diloco(tiny, tmp_path):
             method="async",
             sim=sim,
             async_=AsyncConfig(rule="buffer", **{**BARE, "grace_s": math.inf}),
+            dylu=NO_DYLU,
             out=str(tmp_path / "async"),
         ),
         progress=False,
@@ -120,7 +122,7 @@ def test_async_only_settings_are_refused_for_sync(tiny):
     from diloco.errors import UserError
 
     with pytest.raises(UserError, match="add --method async"):
-        tiny(async_=AsyncConfig(dylu=False))
+        tiny(async_=AsyncConfig(rule="naive"))
     with pytest.raises(UserError, match="gives 3 speeds for 2 workers"):
         tiny(sim=SimConfig(speeds=(1.0, 2.0, 3.0)))
     with pytest.raises(UserError, match="W:FACTOR@START-END"):
@@ -156,6 +158,7 @@ def test_grace_period_restarts_caught_workers_together(tiny, tmp_path, grace_s, 
         method="async",
         sim=SimConfig(speeds=(1.0, 1.2), procs=1),
         async_=AsyncConfig(rule="dn", **{**BARE, "grace_s": grace_s}),
+        dylu=NO_DYLU,
     )
     train(cfg, progress=False)
     lines = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "worker"]
@@ -195,14 +198,16 @@ def test_grace_group_restarts_when_its_last_expected_push_lands(tiny, tmp_path, 
         num_workers=len(speeds),
         sim=SimConfig(speeds=speeds, slowdowns=slowdowns, procs=1),
         async_=AsyncConfig(**{**BARE, "grace_s": 1.0}),
+        dylu=NO_DYLU,
     )
     train(cfg, progress=False)
     lines = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "worker"]
     assert [round(m["sim_time_s"], 6) for m in lines[: len(times)]] == times
 
 
-def _dylu_run(tiny, tmp_path, name, server, sim):
-    cfg = tiny(method="async", num_workers=4, inner_steps=50, rounds=2, sim=sim, async_=server)
+def _dylu_run(tiny, tmp_path, name, server, sim, dylu=None):
+    dylu = dylu or DyluConfig()
+    cfg = tiny(method="async", num_workers=4, inner_steps=50, rounds=2, sim=sim, async_=server, dylu=dylu)
     cfg = dataclasses.replace(cfg, out=str(tmp_path / name), eval_every=0)
     summary = train(cfg, progress=False)
     return summary, [m for m in read_metrics(tmp_path / name) if m["kind"] == "worker"]
@@ -215,7 +220,7 @@ def test_measured_dylu_sizes_the_first_jobs_like_the_oracle(tiny, tmp_path):
     # profile the measured run is the oracle's, bit for bit.
     sim = SimConfig(speeds=SPEEDS, procs=1)
     measured, m_lines = _dylu_run(tiny, tmp_path, "measured", AsyncConfig(), sim)
-    oracle, o_lines = _dylu_run(tiny, tmp_path, "oracle", AsyncConfig(dylu_oracle=True), sim)
+    oracle, o_lines = _dylu_run(tiny, tmp_path, "oracle", AsyncConfig(), sim, DyluConfig(oracle=True))
     first = {m["worker"]: m["steps"] for m in reversed(m_lines)}
     assert [first[w] for w in range(4)] == [50, 38, 19, 8]
     assert all(m["staleness"] < 4 for m in m_lines)  # the slow worker's first push is not stale
@@ -229,7 +234,7 @@ def test_on_a_fixed_profile_deadline_jobs_are_the_h_w_step_jobs(tiny, tmp_path):
     # pushes land as they did: the same jobs and the same θ, bit for bit.
     sim = SimConfig(speeds=SPEEDS, procs=1)
     _, by_steps = _dylu_run(tiny, tmp_path, "steps", AsyncConfig(), sim)
-    _, by_time = _dylu_run(tiny, tmp_path, "time", AsyncConfig(dylu_by="time"), sim)
+    _, by_time = _dylu_run(tiny, tmp_path, "time", AsyncConfig(), sim, DyluConfig(by="time"))
     assert [(m["worker"], m["steps"], m["sim_time_s"]) for m in by_time] == [
         (m["worker"], m["steps"], m["sim_time_s"]) for m in by_steps
     ]
@@ -274,7 +279,8 @@ def test_deadline_jobs_land_in_one_grace_group(tiny, tmp_path, dylu_by, times, s
     cfg = tiny(
         method="async",
         sim=SimConfig(speeds=(1.0, 2.5), procs=1),
-        async_=AsyncConfig(**{**BARE, "dylu": True, "dylu_by": dylu_by, "grace_s": 1.0}),
+        async_=AsyncConfig(**{**BARE, "grace_s": 1.0}),
+        dylu=DyluConfig(by=dylu_by),
     )
     train(cfg, progress=False)
     lines = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "worker"]
@@ -296,7 +302,7 @@ def test_with_jitter_deadline_jobs_keep_every_grace_group_whole(tiny, tmp_path):
             inner_steps=20,
             rounds=4,
             sim=SimConfig(speeds=SPEEDS, speed_jitter=0.1, procs=1),
-            async_=AsyncConfig(dylu_by=dylu_by),
+            dylu=DyluConfig(by=dylu_by),
             out=str(tmp_path / dylu_by),
             eval_every=0,
         )
@@ -309,22 +315,21 @@ def test_with_jitter_deadline_jobs_keep_every_grace_group_whole(tiny, tmp_path):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "server",
-    [
-        AsyncConfig(shard_sampling=False),
-        AsyncConfig(shard_sampling=False, dylu_oracle=True),
-        AsyncConfig(shard_sampling=False, dylu_by="time"),
-    ],
+    "dylu",
+    [DyluConfig(), DyluConfig(oracle=True), DyluConfig(by="time")],
     ids=["measured", "oracle", "deadlines"],
 )
-def test_async_with_equal_speeds_reduces_to_sync_diloco(tiny, tmp_path, server):
+def test_async_with_equal_speeds_reduces_to_sync_diloco(tiny, tmp_path, dylu):
     # The paper's footnote: equal speeds, no jitter, DN with N = k and c = 0, DyLU and a grace
     # period give sync DiLoCo. Every worker's push lands at once, the grace group takes all k,
     # and DN's k arrivals sum to one Nesterov step on their mean. Each arrival is applied on its
     # own (DN is defined per arrival), so θ agrees up to float rounding, not bit for bit.
     sim = SimConfig(speeds=(1.0, 1.0), procs=1)
     sync = train(tiny(sim=sim, out=str(tmp_path / "sync")), progress=False)
-    asyn = train(tiny(method="async", sim=sim, async_=server, out=str(tmp_path / "async")), progress=False)
+    server = AsyncConfig(shard_sampling=False)
+    asyn = train(
+        tiny(method="async", sim=sim, async_=server, dylu=dylu, out=str(tmp_path / "async")), progress=False
+    )
     a, b = _params(tmp_path / "async"), _params(tmp_path / "sync")
     diff = sum(float((a[k] - b[k]).pow(2).sum()) for k in a) ** 0.5
     norm = sum(float(b[k].pow(2).sum()) for k in b) ** 0.5
@@ -344,6 +349,7 @@ def test_without_grace_pushes_landing_together_are_not_grouped(tiny, tmp_path):
             method="async",
             sim=SimConfig(speeds=(1.0, 1.0), procs=1),
             async_=AsyncConfig(**{**BARE, "grace_s": grace}),
+            dylu=NO_DYLU,
             out=str(tmp_path / f"g{grace}"),
         )
         train(cfg, progress=False)

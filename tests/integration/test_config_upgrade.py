@@ -28,7 +28,7 @@ def test_a_run_whose_config_json_has_the_old_server_table_resumes_to_the_same_re
     # the old table would resume with dn and end elsewhere, or fail to load the rule's state)
     new = {k: v for k, v in old.items() if k != "server"} | {"async": old["server"]}
     straight = from_dict({**new, "out": str(tmp_path / "straight")})
-    assert straight.async_.rule == "delaycomp" and not straight.async_.dylu
+    assert straight.async_.rule == "delaycomp" and straight.dylu.enabled is False
     train(straight, progress=False)
 
     run = tmp_path / "stopped"
@@ -39,5 +39,7 @@ def test_a_run_whose_config_json_has_the_old_server_table_resumes_to_the_same_re
     a, b = _params(run), _params(tmp_path / "straight")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     written = json.loads((run / "config.json").read_text())  # rewritten in today's layout
-    added = {"dylu_by": "steps"}  # settings added since, at their defaults
-    assert written["async"] == {**old["server"], **added} and "server" not in written
+    moved = ("dylu", "dylu_alpha", "dylu_oracle")  # to [dylu], with `by` added since at its default
+    assert written["async"] == {k: x for k, x in old["server"].items() if k not in moved}
+    assert written["dylu"] == {"enabled": False, "alpha": 0.5, "oracle": False, "by": "steps"}
+    assert "server" not in written

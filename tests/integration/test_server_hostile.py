@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from diloco.config import AsyncConfig, SimConfig
+from diloco.config import AsyncConfig, DyluConfig, SimConfig
 from diloco.core.codec import Fp32Codec
 from diloco.data.recipe import prepare_data
 from diloco.run.assemble import build_trainer
@@ -97,7 +97,8 @@ def _serving(tmp_path, **overrides):
         max_staleness=2,
         max_update_norm_ratio=5.0,
         sim=SimConfig(),
-        async_=AsyncConfig(rule="naive", dylu=False, shard_sampling=False, grace_s=0.0),
+        async_=AsyncConfig(rule="naive", shard_sampling=False, grace_s=0.0),
+        dylu=DyluConfig(enabled=False),
         **overrides,
     )
     run_dir = tmp_path / "run"

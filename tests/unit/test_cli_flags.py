@@ -70,10 +70,10 @@ EXPECTED = {
     "--dn-c": "async.dn_c",
     "--poly-threshold": "async.poly_threshold",
     "--delaycomp-lambda": "async.delaycomp_lambda",
-    "--dylu": "async.dylu",
-    "--dylu-oracle": "async.dylu_oracle",
-    "--dylu-alpha": "async.dylu_alpha",
-    "--dylu-by": "async.dylu_by",
+    "--dylu": "dylu.enabled",
+    "--dylu-oracle": "dylu.oracle",
+    "--dylu-alpha": "dylu.alpha",
+    "--dylu-by": "dylu.by",
     "--shard-sampling": "async.shard_sampling",
     "--grace-s": "async.grace_s",
     # new settings
@@ -119,7 +119,7 @@ def test_every_flag_is_a_field_and_every_flagged_field_a_flag():
     actions = {opt: a for a in _train_parser()._actions for opt in a.option_strings}
     setting_flags = {opt: a.dest for opt, a in actions.items() if opt not in NOT_SETTINGS}
     # a setting that is on by default also has its --no- flag
-    negated = {"--no-dylu": "async.dylu", "--no-shard-sampling": "async.shard_sampling"}
+    negated = {"--no-dylu": "dylu.enabled", "--no-shard-sampling": "async.shard_sampling"}
     assert setting_flags == {**EXPECTED, **negated}
     declared = {s.flag: s.path for s in settings.walk(TrainConfig) if s.flag}
     assert declared == EXPECTED
@@ -137,6 +137,7 @@ HELP_GROUPS = (
     "[outer] ",
     "compression and Streaming DiLoCo",
     "[async] The asynchronous server",
+    "[dylu] Dynamic local updates",
     "[sim] The simulator's virtual clock",
     "faults simulated",
     "the collective runtime",
@@ -240,7 +241,7 @@ def test_flags_reach_their_fields(captured, capsys):
     assert (cfg.method, cfg.num_workers, cfg.model.name, cfg.model.seq_len) == ("async", 2, "micro", 64)
     assert cfg.model.d_model == 192  # the preset, then the flag
     assert cfg.sim.speeds == (1.0, 2.5) and cfg.sim.slowdowns == ("0:2@0-10", "1:3@5-inf")
-    assert cfg.async_.dylu and cfg.async_.shard_sampling and not cfg.async_.dylu_oracle
+    assert cfg.dylu.enabled and cfg.async_.shard_sampling and not cfg.dylu.oracle
     assert (cfg.async_.rule, cfg.async_.buffer, cfg.async_.grace_s) == ("buffer", 3, "inf")
     assert (cfg.inner.lr, cfg.outer.lr, cfg.on_nonfinite, cfg.sim.procs) == (3e-4, 1.0, "drop", 1)
     assert (cfg.checkpoint_every, cfg.keep_checkpoints) == (2, 5)
@@ -248,24 +249,21 @@ def test_flags_reach_their_fields(captured, capsys):
 
 def test_async_runs_algorithm_2_unless_a_part_is_switched_off(captured, capsys):
     assert main(["train", "--method", "async"]) == 0
-    v = captured[-1][0].async_
-    assert (v.rule, v.buffer, v.dn_c, v.dylu, v.shard_sampling, v.grace_s) == (
-        "dn",
-        0,
-        0.0,
-        True,
-        True,
-        "auto",
-    )
+    cfg = captured[-1][0]
+    v = cfg.async_
+    assert (v.rule, v.buffer, v.dn_c, v.shard_sampling, v.grace_s) == ("dn", 0, 0.0, True, "auto")
+    assert cfg.dylu.enabled is None and cfg.dylu.on("async") and not cfg.dylu.on("diloco")
     assert main(["train", "--method", "async", "--no-dylu", "--no-shard-sampling", "--grace-s", "0"]) == 0
-    v = captured[-1][0].async_
-    assert (v.dylu, v.shard_sampling, v.grace_s) == (False, False, 0.0)
+    cfg = captured[-1][0]
+    assert (cfg.dylu.on("async"), cfg.async_.shard_sampling, cfg.async_.grace_s) == (False, False, 0.0)
     assert main(["train", "--method", "async", "--grace-s", "auto", "--dylu"]) == 0
-    assert captured[-1][0].async_.grace_s == "auto" and captured[-1][0].async_.dylu
+    assert captured[-1][0].async_.grace_s == "auto" and captured[-1][0].dylu.enabled
     code, out = _exit(capsys, ["train", "--method", "async", "--grace-s", "soon"])
     assert code == 2 and "--grace-s" in out.err
-    code, out = _exit(capsys, ["train", "--no-dylu"])  # sync: the async settings do not apply
-    assert code == 2 and "async.dylu (--dylu) applies only with --method async" in out.err
+    assert main(["train", "--dylu"]) == 0  # sync DiLoCo with DyLU
+    assert captured[-1][0].dylu.on("diloco")
+    code, out = _exit(capsys, ["train", "--method", "dp", "--no-dylu"])  # no DyLU to switch off
+    assert code == 2 and "dylu.enabled (--dylu) applies only with --method async or diloco" in out.err
 
 
 def test_a_toml_file_then_flags(captured, tmp_path, capsys):

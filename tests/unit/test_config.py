@@ -8,6 +8,7 @@ import pytest
 from diloco import settings
 from diloco.config import (
     AsyncConfig,
+    DyluConfig,
     OuterConfig,
     SimConfig,
     StreamingConfig,
@@ -103,7 +104,7 @@ def test_on_nonfinite_keep_checkpoints_and_timeout_have_defaults_and_take_values
         ({"sim": {"speeds": ["a"]}}, "sim.speeds (--speeds) must be a list of numbers, got ['a']"),
         ({"sim": {"speeds": "1,2"}}, "sim.speeds (--speeds) must be a list of numbers, got '1,2'"),
         ({"sim": {"slowdowns": [1]}}, "sim.slowdowns (--slowdown) must be a list of strings, got [1]"),
-        ({"async": {"dylu": 1}}, "async.dylu (--dylu) must be true or false, got 1"),
+        ({"dylu": {"enabled": 1}}, "dylu.enabled (--dylu) must be true or false or unset, got 1"),
         ({"method": 3}, "method (--method) must be a string, got 3"),
         ({"on_nonfinite": "skip"}, "on_nonfinite (--on-nonfinite) must be one of stop, drop, got 'skip'"),
         ({"keep_checkpoints": 0, "checkpoint_every": 1}, "keep_checkpoints (--keep-checkpoints) must be an"),
@@ -144,19 +145,33 @@ def test_an_int_is_a_float_and_inf_is_a_grace_and_a_slowdown_end():
         ({"async": {"poly_threshold": 3}}, "async.poly_threshold (--poly-threshold) applies only with"),
         ({"async": {"delaycomp_lambda": 0.1}}, "async.delaycomp_lambda (--delaycomp-lambda) applies only"),
         (
-            {"async": {"dylu_alpha": 0.9}},
-            "async.dylu_alpha (--dylu-alpha) applies only with --method async",
+            {"dylu": {"alpha": 0.9}},
+            "dylu.alpha (--dylu-alpha) applies only with dynamic local updates on (this run has them off); "
+            "add --dylu or drop it.",
+        ),
+        (
+            {"method": "single", "dylu": {"alpha": 0.9}},
+            "dylu.alpha (--dylu-alpha) applies only with --method async or diloco (this run has single)",
         ),
         ({"async": {"grace_s": 1.0}, "method": "single"}, "run has single); add --method async or drop it."),
-        ({"async": {"dylu_oracle": True}}, "async.dylu_oracle (--dylu-oracle) applies only with"),
-        ({"async": {"dylu_by": "time"}}, "async.dylu_by (--dylu-by) applies only with --method async"),
+        ({"dylu": {"oracle": True}}, "dylu.oracle (--dylu-oracle) applies only with dynamic local updates"),
+        ({"dylu": {"by": "time"}}, "dylu.by (--dylu-by) applies only with dynamic local updates on"),
         (
-            {"method": "async", "async": {"dylu_by": "time", "dylu": False}},
-            "async.dylu_by (--dylu-by) applies only with --dylu (this run has False)",
+            {"method": "async", "dylu": {"by": "time", "enabled": False}},
+            "dylu.by (--dylu-by) applies only with dynamic local updates on (this run has them off)",
         ),
         (
-            {"method": "async", "runtime": "server", "checkpoint_every": 1, "async": {"dylu_by": "time"}},
-            "async.dylu_by (--dylu-by) time is simulated only so far",
+            {"dylu": {"enabled": True}, "fragments": 2},
+            "dylu.enabled (--dylu) gives each worker its own number of inner steps, but Streaming DiLoCo",
+        ),
+        (
+            {"method": "async", "runtime": "server", "checkpoint_every": 1, "dylu": {"by": "time"}},
+            "dylu.by (--dylu-by) time is simulated only so far",
+        ),
+        (
+            {"method": "async", "runtime": "server", "checkpoint_every": 1, "dylu": {"oracle": True}},
+            "dylu.oracle (--dylu-oracle) applies only with --runtime sim (this run has server): it reads "
+            "the simulator's true speeds",
         ),
         (
             {"procs_per_worker": 2},
@@ -211,14 +226,15 @@ def test_a_config_json_with_the_old_server_table_loads_its_values_into_async():
     assert "server" in old and "async" not in old  # the fixture is the old layout
     cfg = from_dict(old)
     v = cfg.async_
-    assert (v.rule, v.delaycomp_lambda, v.dylu, v.grace_s) == ("delaycomp", 0.3, False, 1.5)
+    assert (v.rule, v.delaycomp_lambda, v.grace_s) == ("delaycomp", 0.3, 1.5)
+    assert (cfg.dylu.enabled, cfg.dylu.alpha, cfg.dylu.oracle) == (False, 0.5, False)  # moved to [dylu]
     assert v != AsyncConfig()
     written = cfg.to_dict()  # what config.json holds from now on
-    # the old table's values, and the settings added since at their defaults
-    added = {"dylu_by": "steps"}
-    assert (
-        written["async"] == {**old["server"], **added} and "server" not in written and "async_" not in written
-    )
+    # the old table's values less DyLU's, which moved to their own table with the one added since
+    moved = {"dylu": "enabled", "dylu_alpha": "alpha", "dylu_oracle": "oracle"}
+    assert written["async"] == {k: x for k, x in old["server"].items() if k not in moved}
+    assert written["dylu"] == {new: old["server"][k] for k, new in moved.items()} | {"by": "steps"}
+    assert "server" not in written and "async_" not in written
     assert from_dict(written) == cfg
 
 
@@ -276,3 +292,14 @@ def test_streaming_settings_are_checked_once_by_the_schedule(values):
     with pytest.raises(UserError) as from_schedule:
         Schedule(values["inner_steps"], values["fragments"], values.get("overlap_steps", 0))
     assert str(from_config.value) == str(from_schedule.value)
+
+
+def test_dylu_settings_of_the_async_table_move_to_dylu_and_a_sync_runs_old_default_means_off():
+    # config.json of a sync run before [dylu] held async.dylu = true, the default then: resumed,
+    # it must stay plain sync DiLoCo, not switch DyLU on
+    sync = from_dict({"method": "diloco", "async": {"dylu": True, "dylu_alpha": 0.5, "dylu_by": "steps"}})
+    assert sync.dylu == DyluConfig() and not sync.dylu.on("diloco") and "dylu" not in sync.to_dict()["async"]
+    asyn = from_dict({"method": "async", "async": {"dylu": False, "dylu_by": "steps"}})
+    assert (asyn.dylu.enabled, asyn.dylu.by) == (False, "steps")
+    both = from_dict({"method": "async", "async": {"dylu_alpha": 0.25}, "dylu": {"alpha": 0.75}})
+    assert both.dylu.alpha == 0.75  # the new place wins

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from diloco.config import AsyncConfig, SimConfig
+from diloco.config import AsyncConfig, DyluConfig, SimConfig
 from diloco.core.async_rules import build_async_rule
 from diloco.core.codec import Fp32Codec
 from diloco.core.outer import Nesterov
@@ -17,12 +17,13 @@ from diloco.model.gpt import GPT
 from diloco.runtime.server.coordinator import Coordinator
 
 
-def make(tiny, *, method="diloco", k=2, **server):
+def make(tiny, *, method="diloco", k=2, dylu=None, **server):
     cfg = tiny(
         method=method,
         num_workers=k,
         runtime="server",
         async_=AsyncConfig(**server),
+        dylu=DyluConfig(enabled=dylu),
         sim=SimConfig(),
         checkpoint_every=1,
     )

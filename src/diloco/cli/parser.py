@@ -55,8 +55,8 @@ def _add_setting_flags(parser: argparse.ArgumentParser, helps: dict[str, str]) -
         text = helps.get(s.path, settings.help_text(s))
         kw: dict[str, Any] = {"dest": s.path, "default": None, "help": text}
         metavar = s.flag.lstrip("-").replace("-", "_").upper()
-        if s.type is bool:  # on by default: --X and --no-X
-            kw["action"] = argparse.BooleanOptionalAction if s.default else "store_true"
+        if settings.is_switch(s.type):  # on (or unset) by default: --X and --no-X
+            kw["action"] = argparse.BooleanOptionalAction if s.default is not False else "store_true"
         elif s.meta.parse is not None:
             kw.update(type=_flag_type(s.meta.parse, s.flag), metavar=metavar)
         elif settings.is_list(s.type):  # one or more items, and repeatable: each use adds

@@ -29,17 +29,18 @@ def run_label(config: dict) -> str:
     method = config.get("method", "?")
     label = method
     if method == "async":
-        rule = upgrade(config).get("async", {})  # an older run's config.json: "server"
-        label += f" {rule.get('rule', '?')}"
-        if rule.get("dylu") or rule.get("dylu_oracle"):
-            label += "+DyLU"
+        config = upgrade(config)  # an older run's config.json: "server", async.dylu
+        label += f" {config.get('async', {}).get('rule', '?')}"
+    dylu = config.get("dylu", {})
+    if dylu.get("enabled") is not False and (method == "async" or dylu.get("enabled")):
+        label += "+DyLU"
     if method != "single":
         label += f" k={config.get('num_workers')}"
     return label + f" H={config.get('inner_steps')}"
 
 
 # what run_label shows already, and settings that never change a run's results
-_NOT_IN_LEGEND = {"method", "num_workers", "inner_steps", "async.rule", "async.dylu", "async.dylu_oracle"}
+_NOT_IN_LEGEND = {"method", "num_workers", "inner_steps", "async.rule", "dylu.enabled", "dylu.oracle"}
 _NOT_IN_LEGEND |= {"out", "threads", "sim.procs", "data.cache_dir", "timeout_s"}
 
 

@@ -9,7 +9,7 @@ field and the fix. Adding a setting touches its field, its component, and a rang
 `validate` where its declaration cannot say it.
 
 - `sections`: the per-component sections (ModelConfig, DataConfig, InnerConfig, OuterConfig,
-  SimConfig, AsyncConfig) and their choices; `OuterConfig.build()`, `AsyncConfig.build(...)`,
+  SimConfig, AsyncConfig, DyluConfig) and their choices; `OuterConfig.build()`, `AsyncConfig.build(...)`,
   `TrainConfig.streaming.build()` and `TrainConfig.communication.build_upload()` /
   `.build_download()` build the components;
 - `train`: TrainConfig; `validate`: its checks; `load`: from_dict and the upgrade of old layouts;
@@ -27,6 +27,7 @@ from diloco.config.sections import (
     AsyncConfig,
     CommunicationConfig,
     DataConfig,
+    DyluConfig,
     InnerConfig,
     ModelConfig,
     OuterConfig,
@@ -45,6 +46,7 @@ __all__ = [
     "FLAG_GROUPS",
     "MODEL_PRESETS",
     "AsyncConfig",
+    "DyluConfig",
     "CommunicationConfig",
     "DataConfig",
     "InnerConfig",

@@ -24,15 +24,45 @@ _SECTIONS = settings.sections(TrainConfig)
 RENAMED_TABLES = {"server": "async"}  # the async rule's settings, [server] until the layout of issue 30
 
 
+# keys moved from one table to another: old table -> {old key: new table.key}
+MOVED_KEYS = {  # DyLU's settings were [async]'s until sync DiLoCo took DyLU too (issue 31)
+    "async": {
+        "dylu": "dylu.enabled",
+        "dylu_by": "dylu.by",
+        "dylu_alpha": "dylu.alpha",
+        "dylu_oracle": "dylu.oracle",
+    }
+}
+
+
 def upgrade(values: dict[str, Any]) -> dict[str, Any]:
     """`values` in today's layout: a table under an old name (RENAMED_TABLES) moves to its new
-    one; given under both names, the new one's keys win."""
+    one; given under both names, the new one's keys win. A key of MOVED_KEYS moves to its new
+    table (the new place wins), except `async.dylu = true` in a run that is not async: that was
+    the default then, which meant nothing there (DyLU is off for sync DiLoCo unless --dylu)."""
     for old, new in RENAMED_TABLES.items():
         if old in values:
             values = dict(values)
             was, now = values.pop(old), values.get(new)
             both = isinstance(was, dict) and isinstance(now, dict)
             values[new] = settings.merge(was, now) if both else (now if new in values else was)
+    for table, moves in MOVED_KEYS.items():
+        held = values.get(table)
+        if not isinstance(held, dict) or not set(held) & set(moves):
+            continue
+        values, held = dict(values), dict(held)
+        for old_key, path in moves.items():
+            if old_key not in held:
+                continue
+            value = held.pop(old_key)
+            if old_key == "dylu" and value is True and values.get("method") != "async":
+                continue  # the old default, written into every run's config.json
+            new_table, new_key = path.split(".")
+            target = values.get(new_table)
+            target = dict(target) if isinstance(target, dict) else {}
+            target.setdefault(new_key, value)
+            values[new_table] = target
+        values[table] = held
     return values
 
 

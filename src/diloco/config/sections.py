@@ -35,6 +35,7 @@ PRESETS = (
 # `needs` of settings that apply to one runtime or method only (the simulator's clock: not real time)
 ON_SIM, ON_COLLECTIVE, ON_SERVER = ("runtime", "sim"), ("runtime", "collective"), ("runtime", "server")
 ON_ASYNC, ON_DILOCO = ("method", "async"), ("method", "diloco")
+ON_DYLU_METHODS = ("method", "in", ("async", "diloco"))  # DyLU: async jobs, or sync rounds
 # The groups of `diloco train --help`, in order, by the name a top-level setting gives with `group=`
 # (each must give one: tests/unit/test_cli_flags.py). A section's settings are in the section's
 # group ("" here: titled by the section's docstring) unless they name another.
@@ -46,6 +47,7 @@ FLAG_GROUPS = {
     "outer": "",
     "communication": "compression and Streaming DiLoCo (docs/communication.md)",
     "async": "",
+    "dylu": "",
     "sim": "",
     "faults": "faults simulated in sync DiLoCo (the parameter server has real ones)",
     "collective": "the collective runtime (--runtime collective under torchrun, docs/distributed.md)",
@@ -249,23 +251,7 @@ class AsyncConfig:
     delaycomp_lambda: float = setting(
         0.5, flag="--delaycomp-lambda", needs=ON_ASYNC, help="delay compensation λ"
     )
-    # Algorithm 2 of the paper by default: DyLU, shard sampling and a grace period are all on.
-    # DyLU: H_w = max(1, floor(v_w / max v · H)), v_w from measured speeds or (oracle) the true profile
-    dylu: bool = setting(True, flag="--dylu", needs=ON_ASYNC, help="dynamic local updates")
-    dylu_oracle: bool = setting(
-        False, flag="--dylu-oracle", needs=ON_ASYNC, help="DyLU from the true speed profile"
-    )
-    dylu_alpha: float = setting(
-        0.5, flag="--dylu-alpha", needs=ON_ASYNC, help="EMA weight of a new speed measurement"
-    )
-    dylu_by: str = setting(
-        "steps",
-        flag="--dylu-by",
-        choices=DYLU_BY,
-        needs=(ON_ASYNC, ("async.dylu", True)),
-        help="steps: a job is H_w = ⌊v_w / max v · H⌋ steps (the paper); time: a job is a deadline of H × "
-        "the fastest measured seconds per step, and its worker trains until it (at least one step)",
-    )
+    # Algorithm 2 of the paper by default: DyLU ([dylu]), shard sampling and a grace period are all on.
     shard_sampling: bool = setting(
         True, flag="--shard-sampling", needs=ON_ASYNC, help="shards by p_i ∝ max(|D_i|/Σ|D| − n_i/Σn, 0)"
     )
@@ -294,6 +280,46 @@ class AsyncConfig:
             poly_threshold=self.poly_threshold,
             delaycomp_lambda=self.delaycomp_lambda,
         )
+
+
+@dataclass(frozen=True)
+class DyluConfig:
+    """Dynamic local updates: each worker's share of a job from its measured speed (docs/method.md §2)."""
+
+    # None: the method's default, on for async (Algorithm 2), off for diloco (plain sync DiLoCo)
+    enabled: bool | None = setting(
+        None,
+        flag="--dylu",
+        needs=ON_DYLU_METHODS,
+        default_help="on with --method async, off with diloco",
+        help="dynamic local updates: a slower worker takes fewer inner steps (async: per job; diloco: "
+        "per round, and every worker syncs together)",
+    )
+    by: str = setting(
+        "steps",
+        flag="--dylu-by",
+        choices=DYLU_BY,
+        needs=ON_DYLU_METHODS,
+        help="steps: a job is H_w = ⌊v_w / max v · H⌋ steps (the paper); time: a job is a deadline of H × "
+        "the fastest measured seconds per step, and its worker trains until it (at least one step)",
+    )
+    alpha: float = setting(
+        0.5,
+        flag="--dylu-alpha",
+        needs=ON_DYLU_METHODS,
+        help="EMA weight of a new speed measurement",
+    )
+    oracle: bool = setting(
+        False,
+        flag="--dylu-oracle",
+        needs=(ON_DYLU_METHODS, ON_SIM),
+        because="it reads the simulator's true speeds, which a real runtime does not have (it measures them)",
+        help="DyLU from the simulator's true speed profile, not measured speeds",
+    )
+
+    def on(self, method: str) -> bool:
+        """Whether DyLU is on for a run of `method` (`enabled` None: on for async only)."""
+        return (method == "async") if self.enabled is None else self.enabled
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from diloco.config.sections import (
     AsyncConfig,
     CommunicationConfig,
     DataConfig,
+    DyluConfig,
     InnerConfig,
     ModelConfig,
     OuterConfig,
@@ -221,6 +222,7 @@ class TrainConfig:
     sim: SimConfig = field(default_factory=SimConfig)
     # the async rule's settings: the TOML table [async], config.json's "async" (once "server")
     async_: AsyncConfig = field(default_factory=AsyncConfig)
+    dylu: DyluConfig = field(default_factory=DyluConfig)  # [dylu]: async.dylu* until issue 31
 
     def __post_init__(self) -> None:
         validate(self)

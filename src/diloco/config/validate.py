@@ -94,15 +94,10 @@ def validate(cfg: Any) -> None:
                     f"{_label(cfg, key)} simulates {what}, which the parameter server has for real "
                     "(timeouts, workers joining and leaving); drop it."
                 )
-        if cfg.async_.dylu_by != "steps":
+        if cfg.dylu.by != "steps":
             raise UserError(
-                "async.dylu_by (--dylu-by) time is simulated only so far: the parameter server hands out "
+                "dylu.by (--dylu-by) time is simulated only so far: the parameter server hands out "
                 "jobs of H_w steps; use --dylu-by steps (the default) with diloco serve."
-            )
-        if cfg.async_.dylu_oracle:
-            raise UserError(
-                "async.dylu_oracle (--dylu-oracle) reads the simulator's true speeds, which a real server "
-                "does not have (it measures them); drop it."
             )
         if not cfg.checkpoint_every:
             raise UserError(
@@ -126,6 +121,7 @@ def validate(cfg: Any) -> None:
     _validate_communication(cfg)
     _validate_sim(cfg)
     _validate_async(cfg)
+    _validate_dylu(cfg)
     settings.check_needs(cfg, {ON_SERVER: "diloco serve (docs/server.md)"})
 
 
@@ -234,13 +230,37 @@ def _validate_data(cfg: Any) -> None:
         )
 
 
+def _validate_dylu(cfg: Any) -> None:
+    """DyLU's settings apply only while it is on; sync DiLoCo with DyLU (--method diloco --dylu)
+    syncs whole rounds, which Streaming DiLoCo's fixed fragment steps cannot."""
+    if cfg.method not in ("async", "diloco"):
+        return  # check_needs names the method
+    on = cfg.dylu.on(cfg.method)
+    for path in ("dylu.by", "dylu.alpha", "dylu.oracle"):
+        if settings.changed(cfg, path) and not on:
+            raise UserError(
+                f"{_label(cfg, path)} applies only with dynamic local updates on (this run has them off); "
+                "add --dylu or drop it."
+            )
+    if on and cfg.method == "diloco" and (cfg.fragments > 1 or cfg.overlap_steps > 0):
+        raise UserError(
+            "dylu.enabled (--dylu) gives each worker its own number of inner steps, but Streaming DiLoCo "
+            "(--fragments, --overlap-steps) syncs fragments at fixed steps; drop one of them."
+        )
+    if on and cfg.method == "diloco" and cfg.workers_schedule:
+        raise UserError(
+            "workers_schedule (--workers-schedule) is given in rounds, and with --dylu the number of "
+            "rounds depends on the speeds measured as the run goes; drop one of them."
+        )
+
+
 def _validate_async(cfg: Any) -> None:
     v = cfg.async_
     settings.at_least(cfg, "async.buffer", minimum=0)
     settings.in_range(cfg, "async.dn_c", lo=0.0, hi=1.0 / (v.buffer or cfg.num_workers))
     settings.at_least(cfg, "async.poly_threshold", minimum=0)
     settings.in_range(cfg, "async.delaycomp_lambda", lo=0.0)
-    settings.in_range(cfg, "async.dylu_alpha", lo=0.0, hi=1.0, lo_open=True)
+    settings.in_range(cfg, "dylu.alpha", lo=0.0, hi=1.0, lo_open=True)
     g = v.grace_s
     ok = g in ("auto", "inf") if isinstance(g, str) else not math.isnan(g) and g >= 0
     settings.check(

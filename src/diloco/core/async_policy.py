@@ -16,11 +16,15 @@ from collections.abc import Iterable
 DYLU_BY = ("steps", "time")
 
 
-def dylu_steps(step_s: list[float], inner_steps: int) -> list[int]:
+def dylu_steps(step_s: list[float], inner_steps: int, *, tolerance: float = 0.0) -> list[int]:
     """Dynamic local updates: H_w = max(1, ⌊v_w / max v · H⌋) with v = 1 / seconds per step, so
-    every worker takes about as long per round as the fastest does for H steps."""
+    every worker takes about as long per round as the fastest does for H steps. A worker within
+    `tolerance` of the fastest (v_w / max v ≥ 1 − tolerance) takes H (sync DiLoCo's, core/dylu.py)."""
     fastest = min(step_s)
-    return [max(1, math.floor(fastest / s * inner_steps)) for s in step_s]
+    return [
+        inner_steps if fastest / s >= 1 - tolerance else max(1, math.floor(fastest / s * inner_steps))
+        for s in step_s
+    ]
 
 
 def job_seconds(inner_steps: int, known_step_s: list[float]) -> float:

@@ -132,6 +132,7 @@ class Worker:
         shard: int | None = None,
         position: int | None = None,
         seconds: float | None = None,
+        lr_stride: float = 1.0,
     ) -> InnerResult:
         """θ_local ← start; `steps` inner steps; return outer_grad = start − θ_local. With
         `start` None the worker continues from its own parameters (after a dropped outer_grad).
@@ -141,9 +142,10 @@ class Worker:
 
         `lr_step`, if given, is the schedule step of the first of these steps: sync DiLoCo's
         round (so a worker that joins mid-run takes the run's lr, not a fresh warm-up), async's
-        shard step count. `shard`, if given, makes the batches come from that shard from
-        `position` (default `lr_step`; the batch source must have `seek(shard, step)`, as
-        data.ShardSet does).
+        shard step count; step j then uses lr_step + ⌊j · `lr_stride`⌋ (sync DiLoCo with DyLU:
+        every worker crosses the round's stretch of the schedule, core/dylu.py). `shard`, if
+        given, makes the batches come from that shard from `position` (default `lr_step`; the
+        batch source must have `seek(shard, step)`, as data.ShardSet does).
         """
         if shard is not None:
             self.batches.seek(shard, lr_step if position is None else position)
@@ -154,7 +156,8 @@ class Worker:
         for j in range(steps):
             if seconds is not None and not another_step_fits(j, time.perf_counter() - began, seconds):
                 break
-            loss, lr = self.train_step(None if lr_step is None else lr_step + j)
+            at = j if lr_stride == 1.0 else math.floor(j * lr_stride)
+            loss, lr = self.train_step(None if lr_step is None else lr_step + at)
             total_loss, taken = total_loss + loss, j + 1
         steps = taken
         with torch.no_grad():

@@ -98,6 +98,7 @@ class OuterSide:
         self._active: list[int] = []  # this round's active workers, in order
         self._kept: dict[int, bool] = {}  # reported so far: whose outer_grad counts
         self._arrived: list[int] = []  # workers whose outer_grad of this round arrived (their steps count)
+        self._steps: list[int] | None = None  # this round's inner steps per worker (DyLU), by id
 
     @property
     def num_workers(self) -> int:
@@ -132,11 +133,17 @@ class OuterSide:
         return self.downloaded()
 
     # -- a synchronous round -------------------------------------------------------------------
-    def begin_round(self, active: int | Sequence[int] | None = None) -> list[bool]:
+    def begin_round(
+        self, active: int | Sequence[int] | None = None, *, steps: Sequence[int] | None = None
+    ) -> list[bool]:
         """Start a round with `active` workers: the first `active` (default all), or these worker
         ids (the parameter server's registered workers). Returns, per active worker in order,
         whether it starts from the global parameters (counting its pull) rather than its own (its
-        last outer_grad was dropped). Inactive workers rejoin from the global ones."""
+        last outer_grad was dropped). Inactive workers rejoin from the global ones.
+
+        `steps` (sync DiLoCo with DyLU, core/dylu.py): the inner steps each worker takes this
+        round, by worker id; unequal, they scale the weights (w_i ∝ weight_i × steps_i). None:
+        every worker takes the `inner_steps` given to `end_round`."""
         k = self.num_workers
         if active is None or isinstance(active, int):
             members = list(range(active or k))
@@ -152,16 +159,24 @@ class OuterSide:
             if starts[-1]:
                 self.bytes_received[w] += self.pull_bytes
         self._active, self._kept, self._arrived = members, {}, []
+        self._steps = None if steps is None else list(steps)
         return starts
 
-    def report(self, w: int, nbytes: int, finite: bool = True, *, lost: bool = False) -> bool:
+    def report(
+        self, w: int, nbytes: int, finite: bool = True, *, lost: bool = False, steps: int | None = None
+    ) -> bool:
         """Worker w's outer_grad of this round was sent (`nbytes`); returns whether it counts.
         Call for every active worker in worker order, before `contribution`. `lost`: it never
         arrived (the parameter server's round timed out, or its worker left): it does not count
-        and its worker rejoins from the global parameters."""
+        and its worker rejoins from the global parameters. `steps`: the inner steps it took, where
+        begin_round planned others (a deadline job of sync DiLoCo with DyLU)."""
         if len(self._kept) >= len(self._active) or w != self._active[len(self._kept)]:
             want = self._active[len(self._kept)] if len(self._kept) < len(self._active) else "none"
             raise ValueError(f"report active workers in order: expected worker {want}, got {w}")
+        if steps is not None:
+            if self._steps is None:
+                raise ValueError("report(steps=...) needs begin_round(steps=...)")
+            self._steps[w] = steps
         if lost:
             self._kept[w] = self.own_start[w] = False
             return False
@@ -189,7 +204,11 @@ class OuterSide:
         kept = [self._kept.get(w, False) for w in range(self.num_workers)]
         if not any(kept):
             return [0.0] * len(kept)
-        it = iter(kept_weights(self.weights, kept))
+        weights = self.weights
+        if self._steps is not None and len({self._steps[w] for w in self._active}) > 1:
+            scaled = [x * n for x, n in zip(self.weights, self._steps, strict=True)]
+            weights = [x / sum(scaled) for x in scaled]
+        it = iter(kept_weights(weights, kept))
         return [next(it) if c else 0.0 for c in kept]
 
     def contribution(self, w: int, message: Encoded | None) -> list[torch.Tensor]:
@@ -219,17 +238,19 @@ class OuterSide:
 
     def end_round(self, summed: list[torch.Tensor], inner_steps: int) -> bool:
         """Apply the outer step on the summed contributions (if any outer_grad counted); every
-        active worker ran `inner_steps` (counted for those whose outer_grad arrived). Returns
-        whether θ changed."""
+        active worker ran `inner_steps` (counted for those whose outer_grad arrived), or, given
+        `steps` at begin_round, its own (`inner_steps` is then how far the per-worker step count
+        `inner_step` advances). Returns whether θ changed."""
         changed = any(self._kept.values())
         if changed:
             self.update.step(self.params, summed)
             self.version += 1
         self.rounds_done += 1
         self.inner_step += inner_steps
-        self.total_steps += len(self._arrived) * inner_steps
         for w in self._arrived:
-            self.worker_steps[w] += inner_steps
+            taken = inner_steps if self._steps is None else self._steps[w]
+            self.total_steps += taken
+            self.worker_steps[w] += taken
         self._arrived = []
         return changed
 

@@ -22,6 +22,7 @@ from diloco.config import InnerConfig, TrainConfig
 from diloco.config.parsers import parse_slowdown
 from diloco.core.async_rules import AsyncRule
 from diloco.core.codec import Codec
+from diloco.core.dylu import RoundPlanner
 from diloco.core.inner import Worker
 from diloco.core.lr import warmup_cosine
 from diloco.core.outer import Fragmented, OuterOpt
@@ -184,9 +185,24 @@ def build_trainer(
     pool, clock = build_pool(cfg, data), build_clock(cfg, cfg.num_workers)
     if cfg.method == "diloco":
         return DiLoCo.from_side(
-            side, pool, clock, inner_steps=cfg.inner_steps, schedule=streaming_schedule(cfg)
+            side,
+            pool,
+            clock,
+            inner_steps=cfg.inner_steps,
+            schedule=streaming_schedule(cfg),
+            planner=round_planner(cfg),
+            dylu_oracle=cfg.dylu.oracle,
         )
     return AsyncDiLoCo.from_config(cfg, side, pool, clock, shard_sizes=[len(s) for s in data.shards])
+
+
+def round_planner(cfg: TrainConfig) -> RoundPlanner | None:
+    """Sync DiLoCo with DyLU (--method diloco --dylu): the planner of each round's H_w, with the
+    budget of plain sync (k × rounds × H inner steps); None for plain sync DiLoCo."""
+    if cfg.method != "diloco" or not cfg.dylu.on(cfg.method):
+        return None
+    budget = cfg.num_workers * cfg.total_inner_steps
+    return RoundPlanner(cfg.num_workers, cfg.inner_steps, budget, by=cfg.dylu.by, alpha=cfg.dylu.alpha)
 
 
 def streaming_schedule(cfg: TrainConfig) -> Schedule | None:

@@ -131,8 +131,11 @@ def save_checkpoint(run: Run, round_: int, step: int, run_dir: Path) -> None:
 
 
 def run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Path, progress) -> bool:
-    """Rounds of sync DiLoCo (or a baseline); returns False if stopped early by --stop-after."""
+    """Rounds of sync DiLoCo (or a baseline); returns False if stopped early by --stop-after.
+    With DyLU (the trainer's `planner`, core/dylu.py) rounds go on until the budget of k ×
+    rounds × H inner steps is spent; the progress bar then counts plain rounds' worth of steps."""
     cfg, trainer, writer = run.cfg, run.trainer, run.writer
+    planner = getattr(trainer, "planner", None)
     H = cfg.inner_steps
     every = cfg.eval_every or H
     # a worker of M ranks (collective runtime) processes M batches a step
@@ -140,18 +143,25 @@ def run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Pat
     tokens_per_step = cfg.data.batch_size * cfg.model.seq_len * ranks_per_worker
     schedule = parse_workers_schedule(cfg.workers_schedule, cfg.num_workers) if cfg.workers_schedule else None
     bar = _progress(cfg, cfg.rounds, start_round, "round", progress)
+    if planner is not None:
+        bar.n = round(planner.rounds_estimate, 2)
+    r = start_round
     try:
-        for r in range(start_round + 1, cfg.rounds + 1):
+        while (r < cfg.rounds) if planner is None else not planner.done:
+            r += 1
             active = active_workers(schedule, r - 1, cfg.rounds) if schedule else trainer.num_workers
             steps_before = trainer.side.total_steps
             stats = trainer.round(active=active)
             run.tokens += (trainer.side.total_steps - steps_before) * tokens_per_step  # what arrived
             now = run.clock(stats.inner_step)
-            for w, loss in zip(stats.workers or range(len(stats.losses)), stats.losses, strict=True):
+            for i, (w, loss) in enumerate(
+                zip(stats.workers or range(len(stats.losses)), stats.losses, strict=True)
+            ):
                 writer.log(
                     "inner",
                     **now,
                     worker=w,
+                    **({} if stats.steps is None else {"steps": stats.steps[i]}),
                     train_loss=loss,
                     lr=stats.lr,
                     bytes_sent=stats.bytes_sent[w],
@@ -170,14 +180,15 @@ def run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Pat
                 bytes_received=sum(stats.bytes_received),
                 **(timing or {}),
             )
-            if (r * H) // every > ((r - 1) * H) // every or r == cfg.rounds:
+            last = r == cfg.rounds if planner is None else planner.done
+            if (r * H) // every > ((r - 1) * H) // every or last:
                 run.evaluate(stats.inner_step)
-            bar.update(1)
+            bar.update(1 if planner is None else round(planner.rounds_estimate - bar.n, 2))
             bar.set_postfix(
                 train_loss=f"{sum(stats.losses) / len(stats.losses):.3f}" if stats.losses else "-",
                 val_loss=f"{run.val_loss:.3f}" if run.val_loss is not None else "-",
             )
-            stopping = stop_after is not None and r == stop_after and r < cfg.rounds
+            stopping = stop_after is not None and r == stop_after and not last
             if (cfg.checkpoint_every and r % cfg.checkpoint_every == 0) or stopping:
                 save_checkpoint(run, r, stats.inner_step, run_dir)
             if stopping:

@@ -38,6 +38,7 @@ class RoundStats:
     bytes_received: list[int] = field(default_factory=list)  # cumulative, per worker
     timing: dict[str, float] | None = None  # real runtimes: measured compute_s and comm_s of the round
     workers: list[int] | None = None  # whose `losses` these are (None: workers 0, 1, ...)
+    steps: list[int] | None = None  # sync DiLoCo with DyLU: each worker's inner steps (None: H each)
 
 
 @dataclass

@@ -89,11 +89,12 @@ class AsyncDiLoCo(SideView):
     def from_config(
         cls, cfg: TrainConfig, side: OuterSide, pool, clock: Clock, *, shard_sizes: list[int]
     ) -> AsyncDiLoCo:
-        """A run built by run/assemble.py: the server's settings come from `cfg.async_`."""
-        v, self = cfg.async_, cls.__new__(cls)
+        """A run built by run/assemble.py: the server's settings come from `cfg.async_` and
+        `cfg.dylu`."""
+        v, d, self = cfg.async_, cfg.dylu, cls.__new__(cls)
         total = cfg.num_workers * cfg.total_inner_steps
         sizes = shard_sizes if v.shard_sampling else None
-        dylu_how = (v.dylu, v.dylu_oracle, v.dylu_alpha, v.dylu_by)
+        dylu_how = (d.on(cfg.method), d.oracle, d.alpha, d.by)
         self._setup(side, pool, clock, cfg.inner_steps, total, dylu_how, v.grace_s, sizes)
         return self
 

@@ -66,14 +66,13 @@ class InlinePool:
         w: int,
         start: list[torch.Tensor] | None,
         steps: int,
-        *,
-        lr_step: int | None = None,
-        shard: int | None = None,
+        **job: Any,
     ) -> None:
-        """Queue worker w's job (see Worker.run); the start parameters are copied now, since the
-        caller's may change before the job runs."""
+        """Queue worker w's job (see Worker.run: `job` holds its keyword arguments, lr_step,
+        shard, lr_stride, seconds); the start parameters are copied now, since the caller's may
+        change before the job runs."""
         start = None if start is None else [t.detach().clone() for t in start]
-        self._jobs[w] = ("run", (start, steps), {"lr_step": lr_step, "shard": shard})
+        self._jobs[w] = ("run", (start, steps), job)
 
     def submit_segment(self, w: int, steps: int, **kwargs: Any) -> None:
         """Queue part of a Streaming DiLoCo round for worker w (see Worker.segment); tensors are
@@ -169,9 +168,9 @@ def _serve(conn, factory: WorkerFactory, ids: list[int], threads: int) -> None:
             doing = "waiting for a command"
             cmd, args = _read(conn)
             if cmd == "run":
-                w, start, steps, lr_step, shard = args
+                w, start, steps, job = args
                 doing = f"computing worker {w}"
-                pool.submit(index[w], start, steps, lr_step=lr_step, shard=shard)
+                pool.submit(index[w], start, steps, **job)
                 out.send(("ok", pool.result(index[w])))
             elif cmd == "segment":
                 w, steps, kwargs = args
@@ -262,13 +261,11 @@ class ProcessPool:
         w: int,
         start: list[torch.Tensor] | None,
         steps: int,
-        *,
-        lr_step: int | None = None,
-        shard: int | None = None,
+        **job: Any,
     ) -> None:
         p = self.assign[w]
         start = None if start is None else [t.detach() for t in start]  # pickled (copied) now
-        self._send(p, ("run", (w, start, steps, lr_step, shard)), f"receiving a job for worker {w}")
+        self._send(p, ("run", (w, start, steps, job)), f"receiving a job for worker {w}")
         self._queued[p].append(w)
 
     def submit_segment(self, w: int, steps: int, **kwargs: Any) -> None:

@@ -17,7 +17,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from diloco.core.async_policy import steps_within
 from diloco.core.codec import Codec, Fp32Codec
+from diloco.core.dylu import RoundPlan, RoundPlanner
 from diloco.core.inner import LossFn, Worker, gpt_loss
 from diloco.core.outer import Fragmented, Nesterov, OuterOpt
 from diloco.core.outer_side import OuterSide
@@ -135,15 +137,22 @@ class DiLoCo(SideView):
         *,
         inner_steps: int,
         schedule: Schedule | None = None,
+        planner: RoundPlanner | None = None,
+        dylu_oracle: bool = False,
     ):
         """A run built by run/assemble.py from its config: the outer side and the pool are ready (with a
-        `schedule`, Streaming DiLoCo: the side's update is then `Fragmented`)."""
+        `schedule`, Streaming DiLoCo: the side's update is then `Fragmented`; with a `planner`,
+        sync DiLoCo with DyLU, core/dylu.py)."""
         self = cls.__new__(cls)
-        self._setup(side, pool, clock, inner_steps, schedule)
+        self._setup(side, pool, clock, inner_steps, schedule, planner, dylu_oracle)
         return self
 
-    def _setup(self, side: OuterSide, pool, clock: Clock, inner_steps: int, schedule=None) -> None:
+    def _setup(
+        self, side: OuterSide, pool, clock: Clock, inner_steps: int, schedule=None, planner=None, oracle=False
+    ) -> None:
         self.side, self.pool, self.clock, self.inner_steps = side, pool, clock, inner_steps
+        self.planner: RoundPlanner | None = planner  # sync DiLoCo with DyLU (core/dylu.py), or None
+        self.dylu_oracle = oracle  # DyLU from the clock's true speeds
         self._sim_time_s = 0.0
         self.schedule = schedule  # Streaming DiLoCo, or None
         self._worker_s: list[float] | None = None  # streaming: each worker's simulated time
@@ -193,13 +202,19 @@ class DiLoCo(SideView):
             if active is not None and active != self.num_workers:
                 raise ValueError("Streaming DiLoCo runs every worker every round")
             return self._streaming_round()
-        side, H, start = self.side, self.inner_steps, self._sim_time_s
-        starts = side.begin_round(active)
+        side, H, start, clock = self.side, self.inner_steps, self._sim_time_s, self.clock
+        plan = self._plan(start) if self.planner is not None else None
+        starts = side.begin_round(active, steps=plan.steps if plan else None)
+        job, pull_s = side.rounds_done, clock.transfer_s(side.pull_bytes)
+        pulled = [start + (pull_s if s else 0.0) for s in starts]  # none: it goes on from its own θ
         for w, from_global in enumerate(starts):  # all jobs first: a process pool runs them side by side
             # the round drives the lr: a worker that joins mid-run takes the run's lr
-            self.pool.submit(w, side.downloaded() if from_global else None, H, lr_step=side.inner_step)
-        pull_bytes = side.pull_bytes
-        messages, losses, lr, end = [], [], 0.0, start
+            theta = side.downloaded() if from_global else None
+            if plan is None:
+                self.pool.submit(w, theta, H, lr_step=side.inner_step)
+            else:
+                self.pool.submit(w, theta, plan.steps[w], lr_step=plan.lr_step, lr_stride=plan.lr_strides[w])
+        messages, losses, lr, end, taken = [], [], 0.0, start, []
         for w in range(len(starts)):
             result = self.pool.result(w)
             message = result.message
@@ -207,12 +222,32 @@ class DiLoCo(SideView):
             messages.append(message if counts else None)
             losses.append(result.mean_loss)
             lr = result.last_lr
-            pulled = start + (self.clock.transfer_s(pull_bytes) if starts[w] else 0.0)  # none: own θ
-            computed = pulled + self.clock.compute_s(w, pulled, H, job=side.rounds_done)
-            end = max(end, computed + self.clock.transfer_s(message.nbytes))
-        side.end_round(side.reduce(messages), H)
+            compute_s = clock.compute_s(w, pulled[w], result.steps, job=job)
+            taken.append(result.steps)
+            if plan is not None:
+                self.planner.record(w, compute_s, result.steps)
+            end = max(end, pulled[w] + compute_s + clock.transfer_s(message.nbytes))
+        advance = H if plan is None else self.planner.spend(sum(taken))
+        side.end_round(side.reduce(messages), advance)
         self._sim_time_s = end
-        return self._stats(losses, lr)
+        stats = self._stats(losses, lr)
+        stats.steps = taken if plan is not None else None
+        return stats
+
+    def _plan(self, start: float) -> RoundPlan:
+        """The round's H_w (sync DiLoCo with DyLU): from the measured speeds (the oracle: the
+        profile's true ones); with deadlines, the steps each worker's clock fits in them."""
+        k, clock, planner = self.num_workers, self.clock, self.planner
+        oracle = [clock.true_step_s(w, start) for w in range(k)] if self.dylu_oracle else None
+        plan = planner.plan(oracle)
+        if plan.seconds is not None:  # the simulator knows how many steps fit: the clock's
+            job, pull_s = self.side.rounds_done, clock.transfer_s(self.side.pull_bytes)
+            steps = [
+                steps_within(plan.seconds, clock.step_times(w, start + pull_s, job=job)) for w in range(k)
+            ]
+            advance = sum(steps) / k
+            plan.steps, plan.lr_strides = steps, [advance / s for s in steps]
+        return plan
 
     def _streaming_round(self) -> RoundStats:
         """One round of Streaming DiLoCo: the schedule's segments for every worker; a fragment's
@@ -282,11 +317,14 @@ class DiLoCo(SideView):
             "outer": self.side.state_dict(),
             "workers": self.pool.state_dict(),
             "runtime": {"sim": {"sim_time_s": self._sim_time_s, "worker_s": self._worker_s}},
+            **({"dylu": self.planner.state_dict()} if self.planner is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.side.load_state_dict(state["outer"])
         self.pool.load_state_dict(state["workers"])
+        if self.planner is not None and "dylu" in state:
+            self.planner.load_state_dict(state["dylu"])
         # A run that comes from a real runtime has no simulated time yet: it starts at 0.
         mine = state.get("runtime", {}).get("sim", {})
         self._sim_time_s = float(mine.get("sim_time_s", 0.0))

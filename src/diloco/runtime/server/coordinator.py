@@ -133,9 +133,10 @@ class Coordinator:
         steps, shard = self.H, w
         if not self.sync:
             measured = {i: r["step_s"] for i, r in self.workers.items() if r["step_s"] is not None}
-            if v.dylu and w not in measured:
+            dylu = self.cfg.dylu.on(self.cfg.method)
+            if dylu and w not in measured:
                 steps = probe_steps(self.H)
-            elif v.dylu:
+            elif dylu:
                 steps = dylu_steps(list(measured.values()), self.H)[list(measured).index(w)]
             steps = min(steps, self.step_budget - self.dispatched)
             if steps <= 0:
@@ -229,7 +230,7 @@ class Coordinator:
             self.norms.append(e["norm"])
         rec = self.workers[job.worker]
         rec["job"] = None
-        speed = SpeedEstimator(self.cfg.async_.dylu_alpha)  # the EMA; its value lives in the record
+        speed = SpeedEstimator(self.cfg.dylu.alpha)  # the EMA; its value lives in the record
         speed.step_s = rec["step_s"]
         rec["step_s"] = speed.update(e["compute_s"], job.steps)
         tot = self.totals[job.worker]
