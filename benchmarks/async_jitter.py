@@ -5,7 +5,8 @@ simulated seconds per inner step, H = 50, 8 rounds: 1,600 local steps for every 
 `--speed-jitter` 0, 0.1 and 0.2 (each job's time per step × 1 + J·U(−1, 1)), five seeds, from
 scratch and from a warm start (one single-worker model pretrained for 400 steps, seed 1000).
 
-Methods (`METHODS`): sync DiLoCo; the paper's baselines on Algorithm 2's framework with a fixed
+Methods (`METHODS`): sync DiLoCo; sync DiLoCo with DyLU (`--dylu`: H_w per round from measured
+speeds, all sync together; `sync_dylu_time`: each round a deadline); the paper's baselines on Algorithm 2's framework with a fixed
 H (shard sampling and the grace period on): naive, poly, polythres, delay compensation, buffer,
 DN; DN + DyLU in the paper's form (H_w from measured speeds, `--dylu-by steps`); and DN + DyLU
 with jobs as deadlines (`--dylu-by time`, the fix this benchmark measures).
@@ -52,6 +53,7 @@ FIXED_H = DyluConfig(enabled=False)  # with Algorithm 2's shard sampling and gra
 METHODS = {
     "sync": ("diloco", AsyncConfig(), DyluConfig()),
     "sync_dylu": ("diloco", AsyncConfig(), DyluConfig(enabled=True)),  # H_w per round, all sync together
+    "sync_dylu_time": ("diloco", AsyncConfig(), DyluConfig(enabled=True, by="time")),  # rounds as deadlines
     "naive": ("async", AsyncConfig(rule="naive"), FIXED_H),
     "poly": ("async", AsyncConfig(rule="poly"), FIXED_H),
     "polythres": ("async", AsyncConfig(rule="polythres"), FIXED_H),
