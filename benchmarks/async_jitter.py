@@ -6,10 +6,10 @@ simulated seconds per inner step, H = 50, 8 rounds: 1,600 local steps for every 
 scratch and from a warm start (one single-worker model pretrained for 400 steps, seed 1000).
 
 Methods (`METHODS`): sync DiLoCo; sync DiLoCo with DyLU (`--dylu`: H_w per round from measured
-speeds, all sync together; `sync_dylu_time`: each round a deadline); the paper's baselines on Algorithm 2's framework with a fixed
-H (shard sampling and the grace period on): naive, poly, polythres, delay compensation, buffer,
-DN; DN + DyLU in the paper's form (H_w from measured speeds, `--dylu-by steps`); and DN + DyLU
-with jobs as deadlines (`--dylu-by time`, the fix this benchmark measures).
+speeds, all sync together; `sync_dylu_time`: each round a deadline); the paper's baselines on
+Algorithm 2's framework with a fixed H (shard sampling and the grace period on): naive, poly,
+polythres, delay compensation, buffer, DN; DN + DyLU in the paper's form (H_w from measured
+speeds, `--dylu-by steps`); and DN + DyLU with jobs as deadlines (`--dylu-by time`).
 
 Each method's outer lr is the best of {0.1, 0.3, 0.5, 0.7, 1.0} on seed 100 (not among the
 reported seeds) at jitter 0.1 from scratch (`--sweep`), and is used at every jitter level and in

@@ -157,8 +157,8 @@ def test_a_toml_value_of_the_wrong_type_exits_2_naming_key_flag_and_type(
         (["--procs-per-worker", "2"], "add --runtime collective or drop it."),
         (["--timeout-s", "10"], "timeout_s (--timeout-s) applies only with --runtime collective"),
         (
-            ["--runtime", "collective", "--speeds", "1,2,3,4"],
-            "sim.speeds (--speeds) applies only with --runtime sim",
+            ["--runtime", "collective", "--speeds", "1,2"],
+            "sim.speeds (--speeds) gives 2 speeds for 4 workers",
         ),
         (["--runtime", "collective", "--heterogeneity", "very"], "add --runtime sim or drop it."),
         (["--runtime", "collective", "--latency-ms", "5"], "sim.latency_ms (--latency-ms) applies only"),

@@ -89,3 +89,37 @@ def test_deadlines_keep_rounds_short_under_jitter(tiny, tmp_path):
     # estimate (≤ 20 × 1.3 s)
     assert max(b - a for a, b in zip(ends["time"], ends["time"][1:], strict=False)) <= 20 * 1.3
     assert ends["time"][-1] < ends["steps"][-1]
+
+
+# -- under torchrun: ranks all-gather their measured step times and plan the same rounds -------
+
+
+def _torchrun_dylu(tmp_path, name, *flags):
+    from test_collective import _torchrun
+
+    proc = _torchrun(tmp_path, 2, "--dylu", "--out", str(tmp_path / name), *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _params(tmp_path / name), [m for m in read_metrics(tmp_path / name) if m["kind"] == "inner"]
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_equal_emulated_speeds_give_plain_sync_diloco_bit_for_bit(tiny, tmp_path):
+    # Both ranks' steps padded to 50 ms (--speeds under torchrun): equal measured speeds, every
+    # worker takes H every round, and the run is the plain simulator run's bit for bit.
+    real, inner = _torchrun_dylu(tmp_path, "c", "--speeds", "0.05,0.05")
+    assert [m["steps"] for m in inner] == [4] * 6
+    train(tiny(out=str(tmp_path / "s")), progress=False)  # plain sync, the same TINY settings
+    assert _equal(real, _params(tmp_path / "s"))
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_a_slower_emulated_device_takes_fewer_steps_as_in_the_simulator(tiny, tmp_path):
+    # Steps of 20 and 50 ms: after the measuring round worker 1 takes ⌊0.4 · 6⌋ = 2 steps to
+    # worker 0's 6 (timing noise would have to reach 10% to change it), rounds go on until
+    # 2 × 3 × 6 = 36 steps are spent, and θ is the simulator's with the same profile bit for bit.
+    real, inner = _torchrun_dylu(tmp_path, "c", "--speeds", "0.02,0.05", "--inner-steps", "6")
+    assert [m["steps"] for m in inner] == [6, 6] + [6, 2] * 3
+    sim = SimConfig(speeds=(0.02, 0.05), procs=1)
+    cfg = tiny(inner_steps=6, eval_every=0, sim=sim, dylu=DyluConfig(enabled=True), out=str(tmp_path / "s"))
+    train(cfg, progress=False)
+    assert _equal(real, _params(tmp_path / "s"))

@@ -183,12 +183,16 @@ def test_an_int_is_a_float_and_inf_is_a_grace_and_a_slowdown_end():
         ),
         ({"timeout_s": 60}, "timeout_s (--timeout-s) applies only with --runtime collective"),
         (
-            {"runtime": "collective", "sim": {"speeds": [1, 2, 3, 4]}},
-            "sim.speeds (--speeds) applies only with",
+            {"runtime": "server", "checkpoint_every": 1, "sim": {"speeds": [1, 2, 3, 4]}},
+            "sim.speeds (--speeds) applies only with --runtime sim or collective (this run has server): a "
+            "server's worker is slowed by its own `diloco worker --slowdown F`",
         ),
         ({"runtime": "collective", "sim": {"heterogeneity": "very"}}, "sim.heterogeneity (--heterogeneity)"),
         ({"runtime": "collective", "sim": {"speed_jitter": 0.1}}, "sim.speed_jitter (--speed-jitter)"),
-        ({"runtime": "collective", "sim": {"slowdowns": ["0:2@0-1"]}}, "add --runtime sim or drop it."),
+        (
+            {"runtime": "server", "checkpoint_every": 1, "sim": {"slowdowns": ["0:2@0-1"]}},
+            "set --runtime sim or collective or drop it.",
+        ),
         ({"runtime": "collective", "sim": {"bandwidth_mbps": 10}}, "sim.bandwidth_mbps (--bandwidth-mbps)"),
         ({"runtime": "collective", "sim": {"latency_ms": 5}}, "sim.latency_ms (--latency-ms) applies only"),
         ({"drop_prob": 0.1, "method": "async"}, "drop_prob (--drop-prob) applies only with --method diloco"),

@@ -34,6 +34,7 @@ PRESETS = (
 )  # the keys of MODEL_PRESETS (below), which needs ModelConfig
 # `needs` of settings that apply to one runtime or method only (the simulator's clock: not real time)
 ON_SIM, ON_COLLECTIVE, ON_SERVER = ("runtime", "sim"), ("runtime", "collective"), ("runtime", "server")
+ON_SIM_OR_COLLECTIVE = ("runtime", "in", ("sim", "collective"))  # emulated devices (runtime/clock.py)
 ON_ASYNC, ON_DILOCO = ("method", "async"), ("method", "diloco")
 ON_DYLU_METHODS = ("method", "in", ("async", "diloco"))  # DyLU: async jobs, or sync rounds
 # The groups of `diloco train --help`, in order, by the name a top-level setting gives with `group=`
@@ -202,9 +203,11 @@ class SimConfig:
         (),
         flag="--speeds",
         parse=_speeds,
-        needs=ON_SIM,
+        needs=ON_SIM_OR_COLLECTIVE,
+        because="a server's worker is slowed by its own `diloco worker --slowdown F`",
         default_help="from --heterogeneity",
-        help="seconds per inner step of each worker, e.g. 0.58,0.75,1.51,3.33",
+        help="seconds per inner step of each worker, e.g. 0.58,0.75,1.51,3.33 (under torchrun: each step "
+        "padded to at least that, an emulated device)",
     )
     heterogeneity: str = setting(
         "none",
@@ -220,9 +223,11 @@ class SimConfig:
     slowdowns: tuple[str, ...] = setting(
         (),
         flag="--slowdown",
-        needs=ON_SIM,
+        needs=ON_SIM_OR_COLLECTIVE,
+        because="a server's worker is slowed by its own `diloco worker --slowdown F`",
         default_help="none",
-        help="W:FACTOR@START-END: worker W FACTOR× slower in [START, END) s, e.g. 2:4@100-200; repeatable",
+        help="W:FACTOR@START-END: worker W FACTOR× slower in [START, END) s, e.g. 2:4@100-200 (under "
+        "torchrun: wall seconds from the first round, each inner step padded); repeatable",
     )
     bandwidth_mbps: float = setting(
         0.0, flag="--bandwidth-mbps", needs=ON_SIM, help="network Mbit/s of every pull and push; 0: unlimited"

@@ -160,7 +160,11 @@ def build_trainer(
         # every rank builds the same side (seed, or --init-from) and its own worker
         side = build_side(cfg, data, init)
         return CollectiveDiLoCo(
-            cfg, side, build_worker=worker_factory(cfg, data), schedule=streaming_schedule(cfg)
+            cfg,
+            side,
+            build_worker=worker_factory(cfg, data),
+            schedule=streaming_schedule(cfg),
+            planner=round_planner(cfg),
         )
     if cfg.runtime == "server":
         from diloco.runtime.server.service import ServerRuntime

@@ -37,6 +37,7 @@ from diloco.errors import Interrupted, UserError
 from diloco.run.assemble import build_worker, download_codec
 from diloco.run.link import Heartbeat, Link, Refused, RunOver, log
 from diloco.run.threads import set_threads
+from diloco.runtime.clock import slowed
 from diloco.runtime.server import diloco_pb2 as pb
 from diloco.runtime.server.wire import PROTOCOL, push_chunks
 
@@ -51,20 +52,6 @@ def _get_job(link: Link, ref: pb.WorkerRef) -> tuple[pb.JobChunk, bytes]:
     if head.status == pb.JobChunk.RUN and len(blob) != head.total_bytes:
         raise UserError(f"job {head.job} came with {len(blob)} bytes of parameters, not {head.total_bytes}")
     return head, blob
-
-
-def _slowed(worker: Worker, factor: float, over: threading.Event) -> None:
-    """Emulate a slower machine: pad every inner step to `factor` × its measured time (a pause
-    that ends early when the run is over)."""
-    step = worker.train_step
-
-    def train_step(lr_step: int | None = None):
-        t0 = time.perf_counter()
-        out = step(lr_step)
-        over.wait((factor - 1.0) * (time.perf_counter() - t0))
-        return out
-
-    worker.train_step = train_step
 
 
 def _stoppable(worker: Worker, over: threading.Event) -> None:
@@ -148,7 +135,7 @@ def run_worker(
                     worker.model.to(dev)  # before the optimizer's first step, so its state follows
                     worker.batches = ToDevice(worker.batches, dev)
                 if slowdown != 1.0:
-                    _slowed(worker, slowdown, beat.over)
+                    slowed(worker, lambda t: slowdown * t, beat.over.wait)  # ends early when the run is over
                 _stoppable(worker, beat.over)
                 log(f"joined {server} as worker {reg.worker}")
                 try:

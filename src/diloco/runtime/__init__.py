@@ -9,7 +9,10 @@
   `at_boundary` (no grace group half-applied: the state can be saved) and `step_budget`.
 - `summary_extras() -> dict`: runtime-specific fields of summary.json.
 - `state_dict()` / `load_state_dict(state)`: {"outer": ..., "workers": [...], "runtime": {name: ...}}
-  — the one checkpoint layout; a runtime reads only its own entry under "runtime".
+  (and "dylu": the round planner's state, core/dylu.py, in sync DiLoCo with DyLU) — the one
+  checkpoint layout; a runtime reads only its own entry under "runtime".
+- `planner`: sync DiLoCo with DyLU's `RoundPlanner`, where the runtime has one; the loop then
+  runs rounds until its budget is spent.
 - `broadcast(obj)`: the main process's object on every process (identity in one process).
 - `after_checkpoint()`: a checkpoint of `state_dict()` is durable (the server drops the log
   records it covers; a no-op elsewhere).

@@ -5,13 +5,19 @@ level), times a per-round jitter factor (`--speed-jitter`), times any scheduled 
 that moment (`--slowdown W:FACTOR@START-END`). A pull or push of B bytes costs
 B ÷ bandwidth + latency. Nothing here touches tensors; results depend only on the seed.
 
+Real runtimes emulate other devices with `slowed`: under torchrun `--speeds` pads each inner
+step of a worker to at least its seconds and `--slowdown` multiplies them; `diloco worker
+--slowdown F` pads each step to F × its measured time.
+
     diloco train --method async --heterogeneity very --bandwidth-mbps 100 --latency-ms 20
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from diloco.config.parsers import Slowdown
 from diloco.config.sections import HETEROGENEITY
@@ -86,3 +92,22 @@ class Clock:
     def true_step_s(self, worker: int, t: float) -> float:
         """The profile's time per step at time t, without jitter (what an oracle would know)."""
         return self.step_s[worker] * self._slowdown(worker, t)
+
+
+def slowed(
+    worker: Any, emulated_s: Callable[[float], float], pause: Callable[[float], Any] = time.sleep
+) -> None:
+    """Emulate another machine in a real process: each of `worker`'s inner steps, measured at
+    t seconds, is padded to `emulated_s(t)` seconds (FACTOR × t for a slower one), waiting with
+    `pause(seconds)` (one that returns early lets a stopped run end at once)."""
+    step = worker.train_step
+
+    def train_step(lr_step: int | None = None):
+        t0 = time.perf_counter()
+        out = step(lr_step)
+        took = time.perf_counter() - t0
+        if (extra := emulated_s(took) - took) > 0:
+            pause(extra)
+        return out
+
+    worker.train_step = train_step

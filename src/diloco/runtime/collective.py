@@ -28,13 +28,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco.config import TrainConfig
+from diloco.config.parsers import Slowdown, parse_slowdown
 from diloco.core.codec import Encoded
+from diloco.core.dylu import DEADLINE_CAP, RoundPlanner
 from diloco.core.inner import Worker
 from diloco.core.outer_side import OuterSide
 from diloco.core.streaming import Schedule
 from diloco.data.batches import RankSlice, ToDevice
 from diloco.errors import RESUME_OR, ReplicaMismatch, RunFailed, WorkerDied
 from diloco.runtime import RoundStats, faults, is_main_process
+from diloco.runtime.clock import slowed
 from diloco.runtime.collective_streaming import StreamingRounds, unflatten
 from diloco.runtime.torchrun import world_from_env
 
@@ -70,8 +73,10 @@ class CollectiveDiLoCo(StreamingRounds):
         *,
         build_worker: Callable[..., Worker],
         schedule: Schedule | None = None,
+        planner: RoundPlanner | None = None,
     ):
         self.rank, self.world, _ = world_from_env()
+        self.planner = planner  # sync DiLoCo with DyLU (core/dylu.py): the same on every rank
         M = cfg.procs_per_worker
         self.k, self.M = self.world // M, M
         self.worker_id, self.local = self.rank // M, self.rank % M
@@ -114,6 +119,12 @@ class CollectiveDiLoCo(StreamingRounds):
                 process_group=self._ddp_group(),
             )
         self.worker = worker
+        self.started = time.perf_counter()  # --slowdown's START and END count from here
+        # an emulated device: every inner step padded to at least --speeds' seconds, × --slowdown's
+        floor_s = cfg.sim.speeds[self.worker_id] if cfg.sim.speeds else 0.0
+        mine = [s for s in map(parse_slowdown, cfg.sim.slowdowns) if s.worker == self.worker_id]
+        if mine or floor_s:
+            slowed(worker, lambda t: max(t, floor_s) * self._factor(mine))
         # Every rank keeps the whole outer side (the same on every rank by construction: seed, or
         # --init-from) and applies the same summed update.
         self.side = side
@@ -124,6 +135,13 @@ class CollectiveDiLoCo(StreamingRounds):
         self.bytes_per_rank = [[0, 0] for _ in range(self.world)]  # every rank's, cumulative
         with self._collective("the first replica check"):
             self._check_replicas(-1)
+
+    def _factor(self, slowdowns: list[Slowdown]) -> float:
+        t, factor = time.perf_counter() - self.started, 1.0
+        for s in slowdowns:
+            if s.start_s <= t < s.end_s:
+                factor *= s.factor
+        return factor
 
     @property
     def sim_time_s(self) -> None:  # real processes: wall time only
@@ -191,32 +209,47 @@ class CollectiveDiLoCo(StreamingRounds):
     def round(self, *, active: int | None = None) -> RoundStats:
         if self.schedule is not None:
             return self._streaming_round()
-        side, H, w = self.side, self.cfg.inner_steps, self.worker_id
+        side, H, w, planner = self.side, self.cfg.inner_steps, self.worker_id, self.planner
         t0 = time.perf_counter()
-        starts = side.begin_round(active)
+        plan = planner.plan() if planner is not None else None
+        starts = side.begin_round(active, steps=plan.steps if plan else None)
         n = len(starts)
-        loss, lr, message, finite = float("nan"), 0.0, None, True
+        loss, lr, message, finite, taken = float("nan"), 0.0, None, True, 0
         if w < n:
-            result = self.worker.run(side.downloaded() if starts[w] else None, H, lr_step=side.inner_step)
-            loss, lr, finite = result.mean_loss, result.last_lr, result.finite
+            start = side.downloaded() if starts[w] else None
+            if plan is None:
+                result = self.worker.run(start, H, lr_step=side.inner_step)
+            else:  # a deadline: at most DEADLINE_CAP × the steps expected to fit
+                steps = plan.steps[w] * (DEADLINE_CAP if plan.seconds is not None else 1)
+                job = {"lr_step": plan.lr_step, "lr_stride": plan.lr_strides[w], "seconds": plan.seconds}
+                result = self.worker.run(start, steps, **job)
+            loss, lr, finite, taken = result.mean_loss, result.last_lr, result.finite, result.steps
             message = result.message
         compute_s = time.perf_counter() - t0
         before = list(self.rank_bytes)
         with self._collective("the outer sync"):
-            # Every rank learns each worker's message size and whether it is finite, so every
-            # outer side makes the same decisions (drops, weights) before the reduction.
-            mine = torch.tensor([message.nbytes if message else 0, int(finite)], dtype=torch.int64)
-            every = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
+            # Every rank learns each worker's message size, whether it is finite and the steps it
+            # took, so every outer side makes the same decisions (drops, weights) before the
+            # reduction.
+            mine = torch.tensor([message.nbytes if message else 0, int(finite), taken], dtype=torch.int64)
+            every = [torch.zeros(3, dtype=torch.int64) for _ in range(self.world)]
             dist.all_gather(every, mine)
+            took = [int(every[i * self.M][2]) for i in range(n)]
             for i in range(n):
-                side.report(i, int(every[i * self.M][0]), bool(every[i * self.M][1]))
+                row = every[i * self.M]
+                side.report(i, int(row[0]), bool(row[1]), steps=took[i] if plan else None)
             if side.codec.summable:  # zeros from an inactive worker or a dropped outer_grad
                 summed = self._allreduce_buckets(side.contribution(w, message))
             else:
                 summed = side.reduce(self._gather_messages(message, n))
-            side.end_round(summed, H)
+            side.end_round(summed, H if plan is None else planner.spend(sum(took)))
         comm_s = time.perf_counter() - t0 - compute_s
-        return self._finish_round(loss, lr, compute_s, comm_s, before, n)
+        stats = self._finish_round(loss, lr, compute_s, comm_s, before, n)
+        if plan is not None:  # every rank records the same measured times: the same next plan
+            for i in range(n):
+                planner.record(i, self._compute_by_worker[i], took[i])
+            stats.steps = took
+        return stats
 
     def _finish_round(
         self, loss: float, lr: float, compute_s: float, comm_s: float, before: list[int], n: int
@@ -233,6 +266,7 @@ class CollectiveDiLoCo(StreamingRounds):
             every = [torch.zeros(6, dtype=torch.float64) for _ in range(self.world)]
             dist.all_gather(every, mine)
         leaders = [every[i * self.M] for i in range(self.k)]
+        self._compute_by_worker = [float(r[2]) for r in leaders]  # a worker's: its leader's
         for r, row in enumerate(every):
             self.bytes_per_rank[r][0] += int(row[4])
             self.bytes_per_rank[r][1] += int(row[5])
@@ -285,6 +319,7 @@ class CollectiveDiLoCo(StreamingRounds):
             "outer": self.side.state_dict(),
             "workers": [gathered[w * self.M] for w in range(self.k)],
             "runtime": {"collective": {"bytes_per_rank": [list(b) for b in self.bytes_per_rank]}},
+            **({"dylu": self.planner.state_dict()} if self.planner is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
@@ -301,6 +336,7 @@ class CollectiveDiLoCo(StreamingRounds):
                         "outer": state["outer"],
                         "worker": state["workers"][r // self.M],
                         "bytes_per_rank": per_rank,
+                        "dylu": state.get("dylu"),
                     }
                     for r in range(self.world)
                 ]
@@ -313,6 +349,8 @@ class CollectiveDiLoCo(StreamingRounds):
             raise ValueError(received[0]["error"])
         mine = received[0]
         self.side.load_state_dict(mine["outer"])
+        if self.planner is not None and mine["dylu"] is not None:
+            self.planner.load_state_dict(mine["dylu"])
         if mine["bytes_per_rank"] is not None:  # a run from another runtime or size starts at 0
             self.bytes_per_rank = [[int(x) for x in b] for b in mine["bytes_per_rank"]]
         worker = dict(mine["worker"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator, Sequence
+from itertools import islice
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ import torch.nn as nn
 
 from diloco.core.async_policy import steps_within
 from diloco.core.codec import Codec, Fp32Codec
-from diloco.core.dylu import RoundPlan, RoundPlanner
+from diloco.core.dylu import DEADLINE_CAP, RoundPlan, RoundPlanner
 from diloco.core.inner import LossFn, Worker, gpt_loss
 from diloco.core.outer import Fragmented, Nesterov, OuterOpt
 from diloco.core.outer_side import OuterSide
@@ -236,17 +237,20 @@ class DiLoCo(SideView):
 
     def _plan(self, start: float) -> RoundPlan:
         """The round's H_w (sync DiLoCo with DyLU): from the measured speeds (the oracle: the
-        profile's true ones); with deadlines, the steps each worker's clock fits in them."""
+        profile's true ones); with deadlines, the steps each worker's clock fits in them (at most
+        DEADLINE_CAP × those expected, as a real worker; the lr strides stay the expected ones,
+        which is all a real worker knows when it starts)."""
         k, clock, planner = self.num_workers, self.clock, self.planner
         oracle = [clock.true_step_s(w, start) for w in range(k)] if self.dylu_oracle else None
         plan = planner.plan(oracle)
-        if plan.seconds is not None:  # the simulator knows how many steps fit: the clock's
+        if plan.seconds is not None:
             job, pull_s = self.side.rounds_done, clock.transfer_s(self.side.pull_bytes)
-            steps = [
-                steps_within(plan.seconds, clock.step_times(w, start + pull_s, job=job)) for w in range(k)
+            plan.steps = [
+                steps_within(
+                    plan.seconds, islice(clock.step_times(w, start + pull_s, job=job), DEADLINE_CAP * n)
+                )
+                for w, n in enumerate(plan.steps)
             ]
-            advance = sum(steps) / k
-            plan.steps, plan.lr_strides = steps, [advance / s for s in steps]
         return plan
 
     def _streaming_round(self) -> RoundStats:
