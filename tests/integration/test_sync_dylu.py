@@ -123,3 +123,44 @@ def test_under_torchrun_a_slower_emulated_device_takes_fewer_steps_as_in_the_sim
     cfg = tiny(inner_steps=6, eval_every=0, sim=sim, dylu=DyluConfig(enabled=True), out=str(tmp_path / "s"))
     train(cfg, progress=False)
     assert _equal(real, _params(tmp_path / "s"))
+
+
+# -- on the parameter server: the members' measured speeds plan each round at its begin ------
+
+
+def _server_dylu(tmp_path, inner_steps, step_s):
+    """The run's θ, each inner line's steps, and the emulated seconds per step by slot (the
+    workers take slots in the order they join)."""
+    from test_server import address, finish, serve, slot_of, worker
+
+    run = ["--workers", "2", "--inner-steps", str(inner_steps), "--rounds", "3", "--dylu"]
+    srv = serve(tmp_path, *run)
+    at = address(tmp_path / "run")
+    workers = [worker(at, "--step-s", str(s)) for s in step_s]
+    results = finish(srv, *workers)
+    assert [rc for rc, _ in results] == [0, 0, 0], results
+    by_slot = {slot_of(tmp_path / "run", p): s for p, s in zip(workers, step_s, strict=True)}
+    from diloco.run.replay import replay
+
+    assert replay(tmp_path / "run")["bitwise_equal"]
+    inner = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "inner"]
+    return _params(tmp_path / "run"), [m["steps"] for m in inner], (by_slot[0], by_slot[1])
+
+
+@pytest.mark.timeout(180)
+def test_on_the_server_equal_emulated_speeds_give_plain_sync_diloco_bit_for_bit(tiny, tmp_path):
+    real, steps, _ = _server_dylu(tmp_path, 4, (0.05, 0.05))
+    assert steps == [4] * 6
+    train(tiny(out=str(tmp_path / "s"), eval_every=0), progress=False)
+    assert _equal(real, _params(tmp_path / "s"))
+
+
+@pytest.mark.timeout(180)
+def test_on_the_server_a_slower_emulated_device_takes_fewer_steps_as_in_the_simulator(tiny, tmp_path):
+    # as under torchrun: 20 and 50 ms a step, H = 6: rounds of 6 + 6, then 6 + 2 until 36 steps
+    real, steps, speeds = _server_dylu(tmp_path, 6, (0.02, 0.05))
+    assert steps == [6, 6] + ([6, 2] if speeds[0] < speeds[1] else [2, 6]) * 3
+    sim = SimConfig(speeds=speeds, procs=1)
+    cfg = tiny(inner_steps=6, eval_every=0, sim=sim, dylu=DyluConfig(enabled=True), out=str(tmp_path / "s"))
+    train(cfg, progress=False)
+    assert _equal(real, _params(tmp_path / "s"))

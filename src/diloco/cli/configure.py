@@ -84,12 +84,14 @@ def resumed_config(
         )
     runtime = flags.get("runtime", saved.runtime)
     # Moving runtimes: the settings of the runtime the run leaves (its clock, its buckets and
-    # timeout) never change a sync run's parameters, so they go back to their defaults.
+    # timeout) never change a sync run's parameters, so they go back to their defaults; so do
+    # those it shares with the new one but that mean another thing there (--speeds: simulated
+    # seconds in the simulator, padding of real steps under torchrun).
     moved = runtime != saved.runtime
 
-    def elsewhere(s: settings.Setting) -> bool:  # a setting of another runtime than this one
+    def elsewhere(s: settings.Setting) -> bool:  # a setting of another runtime than this one alone
         needs = settings.conditions(s.meta.needs)
-        return any(p == "runtime" and op == "==" and v != runtime for p, op, v in needs)
+        return any(p == "runtime" and not (op == "==" and v == runtime) for p, op, v in needs)
 
     left = {s.path: s.default for s in settings.walk(TrainConfig) if moved and elsewhere(s)}
     return with_flags(saved.to_dict(), left | flags, where)

@@ -189,6 +189,14 @@ def _worker(sub: Any) -> None:
         help="emulate a machine F times slower: every inner step is padded to F x its time (default 1)",
     )
     worker.add_argument(
+        "--step-s",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="emulate a device of S seconds per inner step: each step padded to at least S, then "
+        "times --slowdown (default 0: as fast as this machine)",
+    )
+    worker.add_argument(
         "--token-file", type=Path, metavar="FILE", help="the run's token (default: $DILOCO_TOKEN)"
     )
     worker.add_argument(

@@ -134,10 +134,10 @@ def worker_command(args: argparse.Namespace) -> int:
     from diloco.run.worker import run_worker
     from diloco.runtime.server import security
 
-    if args.threads < 1 or not args.slowdown >= 1.0 or not args.retry_s >= 0:
+    if args.threads < 1 or not args.slowdown >= 1.0 or not args.retry_s >= 0 or not 0 <= args.step_s < 3600:
         raise UserError(
-            f"diloco worker needs --threads >= 1, --slowdown >= 1 and --retry-s >= 0, got {args.threads}, "
-            f"{args.slowdown} and {args.retry_s}."
+            f"diloco worker needs --threads >= 1, --slowdown >= 1, --retry-s >= 0 and --step-s in [0, 3600), "
+            f"got {args.threads}, {args.slowdown}, {args.retry_s} and {args.step_s}."
         )
     for path in (args.token_file, args.tls_ca):
         if path is not None and not path.is_file():
@@ -147,6 +147,7 @@ def worker_command(args: argparse.Namespace) -> int:
         device=args.device,
         threads=args.threads,
         slowdown=args.slowdown,
+        step_s=args.step_s,
         retry_s=args.retry_s,
         token=security.given_token(args.token_file),
         tls_ca=args.tls_ca,

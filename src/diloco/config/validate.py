@@ -247,11 +247,6 @@ def _validate_dylu(cfg: Any) -> None:
             "dylu.enabled (--dylu) gives each worker its own number of inner steps, but Streaming DiLoCo "
             "(--fragments, --overlap-steps) syncs fragments at fixed steps; drop one of them."
         )
-    if on and cfg.method == "diloco" and cfg.runtime == "server":
-        raise UserError(
-            "dylu.enabled (--dylu) with --method diloco runs in the simulator and under torchrun so far, "
-            "not on the parameter server; drop --dylu or use --method async."
-        )
     if on and cfg.dylu.by == "time" and cfg.runtime == "collective" and cfg.procs_per_worker > 1:
         raise UserError(
             "dylu.by (--dylu-by) time lets each rank stop at its own deadline, but the ranks of a worker "

@@ -50,11 +50,6 @@ class RoundPlan:
     lr_step: int  # the schedule step the round starts at
     lr_strides: list[float]  # per worker: schedule steps per inner step (1.0: plain sync)
 
-    @property
-    def equal(self) -> bool:
-        """Every worker takes the same number of steps: plain sync DiLoCo."""
-        return len(set(self.steps)) <= 1 and self.seconds is None
-
 
 class RoundPlanner:
     """Plans each round's H_w from the workers' measured speeds and counts the budget spent.
@@ -85,29 +80,34 @@ class RoundPlanner:
     def speeds(self) -> list[float | None]:
         return [e.step_s for e in self.estimators]
 
-    def plan(self, step_s: list[float | None] | None = None) -> RoundPlan:
-        """The next round for every worker, from `step_s` (seconds per step; default the
-        measured estimates; None where unknown, which makes the round a plain one of H)."""
+    def plan(self, step_s: list[float | None] | None = None, members: list[int] | None = None) -> RoundPlan:
+        """The next round, from `step_s` (seconds per step of each worker; default the measured
+        estimates; None where unknown), for `members` (default every worker; the others get 0
+        steps: the parameter server's rounds have the workers registered). A member whose speed
+        is unknown makes it a plain round of H."""
         step_s = self.speeds() if step_s is None else step_s
+        members = list(range(self.k)) if members is None else list(members)
+        mine = [step_s[w] for w in members]
         left = self.budget - self.spent
         seconds = None
-        if None in step_s:
-            steps = [self.H] * self.k
+        if None in mine:
+            planned = [self.H] * len(mine)
         elif self.by == "time":
-            seconds = job_seconds(self.H, step_s)
+            seconds = job_seconds(self.H, mine)
             # the steps a deadline is expected to hold at each worker's estimated speed
-            steps = [max(1, math.floor(seconds / s * (1 + 1e-9))) for s in step_s]
+            planned = [max(1, math.floor(seconds / s * (1 + 1e-9))) for s in mine]
         else:
-            steps = dylu_steps(step_s, self.H, tolerance=SYNC_TOLERANCE)
-        if sum(steps) > left:  # the last round: scaled down to the budget, as H_w steps
-            steps = [max(1, s * left // sum(steps)) for s in steps]
+            planned = dylu_steps(mine, self.H, tolerance=SYNC_TOLERANCE)
+        if sum(planned) > left:  # the last round: scaled down to the budget, as H_w steps
+            planned = [max(1, s * left // sum(planned)) for s in planned]
             seconds = None
-        lr_step = self.spent // self.k
-        advance = sum(steps) / self.k
-        strides = [advance / s for s in steps]
-        if len(set(steps)) == 1 and seconds is None:
-            strides = [1.0] * self.k  # exactly plain sync's lr positions
-        return RoundPlan(steps, seconds, lr_step, strides)
+        steps, strides = [0] * self.k, [1.0] * self.k
+        advance = sum(planned) / self.k
+        for w, n in zip(members, planned, strict=True):
+            steps[w] = n
+            if len(set(planned)) > 1 or seconds is not None:  # equal: exactly plain sync's lr positions
+                strides[w] = advance / n
+        return RoundPlan(steps, seconds, self.spent // self.k, strides)
 
     def record(self, w: int, seconds: float, steps: int) -> None:
         """Worker w took `steps` inner steps in `seconds` this round."""

@@ -12,11 +12,13 @@ server's event log records it.
 
     diloco worker --server localhost:7000 --threads 1
     diloco worker --server 10.0.0.5:7000 --device cuda --slowdown 2   # an emulated slower worker
+    diloco worker --server 10.0.0.5:7000 --step-s 0.05                # an emulated 50 ms/step device
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import threading
@@ -84,6 +86,7 @@ def run_worker(
     device: str = "cpu",
     threads: int = 1,
     slowdown: float = 1.0,
+    step_s: float = 0.0,
     retry_s: float = 60.0,
     token: str | None = None,
     tls_ca: Path | None = None,
@@ -134,8 +137,8 @@ def run_worker(
                 if dev.type != "cpu":
                     worker.model.to(dev)  # before the optimizer's first step, so its state follows
                     worker.batches = ToDevice(worker.batches, dev)
-                if slowdown != 1.0:
-                    slowed(worker, lambda t: slowdown * t, beat.over.wait)  # ends early when the run is over
+                if slowdown != 1.0 or step_s:  # an emulated device; the pause ends early when the run is over
+                    slowed(worker, lambda t: max(t, step_s) * slowdown, beat.over.wait)
                 _stoppable(worker, beat.over)
                 log(f"joined {server} as worker {reg.worker}")
                 try:
@@ -171,6 +174,7 @@ def _check_job(head: pb.JobChunk, start: list[torch.Tensor], worker: Worker, cfg
     """A job from the server is checked like any input: steps, shard, position, parameters."""
     limit = 100 * cfg.inner_steps  # DyLU never gives more than H; a job far beyond it is an error
     ok = 1 <= head.steps <= limit and 0 <= head.shard < shards and head.lr_step >= 0 and head.position >= 0
+    ok = ok and math.isfinite(head.lr_stride) and head.lr_stride >= 0
     want = [(tuple(p.shape), p.dtype) for p in worker.model.parameters()]
     if not ok or [(tuple(t.shape), t.dtype) for t in start] != want:
         raise UserError(
@@ -206,7 +210,9 @@ def _jobs(
         start = download.decode(Encoded.from_bytes(blob))
         _check_job(head, start, worker, cfg, shards)
         t0 = time.perf_counter()
-        result = worker.run(start, head.steps, lr_step=head.lr_step, shard=head.shard, position=head.position)
+        stride = head.lr_stride or 1.0  # 0: not set, plain steps
+        job = {"lr_step": head.lr_step, "shard": head.shard, "position": head.position, "lr_stride": stride}
+        result = worker.run(start, head.steps, **job)
         compute_s = time.perf_counter() - t0
         message = result.message.to_bytes()
         push = pb.PushChunk(

@@ -6,8 +6,10 @@ Every change of the server's state is an event (a small dict, `kind` plus fields
 
     join     {worker, name, device, nonce}      a worker takes a free slot, as a fresh worker
     leave    {worker, reason}                   it left or its lease ran out; its job is abandoned
-    begin    {round, members}                   sync: a round starts with these workers
-    dispatch {job, worker, steps, shard, lr_step, position, version}   a job is handed out (θ copied now)
+    begin    {round, members}                   sync: a round starts with these workers (with DyLU
+                                                their steps are planned now, from the state)
+    dispatch {job, worker, steps, shard, lr_step, position, version, lr_stride}   a job is
+                                                handed out (θ copied now)
     push     {job, worker, steps, loss, lr, compute_s, finite, nbytes, norm}   + the encoded outer_grad
     reject   {job, worker, reason, detail, abandon}   a push refused by validation (handlers.py);
                                                 θ is untouched; with `abandon` the job, the
@@ -47,6 +49,7 @@ from diloco.core.async_policy import (
 )
 from diloco.core.async_rules import DelayComp
 from diloco.core.codec import Encoded
+from diloco.core.dylu import RoundPlan, RoundPlanner
 from diloco.core.outer_side import OuterSide
 from diloco.runtime import Arrival, RoundStats
 
@@ -67,6 +70,7 @@ class Job:
     version: int  # the global parameters' version it starts from
     t: float  # when it was handed out (server time, seconds since the epoch)
     pulled: list[torch.Tensor]  # those parameters (what the worker downloads)
+    lr_stride: float = 1.0  # step j uses the lr of lr_step + ⌊j · lr_stride⌋ (sync DiLoCo with DyLU)
 
 
 class Coordinator:
@@ -94,6 +98,10 @@ class Coordinator:
         self.inbox: dict[int, tuple[dict, Encoded]] = {}  # sync: this round's pushes, by worker
         self.arrived: list[tuple[dict, Encoded, Job]] = []  # async: accepted, not applied, in order
         self.flushed = False
+        # sync DiLoCo with DyLU (core/dylu.py): each round's H_w from the members' measured speeds
+        dylu = self.sync and cfg.dylu.on(cfg.method)
+        self.planner = RoundPlanner(self.k, self.H, self.step_budget, alpha=cfg.dylu.alpha) if dylu else None
+        self.plan: RoundPlan | None = None  # this round's
         # per slot, over the whole run: jobs, inner steps, compute seconds, staleness
         self.totals = [
             {"jobs": 0, "steps": 0, "compute_s": 0.0, "staleness": 0, "present_s": 0.0, "step_s": None}
@@ -103,6 +111,8 @@ class Coordinator:
     # -- what the server reads -----------------------------------------------------------------
     @property
     def finished(self) -> bool:
+        if self.planner is not None:
+            return self.planner.done and not self.members
         return self.side.rounds_done >= self.cfg.rounds if self.sync else self.flushed
 
     def known(self, w: int, token: int) -> bool:
@@ -130,7 +140,9 @@ class Coordinator:
         later ones have H_w = max(1, ⌊fastest s/step ÷ its s/step × H⌋) steps (DyLU), on a shard
         sampled by p_i ∝ max(|D_i|/Σ|D| − n_i/Σn, 0) (shard sampling), else its own."""
         v, job = self.cfg.async_, self.next_job
-        steps, shard = self.H, w
+        steps, shard, lr_stride = self.H, w, 1.0
+        if self.plan is not None:  # sync DiLoCo with DyLU: planned at the round's begin
+            steps, lr_stride = self.plan.steps[w], self.plan.lr_strides[w]
         if not self.sync:
             measured = {i: r["step_s"] for i, r in self.workers.items() if r["step_s"] is not None}
             dylu = self.cfg.dylu.on(self.cfg.method)
@@ -153,9 +165,12 @@ class Coordinator:
             "shard": shard,
             # sync: the round drives the lr, so a worker that joins mid-run takes the run's lr;
             # async: the shard's own step count does (docs/method.md §2)
-            "lr_step": self.side.inner_step if self.sync else self.shard_steps[shard],
+            "lr_step": (self.plan.lr_step if self.plan else self.side.inner_step)
+            if self.sync
+            else self.shard_steps[shard],
             "position": self.shard_steps[shard],
             "version": self.side.version,
+            "lr_stride": lr_stride,
         }
 
     def grace_s(self) -> float:
@@ -203,8 +218,12 @@ class Coordinator:
             self.dispatched -= job.steps  # re-offered to the others
 
     def _on_begin(self, e, _):
-        self.side.begin_round(e["members"])  # counts every member's download of θ
-        self.members, self.inbox, self.round_t = list(e["members"]), {}, e["t"]
+        members = list(e["members"])
+        if self.planner is not None:  # a member not measured yet makes it a round of H for all
+            speeds = [self.workers[w]["step_s"] if w in self.workers else None for w in range(self.k)]
+            self.plan = self.planner.plan(speeds, members)
+        self.side.begin_round(members, steps=self.plan.steps if self.plan else None)  # counts the downloads
+        self.members, self.inbox, self.round_t = members, {}, e["t"]
 
     def _on_dispatch(self, e, _):
         w, job = e["worker"], e["job"]
@@ -216,7 +235,16 @@ class Coordinator:
             self.side.pull(w)  # counts the download (sync: counted by begin)
         pulled = [p.detach().clone() for p in self.side.downloaded()]
         self.jobs[job] = Job(
-            job, w, e["steps"], e["shard"], e["lr_step"], position, e["version"], e["t"], pulled
+            job,
+            w,
+            e["steps"],
+            e["shard"],
+            e["lr_step"],
+            position,
+            e["version"],
+            e["t"],
+            pulled,
+            e.get("lr_stride", 1.0),
         )
         self.workers[w]["job"] = job
         self.next_job = job + 1
@@ -255,7 +283,12 @@ class Coordinator:
                 lr = push["lr"]
             else:
                 side.report(w, 0, lost=True)  # late or gone: dropped, it rejoins from θ
-        side.end_round(side.reduce([messages.get(w) for w in range(self.k)]), self.H)
+        advance, steps = self.H, None
+        if self.plan is not None:  # the budget counts the steps that arrived
+            steps = [self.plan.steps[w] for w in ids]
+            advance = self.planner.spend(sum(steps))
+            self.plan = None
+        side.end_round(side.reduce([messages.get(w) for w in range(self.k)]), advance)
         for job in list(self.jobs.values()):  # the late ones' jobs are abandoned
             del self.jobs[job.job]
             self.workers[job.worker]["job"] = None
@@ -268,6 +301,7 @@ class Coordinator:
             list(side.bytes_sent),
             list(side.bytes_received),
             workers=ids,
+            steps=steps,
         )
 
     def _on_apply(self, e, _):
@@ -327,6 +361,7 @@ class Coordinator:
             "arrived": [[push, m.state_dict(), _job_state(job)] for push, m, job in self.arrived],
             "flushed": self.flushed,
             "totals": [dict(t) for t in self.totals],
+            **({"dylu": self.planner.state_dict()} if self.planner is not None else {}),
         }
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
@@ -351,8 +386,10 @@ class Coordinator:
         self.arrived = [(push, Encoded.from_state(m), job(j)) for push, m, j in s["arrived"]]
         self.flushed = bool(s["flushed"])
         self.totals = [dict(t) for t in s["totals"]]
+        if self.planner is not None and "dylu" in s:
+            self.planner.load_state_dict(s["dylu"])
 
 
 def _job_state(job: Job) -> dict[str, Any]:
-    keys = ("job", "worker", "steps", "shard", "lr_step", "position", "version", "t")
+    keys = ("job", "worker", "steps", "shard", "lr_step", "position", "version", "t", "lr_stride")
     return {k: getattr(job, k) for k in keys}

@@ -108,6 +108,7 @@ class Handlers(rpc.ParameterServerServicer):
             steps=job.steps,
             shard=job.shard,
             lr_step=job.lr_step,
+            lr_stride=job.lr_stride,
             position=job.position,
             version=job.version,
             total_bytes=len(blob),

@@ -65,6 +65,7 @@ class ServerRuntime(SideView):
     step_budget = property(lambda self: self.coord.step_budget)
     applied = property(lambda self: self.coord.applied)
     done = property(lambda self: self.coord.finished and not self.state.replaying)
+    planner = property(lambda self: self.coord.planner)  # sync DiLoCo with DyLU, or None
     at_boundary = property(lambda self: not self._group)
     address = property(lambda self: self.endpoint.address)  # HOST:PORT once it serves
     run = property(lambda self: self.state.run)
