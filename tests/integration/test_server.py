@@ -382,3 +382,26 @@ def test_a_worker_whose_k_means_differs_trains_on_the_servers_shard_plan(tmp_pat
     plan = json.loads((tmp_path / "run" / "shards.json").read_text())
     assert plan["kind"] == "kmeans" and len(plan["groups"]) == 2
     assert replay(tmp_path / "run")["bitwise_equal"]
+
+
+@pytest.mark.timeout(180)
+def test_async_deadline_jobs_on_the_server_replay_bit_for_bit(tmp_path):
+    """`--dylu-by time` on the server: after its probe each job is a deadline of H × the fastest
+    measured seconds per step (6 × 20 ms here) reserving the steps expected to fit; the push says
+    how many it took, the budget counts those, and `diloco replay` re-runs exactly them."""
+    run = ["--method", "async", "--workers", "2", "--inner-steps", "6", "--rounds", "3", "--dylu-by", "time"]
+    srv = serve(tmp_path, *run)
+    at = address(tmp_path / "run")
+    results = finish(srv, worker(at, "--step-s", "0.02"), worker(at, "--step-s", "0.05"))
+    assert [rc for rc, _ in results] == [0, 0, 0], results
+    log = events(tmp_path / "run")
+    dispatched = {e["job"]: e for e in log if e["kind"] == "dispatch"}
+    pushed = [e for e in log if e["kind"] == "push"]
+    deadlines = [d for d in dispatched.values() if d["seconds"] is not None]
+    assert len(deadlines) >= 4 and all(0.1 < d["seconds"] < 0.2 for d in deadlines)
+    for p in pushed:
+        d = dispatched[p["job"]]
+        assert 1 <= p["steps"] <= (2 * d["steps"] if d["seconds"] is not None else d["steps"])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["inner_steps"] == sum(p["steps"] for p in pushed) >= 36
+    assert replay(tmp_path / "run")["bitwise_equal"]

@@ -165,8 +165,8 @@ def test_an_int_is_a_float_and_inf_is_a_grace_and_a_slowdown_end():
             "dylu.enabled (--dylu) gives each worker its own number of inner steps, but Streaming DiLoCo",
         ),
         (
-            {"method": "async", "runtime": "server", "checkpoint_every": 1, "dylu": {"by": "time"}},
-            "dylu.by (--dylu-by) time is simulated only so far",
+            {"runtime": "server", "checkpoint_every": 1, "dylu": {"enabled": True, "by": "time"}},
+            "dylu.by (--dylu-by) time with --method diloco runs in the simulator and under torchrun",
         ),
         (
             {"method": "async", "runtime": "server", "checkpoint_every": 1, "dylu": {"oracle": True}},

@@ -94,10 +94,10 @@ def validate(cfg: Any) -> None:
                     f"{_label(cfg, key)} simulates {what}, which the parameter server has for real "
                     "(timeouts, workers joining and leaving); drop it."
                 )
-        if cfg.dylu.by != "steps":
+        if cfg.dylu.by != "steps" and cfg.method == "diloco":
             raise UserError(
-                "dylu.by (--dylu-by) time is simulated only so far: the parameter server hands out "
-                "jobs of H_w steps; use --dylu-by steps (the default) with diloco serve."
+                "dylu.by (--dylu-by) time with --method diloco runs in the simulator and under torchrun; "
+                "the parameter server plans sync rounds of H_w steps: use --dylu-by steps with diloco serve."
             )
         if not cfg.checkpoint_every:
             raise UserError(

@@ -66,7 +66,7 @@ def replay(run_dir: Path, *, progress: bool | None = None) -> dict[str, Any]:
     data = prepare_data(cfg, run_dir=run_dir)
     coord = Coordinator(cfg, build_side(cfg, data, load_init(cfg)), [len(s) for s in data.shards])
     workers: dict[int, Any] = {}  # slot -> its current worker
-    handed: dict[int, tuple] = {}  # job -> (worker object, start, steps, its keyword arguments)
+    handed: dict[int, tuple] = {}  # job -> (worker object, start, the Job, its keyword arguments)
     first_loss_mismatch = None
     for line, event in tqdm(
         events, desc="replay", unit="event", disable=None if progress is None else not progress
@@ -84,8 +84,8 @@ def replay(run_dir: Path, *, progress: bool | None = None) -> dict[str, Any]:
         if kind == "join":
             workers[slot] = build_worker(slot, cfg, data.shards)
         elif ran is not None:
-            worker, start, steps, job = ran
-            result = worker.run(start, steps, **job)
+            worker, start, handed_job, job = ran  # a deadline job: the steps its push says it took
+            result = worker.run(start, coord.ran_steps(handed_job, event.get("steps")), **job)
             message = result.message
             if kind == "push" and first_loss_mismatch is None and result.mean_loss != event["loss"]:
                 first_loss_mismatch = {
@@ -102,7 +102,7 @@ def replay(run_dir: Path, *, progress: bool | None = None) -> dict[str, Any]:
                 handed[job.job] = (
                     workers[job.worker],
                     job.pulled,
-                    job.steps,
+                    job,
                     {**kwargs, "lr_stride": job.lr_stride},
                 )
         except (KeyError, ValueError, TypeError) as e:

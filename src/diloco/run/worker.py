@@ -31,6 +31,7 @@ import torch
 
 from diloco.config import from_dict
 from diloco.core.codec import Encoded
+from diloco.core.dylu import DEADLINE_CAP
 from diloco.core.inner import Worker
 from diloco.data.batches import ToDevice
 from diloco.data.recipe import prepare_data
@@ -175,6 +176,7 @@ def _check_job(head: pb.JobChunk, start: list[torch.Tensor], worker: Worker, cfg
     limit = 100 * cfg.inner_steps  # DyLU never gives more than H; a job far beyond it is an error
     ok = 1 <= head.steps <= limit and 0 <= head.shard < shards and head.lr_step >= 0 and head.position >= 0
     ok = ok and math.isfinite(head.lr_stride) and head.lr_stride >= 0
+    ok = ok and math.isfinite(head.seconds) and head.seconds >= 0
     want = [(tuple(p.shape), p.dtype) for p in worker.model.parameters()]
     if not ok or [(tuple(t.shape), t.dtype) for t in start] != want:
         raise UserError(
@@ -212,7 +214,10 @@ def _jobs(
         t0 = time.perf_counter()
         stride = head.lr_stride or 1.0  # 0: not set, plain steps
         job = {"lr_step": head.lr_step, "shard": head.shard, "position": head.position, "lr_stride": stride}
-        result = worker.run(start, head.steps, **job)
+        if head.seconds > 0:  # a deadline job: at most DEADLINE_CAP × the steps it reserves
+            result = worker.run(start, DEADLINE_CAP * head.steps, seconds=head.seconds, **job)
+        else:
+            result = worker.run(start, head.steps, **job)
         compute_s = time.perf_counter() - t0
         message = result.message.to_bytes()
         push = pb.PushChunk(

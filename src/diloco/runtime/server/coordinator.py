@@ -8,16 +8,19 @@ Every change of the server's state is an event (a small dict, `kind` plus fields
     leave    {worker, reason}                   it left or its lease ran out; its job is abandoned
     begin    {round, members}                   sync: a round starts with these workers (with DyLU
                                                 their steps are planned now, from the state)
-    dispatch {job, worker, steps, shard, lr_step, position, version, lr_stride}   a job is
-                                                handed out (θ copied now)
+    dispatch {job, worker, steps, shard, lr_step, position, version, lr_stride, seconds}   a job
+                                                is handed out (θ copied now); with `seconds` a
+                                                deadline job, `steps` the steps it reserves
     push     {job, worker, steps, loss, lr, compute_s, finite, nbytes, norm}   + the encoded outer_grad
-    reject   {job, worker, reason, detail, abandon}   a push refused by validation (handlers.py);
-                                                θ is untouched; with `abandon` the job, the
-                                                pusher's own, is given back as on a leave
+                                                (`steps`: what it took; a deadline job's may
+                                                differ from those reserved, which are corrected)
+    reject   {job, worker, reason, detail, abandon, steps}   a push refused by validation
+                                                (handlers.py); θ is untouched; with `abandon` the
+                                                job, the pusher's own, is given back as on a leave
     close    {round}                            sync: the outer step on what arrived
     apply    {job}                              async: one arrived outer_grad applied by the rule
-    late     {job, worker}                      a worker pushed a job already abandoned (replay
-                                                computes it: the worker did)
+    late     {job, worker, steps}               a worker pushed a job already abandoned (replay
+                                                computes it: the worker did, `ran_steps` of it)
     flush    {}                                 async: the end; a rule's held-back updates applied
 
 Decisions that need the clock or the network (which slot a worker gets, how many steps a job
@@ -31,46 +34,31 @@ write-ahead log) and how `diloco replay` re-runs a server run in one process (re
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from diloco.config import TrainConfig
 from diloco.core.async_policy import (
     SpeedEstimator,
     dylu_steps,
     grace_period,
+    job_seconds,
     probe_steps,
     shard_probabilities,
 )
 from diloco.core.async_rules import DelayComp
 from diloco.core.codec import Encoded
-from diloco.core.dylu import RoundPlan, RoundPlanner
+from diloco.core.dylu import DEADLINE_CAP, RoundPlan, RoundPlanner
 from diloco.core.outer_side import OuterSide
 from diloco.runtime import Arrival, RoundStats
+from diloco.runtime.server import snapshot
+from diloco.runtime.server.jobs import Job
 
 NORM_WINDOW = 16  # --max-update-norm-ratio compares with the median of this many accepted pushes
 NORM_MIN = 4  # ... once there are at least this many
-
-
-@dataclass
-class Job:
-    """A job handed out and not pushed or abandoned yet."""
-
-    job: int
-    worker: int
-    steps: int
-    shard: int
-    lr_step: int  # the lr schedule step of its first step: sync, the round's; async, the shard's
-    position: int  # where in the shard its batches start: the shard's step count at dispatch
-    version: int  # the global parameters' version it starts from
-    t: float  # when it was handed out (server time, seconds since the epoch)
-    pulled: list[torch.Tensor]  # those parameters (what the worker downloads)
-    lr_stride: float = 1.0  # step j uses the lr of lr_step + ⌊j · lr_stride⌋ (sync DiLoCo with DyLU)
 
 
 class Coordinator:
@@ -140,7 +128,7 @@ class Coordinator:
         later ones have H_w = max(1, ⌊fastest s/step ÷ its s/step × H⌋) steps (DyLU), on a shard
         sampled by p_i ∝ max(|D_i|/Σ|D| − n_i/Σn, 0) (shard sampling), else its own."""
         v, job = self.cfg.async_, self.next_job
-        steps, shard, lr_stride = self.H, w, 1.0
+        steps, shard, lr_stride, seconds = self.H, w, 1.0, None
         if self.plan is not None:  # sync DiLoCo with DyLU: planned at the round's begin
             steps, lr_stride = self.plan.steps[w], self.plan.lr_strides[w]
         if not self.sync:
@@ -148,9 +136,13 @@ class Coordinator:
             dylu = self.cfg.dylu.on(self.cfg.method)
             if dylu and w not in measured:
                 steps = probe_steps(self.H)
+            elif dylu and self.cfg.dylu.by == "time":  # a deadline; it reserves the steps expected to fit
+                seconds = job_seconds(self.H, list(measured.values()))
+                steps = max(1, math.floor(seconds / measured[w] * (1 + 1e-9)))
             elif dylu:
                 steps = dylu_steps(list(measured.values()), self.H)[list(measured).index(w)]
-            steps = min(steps, self.step_budget - self.dispatched)
+            if steps > self.step_budget - self.dispatched:  # the budget's end: a job of exact steps
+                steps, seconds = self.step_budget - self.dispatched, None
             if steps <= 0:
                 return None
             if v.shard_sampling:
@@ -171,6 +163,7 @@ class Coordinator:
             "position": self.shard_steps[shard],
             "version": self.side.version,
             "lr_stride": lr_stride,
+            "seconds": seconds,
         }
 
     def grace_s(self) -> float:
@@ -180,9 +173,21 @@ class Coordinator:
         return grace_period(self.cfg.async_.grace_s, self.H, known)
 
     def due(self, job: Job) -> float | None:
-        """When the server expects job's push, from its worker's measured speed (None: unknown)."""
+        """When the server expects job's push: a deadline job's deadline, else from its worker's
+        measured speed (None: unknown)."""
+        if job.seconds is not None:
+            return job.t + job.seconds
         speed = self.workers.get(job.worker, {}).get("step_s")
         return None if speed is None else job.t + job.steps * speed
+
+    @staticmethod
+    def ran_steps(job: Job, claimed: int | None) -> int:
+        """The steps a worker ran of `job`: a deadline job's as its push says, when that is
+        possible (1 to DEADLINE_CAP × those reserved; a refused push may claim anything), else
+        the job's own."""
+        if job.seconds is not None and claimed is not None and 1 <= claimed <= DEADLINE_CAP * job.steps:
+            return claimed
+        return job.steps
 
     # -- events --------------------------------------------------------------------------------
     def apply(self, event: dict[str, Any], message: Encoded | None = None) -> Any:
@@ -245,6 +250,7 @@ class Coordinator:
             e["t"],
             pulled,
             e.get("lr_stride", 1.0),
+            e.get("seconds"),
         )
         self.workers[w]["job"] = job
         self.next_job = job + 1
@@ -253,6 +259,11 @@ class Coordinator:
 
     def _on_push(self, e, message):
         job = self.jobs.pop(e["job"])
+        if e["steps"] != job.steps:  # a deadline job took other than it reserved: count what it took
+            taken = self.ran_steps(job, e["steps"])
+            self.dispatched += taken - job.steps
+            self.shard_steps[job.shard] += taken - job.steps
+            job.steps = taken
         self.pushed[job.job] = job.worker
         if e.get("norm") is not None:
             self.norms.append(e["norm"])
@@ -335,61 +346,10 @@ class Coordinator:
         self.side.flush()
         self.flushed = True
 
-    # -- checkpoints ---------------------------------------------------------------------------
+    # -- checkpoints: runtime/server/snapshot.py -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything but θ and the outer update (the side's own state_dict holds those). Sync
-        runs are saved between rounds (the log holds a round in progress)."""
-        if self.members:
-            raise RuntimeError("a sync server is checkpointed between rounds, not during one")
-        versions = {job.version: job.pulled for job in self.jobs.values()}
-        versions.update({job.version: job.pulled for _, _, job in self.arrived})
-        return {
-            "seq": self.seq,
-            "workers": {str(w): dict(rec) for w, rec in self.workers.items()},
-            "jobs": [_job_state(j) for j in self.jobs.values()],
-            "pulled": {str(v): list(p) for v, p in versions.items()},
-            "pushed": sorted(self.pushed.items()),
-            "norms": list(self.norms),
-            "rejected": dict(self.rejected),
-            "late": sorted(self.late),
-            "next_job": self.next_job,
-            "shard_steps": list(self.shard_steps),
-            "dispatched": self.dispatched,
-            "applied": self.applied,
-            "members": list(self.members),
-            "inbox": {str(w): [push, m.state_dict()] for w, (push, m) in self.inbox.items()},
-            "arrived": [[push, m.state_dict(), _job_state(job)] for push, m, job in self.arrived],
-            "flushed": self.flushed,
-            "totals": [dict(t) for t in self.totals],
-            **({"dylu": self.planner.state_dict()} if self.planner is not None else {}),
-        }
+        """Everything but θ and the outer update, between rounds (snapshot.save)."""
+        return snapshot.save(self)
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
-        pulled = {int(v): list(p) for v, p in s["pulled"].items()}
-
-        def job(state):
-            state = {"position": state["lr_step"], **state}  # checkpoints of protocol 2: one number
-            return Job(**state, pulled=pulled[state["version"]])
-
-        self.seq = int(s["seq"])
-        self.workers = {int(w): dict(rec) for w, rec in s["workers"].items()}
-        self.jobs = {j["job"]: job(j) for j in s["jobs"]}
-        self.pushed = {int(j): int(w) for j, w in s["pushed"]}
-        self.norms = deque(s["norms"], maxlen=NORM_WINDOW)
-        self.rejected = dict(s["rejected"])
-        self.late = set(s["late"])
-        self.next_job = int(s["next_job"])
-        self.shard_steps = [int(n) for n in s["shard_steps"]]
-        self.dispatched, self.applied = int(s["dispatched"]), int(s["applied"])
-        self.members = [int(w) for w in s["members"]]
-        self.inbox = {int(w): (push, Encoded.from_state(m)) for w, (push, m) in s["inbox"].items()}
-        self.arrived = [(push, Encoded.from_state(m), job(j)) for push, m, j in s["arrived"]]
-        self.flushed = bool(s["flushed"])
-        self.totals = [dict(t) for t in s["totals"]]
-        if self.planner is not None and "dylu" in s:
-            self.planner.load_state_dict(s["dylu"])
-
-
-def _job_state(job: Job) -> dict[str, Any]:
-    keys = ("job", "worker", "steps", "shard", "lr_step", "position", "version", "t", "lr_stride")
-    return {k: getattr(job, k) for k in keys}
+        snapshot.load(self, s)

@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from diloco.core.codec import Encoded
+from diloco.core.dylu import DEADLINE_CAP
 from diloco.errors import NonFinite, UserError
 from diloco.runtime.server import diloco_pb2 as pb
 from diloco.runtime.server import diloco_pb2_grpc as rpc
@@ -126,7 +127,7 @@ class Handlers(rpc.ParameterServerServicer):
             ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "an empty push; send a header chunk first")
         self._check(head.run_id, ctx)
         w, jid, token = head.worker, head.job, head.token
-        refuse = functools.partial(self._refuse, ctx, w, token, jid)
+        refuse = functools.partial(self._refuse, ctx, w, token, jid, steps=head.steps)
         limit = st.max_message_bytes
         if head.total_bytes > limit:
             refuse(
@@ -143,13 +144,19 @@ class Handlers(rpc.ParameterServerServicer):
             refuse("length", f"push of job {jid} has {len(blob)} bytes, its header says {head.total_bytes}")
         with st.cond:
             st.touch(w, token)
-            verdict = self._verdict(ctx, w, token, jid)
+            verdict = self._verdict(ctx, w, token, jid, head.steps)
             if verdict is not None:
                 return verdict
             job = st.coord.jobs[jid]
         if head.version != job.version:
             refuse("version", f"job {jid} started from version {job.version}, the push says {head.version}")
-        if head.steps != job.steps:
+        if job.seconds is not None and not 1 <= head.steps <= DEADLINE_CAP * job.steps:
+            refuse(
+                "steps",
+                f"job {jid} is a deadline job of at most {DEADLINE_CAP * job.steps} inner steps, the push "
+                f"says {head.steps}",
+            )
+        if job.seconds is None and head.steps != job.steps:
             refuse("steps", f"job {jid} has {job.steps} inner steps, the push says {head.steps}")
         if not head.finite and st.cfg.on_nonfinite == "stop":  # not logged: a resume can go past it
             with st.cond:
@@ -181,9 +188,9 @@ class Handlers(rpc.ParameterServerServicer):
             if not math.isfinite(total):
                 detail = f"job {jid}'s outer_grad has NaN or Inf values (or overflows) but says it is finite"
                 refuse("nonfinite", detail)
-            norm = total / math.sqrt(max(1, job.steps))
+            norm = total / math.sqrt(max(1, head.steps))  # the steps it took (checked above)
         with st.cond:
-            verdict = self._verdict(ctx, w, token, jid)
+            verdict = self._verdict(ctx, w, token, jid, head.steps)
             if verdict is not None:
                 return verdict
             c = st.coord
@@ -206,7 +213,7 @@ class Handlers(rpc.ParameterServerServicer):
                 "kind": "push",
                 "job": jid,
                 "worker": w,
-                "steps": job.steps,
+                "steps": head.steps,  # checked above: the job's, or what a deadline job took
                 "loss": head.mean_loss,
                 "lr": head.last_lr,
                 "compute_s": head.compute_s,
@@ -219,23 +226,26 @@ class Handlers(rpc.ParameterServerServicer):
             st.push_took(time.perf_counter() - t0)
         return pb.PushReply(status=pb.PushReply.ACCEPTED)
 
-    def _refuse(self, ctx, w: int, token: int, jid: int, reason: str, detail: str, code=None):
+    def _refuse(
+        self, ctx, w: int, token: int, jid: int, reason: str, detail: str, code=None, steps: int | None = None
+    ):
         """Refuse a push: a `reject` event (counted in metrics as kind "rejected"; when the job is
         the pusher's own, it is given back, as when a worker leaves: θ and the version stay as
-        they are), then a gRPC error with the reason."""
+        they are), then a gRPC error with the reason. `steps`: what the push says it took (replay
+        runs a deadline job for that many, Coordinator.ran_steps)."""
         st = self.st
         with st.cond:
             job = st.coord.jobs.get(jid)
             own = job is not None and job.worker == w and st.coord.known(w, token)
             event = {"kind": "reject", "job": jid, "worker": w, "reason": reason, "detail": detail}
-            st.record({**event, "abandon": own})
+            st.record({**event, "abandon": own, "steps": steps})
         log(f"refused a push from worker {w} ({ctx.peer()}): {detail}")
         if code is None:
             big = reason == "oversized"
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if big else grpc.StatusCode.INVALID_ARGUMENT
         ctx.abort(code, f"{reason}: {detail}")
 
-    def _verdict(self, ctx, w: int, token: int, jid: int):
+    def _verdict(self, ctx, w: int, token: int, jid: int, steps: int):
         """The reply to a push that is not to be checked further (None: go on). Lock held."""
         st, c = self.st, self.st.coord
         if jid in c.pushed:
@@ -265,7 +275,7 @@ class Handlers(rpc.ParameterServerServicer):
             )
         if job is None or not c.known(w, token):
             if job is None and jid not in c.late:
-                st.record({"kind": "late", "job": jid, "worker": w})
+                st.record({"kind": "late", "job": jid, "worker": w, "steps": steps})
             return pb.PushReply(
                 status=pb.PushReply.LATE, reason=f"job {jid} was abandoned (round closed or lease ran out)"
             )

@@ -23,8 +23,8 @@ from diloco.config import TrainConfig
 from diloco.core.outer_side import OuterSide
 from diloco.errors import UserError
 from diloco.runtime import SideView
-from diloco.runtime.server.coordinator import Job
 from diloco.runtime.server.endpoint import Endpoint
+from diloco.runtime.server.jobs import Job
 from diloco.runtime.server.security import ServeOptions
 from diloco.runtime.server.state import ServerState, log
 
@@ -125,7 +125,7 @@ class ServerRuntime(SideView):
                     st.record(event)
                 if c.arrived:
                     self._group = self._grace_group()
-                elif c.dispatched == c.step_budget and not c.jobs:
+                elif c.dispatched >= c.step_budget and not c.jobs:  # deadline jobs may overshoot
                     st.record({"kind": "flush"})
                     return None
                 else:
@@ -139,7 +139,10 @@ class ServerRuntime(SideView):
         c = self.coord
         grace = c.grace_s()
         if grace > 0:
-            end = c.arrived[0][0]["t"] + grace
+            push, _, job = c.arrived[0]
+            # a deadline job that landed early opens its window at its deadline (grace_close)
+            opens = job.t + job.seconds if job.seconds is not None else push["t"]
+            end = max(push["t"], opens) + grace
 
             def expected() -> list[Job]:
                 return [j for j in c.jobs.values() if (due := c.due(j)) is None or due <= end]

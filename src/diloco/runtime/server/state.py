@@ -31,7 +31,8 @@ from diloco.core.codec import Encoded
 from diloco.core.outer_side import OuterSide
 from diloco.errors import UserError
 from diloco.runtime.server import security, wal
-from diloco.runtime.server.coordinator import Coordinator, Job
+from diloco.runtime.server.coordinator import Coordinator
+from diloco.runtime.server.jobs import Job
 from diloco.runtime.server.security import ServeOptions
 
 MESSAGE_SLACK = 1 << 16  # a push may exceed the exact size of this model's message by this much

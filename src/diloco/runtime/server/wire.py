@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from diloco.runtime.server import diloco_pb2 as pb
 
 # bumped when the messages change meaning (4: the config sent to workers says "async", not
-# "server"; 5: a job carries lr_stride, sync DiLoCo with DyLU)
+# "server"; 5: a job carries lr_stride, sync DiLoCo with DyLU, and seconds, a deadline job)
 PROTOCOL = 5
 CHUNK_BYTES = 1 << 20  # a stream's chunks stay well under gRPC's 4 MB message limit
 

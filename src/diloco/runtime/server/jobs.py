@@ -1,0 +1,34 @@
+"""A job the parameter server handed out and has not had pushed or abandoned yet, and its
+checkpoint form (coordinator.py, snapshot.py).
+
+    python -m pytest tests/unit/test_coordinator.py
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Job:
+    """A job handed out and not pushed or abandoned yet."""
+
+    job: int
+    worker: int
+    steps: int
+    shard: int
+    lr_step: int  # the lr schedule step of its first step: sync, the round's; async, the shard's
+    position: int  # where in the shard its batches start: the shard's step count at dispatch
+    version: int  # the global parameters' version it starts from
+    t: float  # when it was handed out (server time, seconds since the epoch)
+    pulled: list[torch.Tensor]  # those parameters (what the worker downloads)
+    lr_stride: float = 1.0  # step j uses the lr of lr_step + ⌊j · lr_stride⌋ (sync DiLoCo with DyLU)
+    seconds: float | None = None  # a deadline job (--dylu-by time): `steps` are those it reserves
+
+
+def job_state(job: Job) -> dict[str, Any]:
+    keys = ("job", "worker", "steps", "shard", "lr_step", "position", "version", "t", "lr_stride", "seconds")
+    return {k: getattr(job, k) for k in keys}
