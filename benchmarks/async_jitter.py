@@ -52,7 +52,11 @@ FIXED_H = DyluConfig(enabled=False)  # with Algorithm 2's shard sampling and gra
 # name -> (method, the async settings, DyLU's)
 METHODS = {
     "sync": ("diloco", AsyncConfig(), DyluConfig()),
-    "sync_dylu": ("diloco", AsyncConfig(), DyluConfig(enabled=True)),  # H_w per round, all sync together
+    "sync_dylu": (
+        "diloco",
+        AsyncConfig(),
+        DyluConfig(enabled=True, by="steps"),
+    ),  # H_w per round, all sync together
     "sync_dylu_time": ("diloco", AsyncConfig(), DyluConfig(enabled=True, by="time")),  # rounds as deadlines
     "naive": ("async", AsyncConfig(rule="naive"), FIXED_H),
     "poly": ("async", AsyncConfig(rule="poly"), FIXED_H),
@@ -60,7 +64,7 @@ METHODS = {
     "delaycomp": ("async", AsyncConfig(rule="delaycomp"), FIXED_H),
     "buffer": ("async", AsyncConfig(rule="buffer"), FIXED_H),
     "dn": ("async", AsyncConfig(), FIXED_H),
-    "dn_dylu": ("async", AsyncConfig(), DyluConfig()),  # the paper's form: H_w from measured speeds
+    "dn_dylu": ("async", AsyncConfig(), DyluConfig(by="steps")),  # the paper's form: H_w from measured speeds
     "dn_dylu_time": ("async", AsyncConfig(), DyluConfig(by="time")),  # jobs as deadlines
 }
 JITTERS = (0.0, 0.1, 0.2)
@@ -131,17 +135,22 @@ def sweep_one(runs: Path, name: str) -> dict[str, float]:
             return {f"{lr:g}": table[lr] for lr in sorted(table)}
 
 
-def sweep(runs: Path, methods: list[str], before: dict) -> dict:
-    """The sweep of `methods`, added to the table of an earlier sweep (`before`, may be empty)."""
-    table = before.get("final_val_loss", {}) | {name: sweep_one(runs, name) for name in methods}
-    return {
-        "benchmark": "async_jitter_outer_lr",
-        "seed": SWEEP_SEED,
-        "jitter": SWEEP_JITTER,
-        "outer_lrs": SWEEP_LRS,
-        "final_val_loss": table,
-        "best_outer_lr": {m: float(min(losses, key=losses.get)) for m, losses in table.items()},
-    }
+def sweep(runs: Path, methods: list[str], lr_file: Path) -> dict:
+    """The sweep of `methods`, added to the table of an earlier sweep in `lr_file` (if any), which
+    is rewritten after each method (other benchmarks read it: server_async_vs_sync.py)."""
+    table = json.loads(lr_file.read_text())["final_val_loss"] if lr_file.is_file() else {}
+    for name in methods:
+        table[name] = sweep_one(runs, name)
+        result = {
+            "benchmark": "async_jitter_outer_lr",
+            "seed": SWEEP_SEED,
+            "jitter": SWEEP_JITTER,
+            "outer_lrs": SWEEP_LRS,
+            "final_val_loss": table,
+            "best_outer_lr": {m: float(min(losses, key=losses.get)) for m, losses in table.items()},
+        }
+        lr_file.write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def staleness(run_dir: Path) -> float | None:
@@ -255,8 +264,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     lr_file = args.out / "async_jitter_outer_lr.json"
     if args.sweep:
-        before = json.loads(lr_file.read_text()) if lr_file.is_file() else {}
-        result = sweep(args.out / "async_jitter_runs", args.methods.split(","), before)
+        result = sweep(args.out / "async_jitter_runs", args.methods.split(","), lr_file)
         name = lr_file.name
     else:
         if not lr_file.is_file():

@@ -45,16 +45,18 @@ from diloco.rundir.metrics import read_metrics
 SPEEDS = (0.58, 0.75, 1.51, 3.33)
 K = 4
 NO_DYLU = DyluConfig(enabled=False)  # with Algorithm 2's shard sampling and grace period: fixed H
+PAPER_DYLU = DyluConfig(by="steps")  # the paper's DyLU: jobs of H_w steps
 # name -> (method, the async settings, DyLU's)
 METHODS = {
     "sync": ("diloco", AsyncConfig(), DyluConfig()),
     "naive": ("async", AsyncConfig(rule="naive"), NO_DYLU),
     "dn": ("async", AsyncConfig(), NO_DYLU),
     "buffer": ("async", AsyncConfig(rule="buffer"), NO_DYLU),
-    "dn_dylu": ("async", AsyncConfig(), DyluConfig()),
-    "dn_dylu_oracle": ("async", AsyncConfig(), DyluConfig(oracle=True)),
-    "dn_dylu_no_grace": ("async", AsyncConfig(grace_s=0.0), DyluConfig()),
-    "dn_dylu_no_sampling": ("async", AsyncConfig(shard_sampling=False), DyluConfig()),
+    # the paper's form, H_w steps (`--dylu-by steps`; the default for async is now deadlines)
+    "dn_dylu": ("async", AsyncConfig(), PAPER_DYLU),
+    "dn_dylu_oracle": ("async", AsyncConfig(), DyluConfig(by="steps", oracle=True)),
+    "dn_dylu_no_grace": ("async", AsyncConfig(grace_s=0.0), PAPER_DYLU),
+    "dn_dylu_no_sampling": ("async", AsyncConfig(shard_sampling=False), PAPER_DYLU),
 }
 SCENARIOS = {
     "scratch": [

@@ -1,15 +1,18 @@
-"""Sync DiLoCo against asynchronous Local-SGD (the paper's Algorithm 2) on the real parameter
-server: `diloco serve` and 4 `diloco worker` processes on this machine, made heterogeneous with
-`--slowdown` 1, 1.3, 2.6 and 5.7 (each inner step padded to F × its measured time), equal total
-local steps (k × rounds × H), evaluated on the server every k × H steps.
+"""Sync DiLoCo against asynchronous Local-SGD (the paper's Algorithm 2 with diloco's defaults) and
+against sync DiLoCo with DyLU, on the real parameter server: `diloco serve` and 4 `diloco worker`
+processes on this machine, made heterogeneous with `--slowdown` 1, 1.3, 2.6 and 5.7 (each inner
+step padded to F × its measured time), equal total local steps (k × rounds × H), evaluated on
+the server every k × H steps, over `--seeds` seeds (default 3).
 
-`wall_speedup` = sync's wall time to reach sync's final validation loss ÷ async's wall time to
-reach the same loss (target ≥ 2.5), with async's final loss within 1% of sync's
-(`sync_final_val_loss`, `async_final_val_loss`, on the whole validation split). Async runs
-with a grace period of a third of a job (H × the fastest measured s/step ÷ 3); the same run with
-`--grace-s auto` (a tenth of a job) is reported as `grace_auto`.
+Every run uses the defaults, no grace or DyLU flag set by hand: async is `--method async` (DN,
+DyLU with jobs as deadlines, `--grace-s auto`: a tenth of a job, recorded as `grace_auto_s`);
+sync + DyLU is `--method diloco --dylu`. Per seed: `*_loss_ratio` = final validation loss (whole
+split) ÷ sync's, `*_wall_speedup` = sync's wall time to reach sync's final subset loss ÷ the
+method's (None where it never does). Targets: async loss ratio ≤ 1.01 and wall speedup ≥ 2.5 on
+every seed. Each method's outer lr is its best in the simulator's sweep
+(results/async_jitter_outer_lr.json: sync, dn_dylu_time, sync_dylu), else 0.7.
 
-    python benchmarks/server_async_vs_sync.py            # ~10 minutes on 2 cores
+    python benchmarks/server_async_vs_sync.py            # ~30 minutes on 2 cores; run it alone
 """
 
 from __future__ import annotations
@@ -28,22 +31,27 @@ SLOWDOWNS = (1.0, 1.3, 2.6, 5.7)
 RESULTS = Path(__file__).parent / "results"
 
 
+# method here -> (its name in the simulator's sweep, diloco serve's flags)
+METHODS = {
+    "sync": ("sync", ("--method", "diloco")),
+    "async": ("dn_dylu_time", ("--method", "async")),
+    "sync_dylu": ("sync_dylu", ("--method", "diloco", "--dylu")),
+}
+
+
 def _outer_lrs() -> dict[str, float]:
-    """Each method's best outer lr from the simulator's sweep (async_vs_sync.py), else 0.7."""
-    best = {"sync": 0.7, "dn_dylu": 0.7}
-    path = RESULTS / "async_outer_lr.json"
-    if path.exists():
-        swept = json.loads(path.read_text()).get("best_outer_lr", {})
-        best.update({k: v for k, v in swept.items() if k in best})
-    return best
+    """Each method's best outer lr from the simulator's sweep (async_jitter.py), else 0.7."""
+    path = RESULTS / "async_jitter_outer_lr.json"
+    swept = json.loads(path.read_text()).get("best_outer_lr", {}) if path.exists() else {}
+    return {m: float(swept.get(name, 0.7)) for m, (name, _) in METHODS.items()}
 
 
-def run(method: str, args, out: Path, outer_lr: float, extra: tuple[str, ...] = ()) -> dict:
+def run(flags: tuple[str, ...], args, seed: int, out: Path, outer_lr: float) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DILOCO_TOKEN": secrets.token_urlsafe(32)}
     cmd = [sys.executable, "-m", "diloco", "serve", "--out", str(out), "--port", "0", "--threads", "1",
-           "--method", method, "--workers", str(len(SLOWDOWNS)), "--inner-steps", str(args.inner_steps),
-           "--rounds", str(args.rounds), "--seed", str(args.seed), "--outer-lr", str(outer_lr),
-           "--no-progress", *extra]  # fmt: skip
+           *flags, "--workers", str(len(SLOWDOWNS)), "--inner-steps", str(args.inner_steps),
+           "--rounds", str(args.rounds), "--seed", str(seed), "--outer-lr", str(outer_lr),
+           "--no-progress"]  # fmt: skip
     t0 = time.perf_counter()
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     while not (out / "server.json").exists():
@@ -80,7 +88,7 @@ def run(method: str, args, out: Path, outer_lr: float, extra: tuple[str, ...] = 
     summary = json.loads((out / "summary.json").read_text())
     evals = [(x["wall_time_s"], x["val_loss"]) for x in lines if x["kind"] == "eval" and x["split"] != "full"]
     return {
-        "method": method,
+        "flags": list(flags),
         "outer_lr": outer_lr,
         "final_val_loss": summary["val_loss"],
         "final_subset_val_loss": summary["final_subset_val_loss"],
@@ -101,57 +109,57 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--inner-steps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--sync-from", type=Path, help="take the sync run from this earlier result instead of running it"
-    )
+    ap.add_argument("--seeds", type=int, default=3)
     args = ap.parse_args()
     lrs = _outer_lrs()
     tmp = Path(tempfile.mkdtemp(prefix="diloco-server-bench-"))
-    if args.sync_from:
-        sync = json.loads(args.sync_from.read_text())["sync"]
-    else:
-        sync = run("diloco", args, tmp / "sync", lrs["sync"])
-    print(f"sync: val_loss {sync['final_val_loss']:.4f} in {sync['wall_time_s']:.0f} s", file=sys.stderr)
-    # A third of a job, H × the fastest worker's measured s/step (from the sync run) ÷ 3: on real
-    # machines job times scatter by more than the tenth of a job `auto` waits (docs/server.md).
-    third = round(args.inner_steps * min(w["step_s"] for w in sync["workers"]) / 3, 2)
-    runs = {}
-    for name, grace in (("third", str(third)), ("auto", "auto")):
-        runs[name] = run("async", args, tmp / f"async-{name}", lrs["dn_dylu"], ("--grace-s", grace))
-        runs[name]["grace_s"] = grace
-        print(f"async grace {grace}: val_loss {runs[name]['final_val_loss']:.4f}", file=sys.stderr)
-    target = sync["final_subset_val_loss"]
-    t_sync = first_time_at(sync["evals"], target)
+    per_seed = []
+    for seed in range(args.seeds):
+        runs = {}
+        for m, (_, flags) in METHODS.items():
+            runs[m] = run(flags, args, seed, tmp / f"{m}-s{seed}", lrs[m])
+            line = (
+                f"seed {seed} {m}: val_loss {runs[m]['final_val_loss']:.4f} in {runs[m]['wall_time_s']:.0f} s"
+            )
+            print(line, file=sys.stderr, flush=True)
+        sync = runs["sync"]
+        target = sync["final_subset_val_loss"]
+        t_sync = first_time_at(sync["evals"], target)
+        row = {"seed": seed, "sync_time_to_target_s": t_sync, "runs": runs}
+        for m in ("async", "sync_dylu"):
+            t = first_time_at(runs[m]["evals"], target)
+            row[f"{m}_loss_ratio"] = runs[m]["final_val_loss"] / sync["final_val_loss"]
+            row[f"{m}_wall_speedup"] = t_sync / t if t_sync and t else None
+            row[f"{m}_total_wall_ratio"] = sync["wall_time_s"] / runs[m]["wall_time_s"]
+        # what `--grace-s auto` waited: a tenth of H × the fastest measured seconds per step
+        row["grace_auto_s"] = round(
+            0.1 * args.inner_steps * min(w["step_s"] for w in runs["async"]["workers"]), 3
+        )
+        per_seed.append(row)
 
-    def compare(asyn: dict) -> dict:
-        t_async = first_time_at(asyn["evals"], target)
-        return {
-            "async_final_val_loss": asyn["final_val_loss"],
-            "loss_ratio": asyn["final_val_loss"] / sync["final_val_loss"],
-            "async_time_to_target_s": t_async,
-            "wall_speedup": t_sync / t_async if t_sync and t_async else None,
-            "total_wall_ratio": sync["wall_time_s"] / asyn["wall_time_s"],
-        }
+    def by_seed(key: str) -> list:
+        return [None if r[key] is None else round(r[key], 4) for r in per_seed]
 
     result = {
         "benchmark": "server_async_vs_sync",
         "slowdowns": SLOWDOWNS,
         "inner_steps": args.inner_steps,
         "rounds": args.rounds,
-        "seed": args.seed,
-        "async_grace_s": third,
-        "sync_final_val_loss": sync["final_val_loss"],
-        "sync_time_to_target_s": t_sync,
-        **compare(runs["third"]),
+        "seeds": list(range(args.seeds)),
+        "outer_lr": lrs,
+        "async_loss_ratio_by_seed": by_seed("async_loss_ratio"),
+        "wall_speedup_by_seed": by_seed("async_wall_speedup"),
+        "sync_dylu_loss_ratio_by_seed": by_seed("sync_dylu_loss_ratio"),
+        "sync_dylu_wall_speedup_by_seed": by_seed("sync_dylu_wall_speedup"),
+        "grace": {"setting": "auto", "seconds_by_seed": [r["grace_auto_s"] for r in per_seed]},
+        "async_meets_targets": all(
+            r["async_loss_ratio"] <= 1.01 and (r["async_wall_speedup"] or 0) >= 2.5 for r in per_seed
+        ),
         "target_loss_ratio": 1.01,
         "target_wall_speedup": 2.5,
-        "grace_auto": compare(runs["auto"]),
-        "sync": sync,
-        "async": runs["third"],
-        "async_grace_auto": runs["auto"],
+        "per_seed": per_seed,
     }
-    print(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "per_seed"}, indent=2))
     (RESULTS / "server_async_vs_sync.json").write_text(json.dumps(result, indent=2) + "\n")
 
 

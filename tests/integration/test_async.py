@@ -233,7 +233,7 @@ def test_on_a_fixed_profile_deadline_jobs_are_the_h_w_step_jobs(tiny, tmp_path):
     # Without jitter a deadline of H × the fastest speed fits exactly DyLU's H_w steps, and the
     # pushes land as they did: the same jobs and the same θ, bit for bit.
     sim = SimConfig(speeds=SPEEDS, procs=1)
-    _, by_steps = _dylu_run(tiny, tmp_path, "steps", AsyncConfig(), sim)
+    _, by_steps = _dylu_run(tiny, tmp_path, "steps", AsyncConfig(), sim, DyluConfig(by="steps"))
     _, by_time = _dylu_run(tiny, tmp_path, "time", AsyncConfig(), sim, DyluConfig(by="time"))
     assert [(m["worker"], m["steps"], m["sim_time_s"]) for m in by_time] == [
         (m["worker"], m["steps"], m["sim_time_s"]) for m in by_steps

@@ -41,5 +41,5 @@ def test_a_run_whose_config_json_has_the_old_server_table_resumes_to_the_same_re
     written = json.loads((run / "config.json").read_text())  # rewritten in today's layout
     moved = ("dylu", "dylu_alpha", "dylu_oracle")  # to [dylu], with `by` added since at its default
     assert written["async"] == {k: x for k, x in old["server"].items() if k not in moved}
-    assert written["dylu"] == {"enabled": False, "alpha": 0.5, "oracle": False, "by": "steps"}
+    assert written["dylu"] == {"enabled": False, "alpha": 0.5, "oracle": False, "by": "auto"}
     assert "server" not in written

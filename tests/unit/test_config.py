@@ -237,7 +237,7 @@ def test_a_config_json_with_the_old_server_table_loads_its_values_into_async():
     # the old table's values less DyLU's, which moved to their own table with the one added since
     moved = {"dylu": "enabled", "dylu_alpha": "alpha", "dylu_oracle": "oracle"}
     assert written["async"] == {k: x for k, x in old["server"].items() if k not in moved}
-    assert written["dylu"] == {new: old["server"][k] for k, new in moved.items()} | {"by": "steps"}
+    assert written["dylu"] == {new: old["server"][k] for k, new in moved.items()} | {"by": "auto"}
     assert "server" not in written and "async_" not in written
     assert from_dict(written) == cfg
 
@@ -304,6 +304,12 @@ def test_dylu_settings_of_the_async_table_move_to_dylu_and_a_sync_runs_old_defau
     sync = from_dict({"method": "diloco", "async": {"dylu": True, "dylu_alpha": 0.5, "dylu_by": "steps"}})
     assert sync.dylu == DyluConfig() and not sync.dylu.on("diloco") and "dylu" not in sync.to_dict()["async"]
     asyn = from_dict({"method": "async", "async": {"dylu": False, "dylu_by": "steps"}})
-    assert (asyn.dylu.enabled, asyn.dylu.by) == (False, "steps")
+    assert (asyn.dylu.enabled, asyn.dylu.by) == (False, "auto")  # "steps" was the default, off
     both = from_dict({"method": "async", "async": {"dylu_alpha": 0.25}, "dylu": {"alpha": 0.75}})
     assert both.dylu.alpha == 0.75  # the new place wins
+    # an async run from before --dylu-by ran jobs of H_w steps, not today's default deadlines
+    older = from_dict({"method": "async", "server": {"rule": "dn", "dylu": True}})
+    assert (
+        older.dylu.by_for("async") == "steps"
+        and from_dict({"method": "async"}).dylu.by_for("async") == "time"
+    )

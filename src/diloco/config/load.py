@@ -39,7 +39,9 @@ def upgrade(values: dict[str, Any]) -> dict[str, Any]:
     """`values` in today's layout: a table under an old name (RENAMED_TABLES) moves to its new
     one; given under both names, the new one's keys win. A key of MOVED_KEYS moves to its new
     table (the new place wins), except `async.dylu = true` in a run that is not async: that was
-    the default then, which meant nothing there (DyLU is off for sync DiLoCo unless --dylu)."""
+    the default then, which meant nothing there (DyLU is off for sync DiLoCo unless --dylu). An
+    old [async] table of an async run with DyLU on and without `dylu_by` gets "steps", what its
+    runs did (the default is now "auto": deadlines for async)."""
     for old, new in RENAMED_TABLES.items():
         if old in values:
             values = dict(values)
@@ -51,6 +53,11 @@ def upgrade(values: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(held, dict) or not set(held) & set(moves):
             continue
         values, held = dict(values), dict(held)
+        old_dylu_on = values.get("method") == "async" and held.get("dylu", True) is True
+        if table == "async" and old_dylu_on and "dylu_by" not in held:  # before --dylu-by: H_w steps
+            held["dylu_by"] = "steps"
+        if table == "async" and not old_dylu_on and held.get("dylu_by") == "steps":
+            del held["dylu_by"]  # the old default, written into config.json whether DyLU was on or not
         for old_key, path in moves.items():
             if old_key not in held:
                 continue

@@ -301,12 +301,13 @@ class DyluConfig:
         "per round, and every worker syncs together)",
     )
     by: str = setting(
-        "steps",
+        "auto",
         flag="--dylu-by",
         choices=DYLU_BY,
         needs=ON_DYLU_METHODS,
         help="steps: a job is H_w = ⌊v_w / max v · H⌋ steps (the paper); time: a job is a deadline of H × "
-        "the fastest measured seconds per step, and its worker trains until it (at least one step)",
+        "the fastest measured seconds per step, and its worker trains until it (at least one step); "
+        "auto: time for async, steps for diloco",
     )
     alpha: float = setting(
         0.5,
@@ -325,6 +326,13 @@ class DyluConfig:
     def on(self, method: str) -> bool:
         """Whether DyLU is on for a run of `method` (`enabled` None: on for async only)."""
         return (method == "async") if self.enabled is None else self.enabled
+
+    def by_for(self, method: str) -> str:
+        """How DyLU sizes a job in a run of `method`: `by`, where "auto" is time for async (jobs as
+        deadlines keep grace groups whole when speeds wander, docs/async.md) and steps for diloco."""
+        if self.by != "auto":
+            return self.by
+        return "time" if method == "async" else "steps"
 
 
 @dataclass(frozen=True)

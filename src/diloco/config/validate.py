@@ -94,7 +94,7 @@ def validate(cfg: Any) -> None:
                     f"{_label(cfg, key)} simulates {what}, which the parameter server has for real "
                     "(timeouts, workers joining and leaving); drop it."
                 )
-        if cfg.dylu.by != "steps" and cfg.method == "diloco":
+        if cfg.dylu.by_for(cfg.method) == "time" and cfg.method == "diloco":
             raise UserError(
                 "dylu.by (--dylu-by) time with --method diloco runs in the simulator and under torchrun; "
                 "the parameter server plans sync rounds of H_w steps: use --dylu-by steps with diloco serve."
@@ -247,7 +247,12 @@ def _validate_dylu(cfg: Any) -> None:
             "dylu.enabled (--dylu) gives each worker its own number of inner steps, but Streaming DiLoCo "
             "(--fragments, --overlap-steps) syncs fragments at fixed steps; drop one of them."
         )
-    if on and cfg.dylu.by == "time" and cfg.runtime == "collective" and cfg.procs_per_worker > 1:
+    if (
+        on
+        and cfg.dylu.by_for(cfg.method) == "time"
+        and cfg.runtime == "collective"
+        and cfg.procs_per_worker > 1
+    ):
         raise UserError(
             "dylu.by (--dylu-by) time lets each rank stop at its own deadline, but the ranks of a worker "
             "(--procs-per-worker > 1) must take the same steps; use --dylu-by steps."

@@ -12,8 +12,9 @@ from collections.abc import Iterable
 
 # How DyLU sizes a job: "steps", H_w from the measured speeds (the paper's form), or "time", a
 # deadline every worker trains until, so jobs handed out together land together whatever a job's
-# speed turns out to be (docs/async.md, DyLU, "Jobs as deadlines").
-DYLU_BY = ("steps", "time")
+# speed turns out to be (docs/async.md, DyLU, "Jobs as deadlines"); "auto": time for async (where
+# speeds that wander split the grace groups of step jobs), steps for sync rounds.
+DYLU_BY = ("auto", "steps", "time")
 
 
 def dylu_steps(step_s: list[float], inner_steps: int, *, tolerance: float = 0.0) -> list[int]:

@@ -206,7 +206,9 @@ def round_planner(cfg: TrainConfig) -> RoundPlanner | None:
     if cfg.method != "diloco" or not cfg.dylu.on(cfg.method):
         return None
     budget = cfg.num_workers * cfg.total_inner_steps
-    return RoundPlanner(cfg.num_workers, cfg.inner_steps, budget, by=cfg.dylu.by, alpha=cfg.dylu.alpha)
+    return RoundPlanner(
+        cfg.num_workers, cfg.inner_steps, budget, by=cfg.dylu.by_for(cfg.method), alpha=cfg.dylu.alpha
+    )
 
 
 def streaming_schedule(cfg: TrainConfig) -> Schedule | None:

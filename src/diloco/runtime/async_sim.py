@@ -73,7 +73,7 @@ class AsyncDiLoCo(SideView):
         dylu: bool = True,
         dylu_oracle: bool = False,
         dylu_alpha: float = 0.5,
-        dylu_by: str = "steps",
+        dylu_by: str = "time",
         grace_s: float | str = "auto",
         shard_sizes: list[int] | None = None,
         seed: int = 0,
@@ -94,7 +94,7 @@ class AsyncDiLoCo(SideView):
         v, d, self = cfg.async_, cfg.dylu, cls.__new__(cls)
         total = cfg.num_workers * cfg.total_inner_steps
         sizes = shard_sizes if v.shard_sampling else None
-        dylu_how = (d.on(cfg.method), d.oracle, d.alpha, d.by)
+        dylu_how = (d.on(cfg.method), d.oracle, d.alpha, d.by_for(cfg.method))
         self._setup(side, pool, clock, cfg.inner_steps, total, dylu_how, v.grace_s, sizes)
         return self
 

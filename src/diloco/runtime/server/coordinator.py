@@ -136,7 +136,9 @@ class Coordinator:
             dylu = self.cfg.dylu.on(self.cfg.method)
             if dylu and w not in measured:
                 steps = probe_steps(self.H)
-            elif dylu and self.cfg.dylu.by == "time":  # a deadline; it reserves the steps expected to fit
+            elif (
+                dylu and self.cfg.dylu.by_for("async") == "time"
+            ):  # a deadline; it reserves the steps expected to fit
                 seconds = job_seconds(self.H, list(measured.values()))
                 steps = max(1, math.floor(seconds / measured[w] * (1 + 1e-9)))
             elif dylu:
