@@ -1,6 +1,6 @@
 """Figures the docs cite from a benchmark's JSON equal the JSON: every "`field` **value**
 (results/FILE.json)" in docs/ is checked against benchmarks/results/FILE.json, at the precision
-the doc gives (a field may be a path: `j0.1.sync.vs_sync_pct`)."""
+the doc gives (a field may be a path: `j0.1.sync.vs_sync_pct`, `wall_speedup_by_seed.2`)."""
 
 import json
 import re
@@ -20,6 +20,9 @@ def _cited():
 
 
 def _lookup(data, field):
+    if isinstance(data, list):  # a list's item by its index: `wall_speedup_by_seed.2`
+        index, _, rest = field.partition(".")
+        return _lookup(data[int(index)], rest) if rest else data[int(index)]
     if field in data:
         return data[field]
     head, _, rest = field.partition(".")
