@@ -62,7 +62,8 @@ class Clock:
         u = random.Random(f"{self.seed}/{worker}/{job}").uniform(-1.0, 1.0)
         return 1.0 + self.jitter * u
 
-    def _slowdown(self, worker: int, t: float) -> float:
+    def slowdown(self, worker: int, t: float) -> float:
+        """The product of `worker`'s slowdown factors active at time t (1: none)."""
         factor = 1.0
         for s in self.slowdowns:
             if s.worker == worker and s.start_s <= t < s.end_s:
@@ -77,7 +78,7 @@ class Clock:
             return base * steps
         t = start_s
         for _ in range(steps):
-            t += base * self._slowdown(worker, t)
+            t += base * self.slowdown(worker, t)
         return t - start_s
 
     def step_times(self, worker: int, start_s: float, *, job: int) -> Iterator[float]:
@@ -85,13 +86,13 @@ class Clock:
         `compute_s` adds them up."""
         base, t = self.step_s[worker] * self._jitter(worker, job), start_s
         while True:
-            step = base * self._slowdown(worker, t)
+            step = base * self.slowdown(worker, t)
             yield step
             t += step
 
     def true_step_s(self, worker: int, t: float) -> float:
         """The profile's time per step at time t, without jitter (what an oracle would know)."""
-        return self.step_s[worker] * self._slowdown(worker, t)
+        return self.step_s[worker] * self.slowdown(worker, t)
 
 
 def slowed(

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco.config import TrainConfig
-from diloco.config.parsers import Slowdown, parse_slowdown
+from diloco.config.parsers import parse_slowdown
 from diloco.core.codec import Encoded
 from diloco.core.dylu import DEADLINE_CAP, RoundPlanner
 from diloco.core.inner import Worker
@@ -37,7 +37,7 @@ from diloco.core.streaming import Schedule
 from diloco.data.batches import RankSlice, ToDevice
 from diloco.errors import RESUME_OR, ReplicaMismatch, RunFailed, WorkerDied
 from diloco.runtime import RoundStats, faults, is_main_process
-from diloco.runtime.clock import slowed
+from diloco.runtime.clock import Clock, slowed
 from diloco.runtime.collective_streaming import StreamingRounds, unflatten
 from diloco.runtime.torchrun import world_from_env
 
@@ -122,9 +122,13 @@ class CollectiveDiLoCo(StreamingRounds):
         self.started = time.perf_counter()  # --slowdown's START and END count from here
         # an emulated device: every inner step padded to at least --speeds' seconds, × --slowdown's
         floor_s = cfg.sim.speeds[self.worker_id] if cfg.sim.speeds else 0.0
-        mine = [s for s in map(parse_slowdown, cfg.sim.slowdowns) if s.worker == self.worker_id]
-        if mine or floor_s:
-            slowed(worker, lambda t: max(t, floor_s) * self._factor(mine))
+        clock = Clock([0.0] * self.k, slowdowns=tuple(map(parse_slowdown, cfg.sim.slowdowns)))
+        if floor_s or any(s.worker == self.worker_id for s in clock.slowdowns):
+            since = self.started
+            slowed(
+                worker,
+                lambda t: max(t, floor_s) * clock.slowdown(self.worker_id, time.perf_counter() - since),
+            )
         # Every rank keeps the whole outer side (the same on every rank by construction: seed, or
         # --init-from) and applies the same summed update.
         self.side = side
@@ -135,13 +139,6 @@ class CollectiveDiLoCo(StreamingRounds):
         self.bytes_per_rank = [[0, 0] for _ in range(self.world)]  # every rank's, cumulative
         with self._collective("the first replica check"):
             self._check_replicas(-1)
-
-    def _factor(self, slowdowns: list[Slowdown]) -> float:
-        t, factor = time.perf_counter() - self.started, 1.0
-        for s in slowdowns:
-            if s.start_s <= t < s.end_s:
-                factor *= s.factor
-        return factor
 
     @property
     def sim_time_s(self) -> None:  # real processes: wall time only
