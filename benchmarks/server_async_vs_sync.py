@@ -9,7 +9,9 @@ DyLU with jobs as deadlines, `--grace-s auto`: a tenth of a job, recorded as `gr
 sync + DyLU is `--method diloco --dylu`. Per seed: `*_loss_ratio` = final validation loss (whole
 split) ÷ sync's, `*_wall_speedup` = sync's wall time to reach sync's final subset loss ÷ the
 method's (None where it never does). Targets: async loss ratio ≤ 1.01 and wall speedup ≥ 2.5 on
-every seed. Each method's outer lr is its best in the simulator's sweep
+every seed. Per run it also reports, from the write-ahead log, the size of each update group
+(`group_sizes`, `mean_group_size`: 4 when every grace window holds all workers) and how late
+deadline jobs' pushes land (`lateness_s`). Each method's outer lr is its best in the simulator's sweep
 (results/async_jitter_outer_lr.json: sync, dn_dylu_time, sync_dylu), else 0.7.
 
     python benchmarks/server_async_vs_sync.py            # ~30 minutes on 2 cores; run it alone
@@ -98,6 +100,35 @@ def run(flags: tuple[str, ...], args, seed: int, out: Path, outer_lr: float) -> 
         "inner_steps": summary["inner_steps"],
         "workers": summary["workers"],
         "evals": evals,
+        **grace_groups(out),
+    }
+
+
+def grace_groups(run_dir: Path) -> dict:
+    """From the write-ahead log's events: how many pushes each update group held (the applies
+    between two rounds of hand-outs) and how late deadline jobs' pushes landed (push time −
+    (hand-out + seconds); negative: early)."""
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    jobs, sizes, group, late = {}, [], 0, []
+    for e in events:
+        if e["kind"] == "dispatch":
+            jobs[e["job"]] = e
+            if group:
+                sizes, group = [*sizes, group], 0
+        elif e["kind"] == "apply":
+            group += 1
+        elif e["kind"] == "push" and jobs[e["job"]].get("seconds"):
+            job = jobs[e["job"]]
+            late.append(e["t"] - job["t"] - job["seconds"])
+    late.sort()
+
+    def q(f: float) -> float | None:
+        return round(late[min(len(late) - 1, int(f * len(late)))], 3) if late else None
+
+    return {
+        "group_sizes": sizes,
+        "mean_group_size": round(sum(sizes) / len(sizes), 3) if sizes else None,
+        "lateness_s": {"p50": q(0.5), "p90": q(0.9), "max": q(1.0)},
     }
 
 
@@ -135,6 +166,7 @@ def main() -> None:
         row["grace_auto_s"] = round(
             0.1 * args.inner_steps * min(w["step_s"] for w in runs["async"]["workers"]), 3
         )
+        row["async_mean_group_size"] = runs["async"]["mean_group_size"]
         per_seed.append(row)
 
     def by_seed(key: str) -> list:
@@ -152,6 +184,7 @@ def main() -> None:
         "sync_dylu_loss_ratio_by_seed": by_seed("sync_dylu_loss_ratio"),
         "sync_dylu_wall_speedup_by_seed": by_seed("sync_dylu_wall_speedup"),
         "grace": {"setting": "auto", "seconds_by_seed": [r["grace_auto_s"] for r in per_seed]},
+        "async_mean_group_size_by_seed": [r["async_mean_group_size"] for r in per_seed],
         "async_meets_targets": all(
             r["async_loss_ratio"] <= 1.01 and (r["async_wall_speedup"] or 0) >= 2.5 for r in per_seed
         ),

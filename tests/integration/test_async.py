@@ -288,6 +288,31 @@ def test_deadline_jobs_land_in_one_grace_group(tiny, tmp_path, dylu_by, times, s
     assert [m["steps"] for m in lines[:5]] == steps
 
 
+@pytest.mark.timeout(60)
+def test_a_deadline_job_handed_out_apart_ends_with_the_one_in_flight(tiny, tmp_path):
+    # No grace period: each push restarts its worker alone. Worker 1 (2.5 s per step) lands at
+    # 2.5; worker 0's deadline, 4.0, would leave it less than half a job (2 s), so it ends a job
+    # later, at 8.0: 5.5 s, 2 steps, lands at 7.5. Worker 0 lands at 4.0 and ends with it, at
+    # 8.0 (4 steps). From then on both end together at 12.0, 16.0, ... (worker 1 fits 1 step in
+    # 4.5 s). Without alignment worker 1 would restart on its own phase every time (2.5, 5.0, ...).
+    cfg = tiny(
+        method="async",
+        sim=SimConfig(speeds=(1.0, 2.5), procs=1),
+        async_=AsyncConfig(**{**BARE, "grace_s": 0.0}),
+        dylu=DyluConfig(by="time"),
+    )
+    train(cfg, progress=False)
+    lines = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "worker"]
+    assert [(m["worker"], round(m["sim_time_s"], 6), m["steps"]) for m in lines[:6]] == [
+        (1, 2.5, 1),
+        (0, 4.0, 4),
+        (1, 7.5, 2),
+        (0, 8.0, 4),
+        (1, 10.0, 1),
+        (0, 12.0, 4),
+    ]
+
+
 @pytest.mark.timeout(120)
 def test_with_jitter_deadline_jobs_keep_every_grace_group_whole(tiny, tmp_path):
     # The benchmark's profile with each job ±10%: jobs of H_w steps land up to a tenth of a job

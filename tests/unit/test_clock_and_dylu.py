@@ -5,6 +5,7 @@ import pytest
 from diloco.config.parsers import Slowdown, parse_slowdown
 from diloco.core.async_policy import (
     SpeedEstimator,
+    aligned_deadline,
     dylu_steps,
     grace_close,
     job_seconds,
@@ -137,6 +138,21 @@ def test_a_deadline_is_h_steps_of_the_fastest_and_the_clock_gives_each_steps_tim
 )
 def test_a_window_opened_by_an_early_deadline_push_runs_from_its_deadline(in_flight, close):
     assert grace_close(8.0, 3.0, in_flight, opens_s=10.0) == close
+
+
+@pytest.mark.parametrize(
+    "now,deadlines,end",
+    [
+        (10.0, [], 16.0),  # nothing in flight: a whole job
+        (10.0, [15.0], 15.0),  # 5 s left of the job in flight, at least half a job: end with it
+        (10.0, [13.0], 13.0),  # exactly half a job left: still with it
+        (10.0, [12.0], 18.0),  # 2 s left: one job after it (8 s)
+        (10.0, [12.0, 14.0], 14.0),  # the latest deadline in flight
+        (100.0, [12.0], 108.0),  # long past (a lost worker's job): on its grid, 8 s from now
+    ],
+)
+def test_a_deadline_job_ends_with_those_in_flight(now, deadlines, end):
+    assert aligned_deadline(now, 6.0, deadlines) == end
 
 
 def test_a_worker_given_a_deadline_takes_what_fits_and_says_so():

@@ -149,6 +149,34 @@ def test_async_jobs_probe_then_follow_measured_speeds(tiny):
 
 
 @pytest.mark.timeout(60)
+def test_deadline_jobs_handed_out_apart_end_together(tiny):
+    """Jobs as deadlines (async's default). Worker 0 measures 2 s per step and gets a job of
+    H × 2 = 8 s at 107, to 115. Worker 1's probe lands later; handed out at 110, its job ends
+    with worker 0's, at 115 (5 s, more than half a job), so their pushes land in one grace
+    group. Worker 0's next job, handed out at 113, 2 s before worker 1's deadline (less than
+    half a job), ends a whole job after it, at 123."""
+    coord = make(tiny, method="async", k=2, shard_sampling=False)
+    log = Log(coord)  # each event 1 s after the last, from 101
+    for w in (0, 1):
+        log({"kind": "join", "worker": w, "name": f"w{w}", "device": "cpu"})
+        log(coord.plan_dispatch(w, log.t + 1))
+    push(log, 0, 0, outer_grad(coord, 0.0), compute_s=2.0, steps=1)
+    log({"kind": "apply", "job": 0})
+    log(coord.plan_dispatch(0, log.t + 1))
+    push(log, 1, 1, outer_grad(coord, 0.0), compute_s=4.0, steps=1)
+    log({"kind": "apply", "job": 1})
+    log(coord.plan_dispatch(1, log.t + 1))
+    w0, w1 = sorted(coord.jobs.values(), key=lambda j: j.worker)
+    assert (w0.t, w0.seconds, coord.due(w0)) == (107.0, 8.0, 115.0)
+    assert (w1.t, w1.seconds, coord.due(w1)) == (110.0, 5.0, 115.0)
+    push(log, w0.job, 0, outer_grad(coord, 0.0), compute_s=4.0, steps=2)
+    log({"kind": "apply", "job": w0.job})
+    log(coord.plan_dispatch(0, log.t + 1))
+    w0 = next(j for j in coord.jobs.values() if j.worker == 0)
+    assert (w0.t, w0.seconds, coord.due(w0)) == (113.0, 10.0, 123.0)
+
+
+@pytest.mark.timeout(60)
 def test_state_after_a_checkpoint_and_the_rest_of_the_log_is_the_same(tiny):
     """Crash recovery in its pure form: checkpoint mid-run, load it into a new coordinator, apply
     the remaining events: the same θ, bit for bit, as applying them all to one."""

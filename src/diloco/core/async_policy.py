@@ -34,6 +34,28 @@ def job_seconds(inner_steps: int, known_step_s: list[float]) -> float:
     return inner_steps * min(known_step_s)
 
 
+# Deadline jobs end together: a job handed out while other deadline jobs are in flight ends at
+# their latest deadline if that leaves it at least this fraction of a job, else whole jobs later
+# (`aligned_deadline`). Without it workers whose jobs began apart (probes of unequal length, a
+# worker that joins late, a push that missed its grace window) land in groups of their own for
+# the rest of the run (docs/async.md, "Jobs as deadlines").
+ALIGN_MIN_FRACTION = 0.5
+
+
+def aligned_deadline(now: float, job_s: float, deadlines: Iterable[float]) -> float:
+    """When a deadline job handed out at `now` ends: `now + job_s` if no other deadline job is in
+    flight, else the latest of their `deadlines` (plus as many `job_s` as it takes to leave at
+    least ALIGN_MIN_FRACTION of a job), so its push lands with theirs. Its length lies within
+    [ALIGN_MIN_FRACTION, 1 + ALIGN_MIN_FRACTION) × job_s."""
+    ends = list(deadlines)
+    if not ends:
+        return now + job_s
+    end, least = max(ends), ALIGN_MIN_FRACTION * job_s
+    if end - now < least:
+        end += math.ceil((least - (end - now)) / job_s) * job_s
+    return end
+
+
 def another_step_fits(done: int, spent: float, seconds: float) -> bool:
     """Whether a worker that took `done` steps in `spent` seconds of a job of `seconds` starts
     another: always a first one, so every job makes progress; after it, while the time spent plus

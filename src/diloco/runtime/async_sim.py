@@ -25,6 +25,7 @@ from typing import Any
 from diloco.config import TrainConfig
 from diloco.core.async_policy import (
     SpeedEstimator,
+    aligned_deadline,
     dylu_steps,
     grace_close,
     grace_period,
@@ -169,9 +170,21 @@ class AsyncDiLoCo(SideView):
         least = self.probe_steps if first else 1
         if self.by_time:  # the worker trains until the deadline: H_w is what fits in it
             seconds = job_seconds(self.inner_steps, speeds)
+            if not first:  # it ends with the deadline jobs in flight (first jobs all start at 0)
+                seconds = aligned_deadline(start_s, seconds, self._deadlines_set(t)) - start_s
             steps = steps_within(seconds, self.clock.step_times(w, start_s, job=self._jobs[w]))
             return max(least, steps), seconds
         return max(least, dylu_steps(speeds, self.inner_steps)[w]), None
+
+    def _deadlines_set(self, t: float) -> list[float]:
+        """The deadlines of the jobs in flight that the server has set by time t (a first job's
+        is set when its probe ends)."""
+        return [
+            job["started_s"] + job["seconds"]
+            for v, job in self._inflight.items()
+            if job["seconds"] is not None
+            and (self._jobs[v] > 1 or v not in self._probes or self._probes[v][0] <= t)
+        ]
 
     def _probe(self, w: int, t: float) -> None:
         """Worker w's first job starts at t: its first steps measure its speed."""

@@ -43,6 +43,7 @@ from typing import Any
 from diloco.config import TrainConfig
 from diloco.core.async_policy import (
     SpeedEstimator,
+    aligned_deadline,
     dylu_steps,
     grace_period,
     job_seconds,
@@ -122,11 +123,13 @@ class Coordinator:
         waiting = {job.worker for _, _, job in self.arrived}
         return [w for w, rec in sorted(self.workers.items()) if rec["job"] is None and w not in waiting]
 
-    def plan_dispatch(self, w: int) -> dict[str, Any] | None:
-        """The next job of worker w (None: the async budget is handed out). Sync: H steps on its
-        own shard. Async (Algorithm 2): a first job measures the worker's speed on H/10 steps;
-        later ones have H_w = max(1, ⌊fastest s/step ÷ its s/step × H⌋) steps (DyLU), on a shard
-        sampled by p_i ∝ max(|D_i|/Σ|D| − n_i/Σn, 0) (shard sampling), else its own."""
+    def plan_dispatch(self, w: int, now: float = 0.0) -> dict[str, Any] | None:
+        """The next job of worker w, handed out at time `now` (None: the async budget is handed
+        out). Sync: H steps on its own shard. Async (Algorithm 2): a first job measures the
+        worker's speed on H/10 steps; later ones have H_w = max(1, ⌊fastest s/step ÷ its s/step
+        × H⌋) steps (DyLU), or with jobs as deadlines end with the deadline jobs in flight
+        (`aligned_deadline`), on a shard sampled by p_i ∝ max(|D_i|/Σ|D| − n_i/Σn, 0) (shard
+        sampling), else its own."""
         v, job = self.cfg.async_, self.next_job
         steps, shard, lr_stride, seconds = self.H, w, 1.0, None
         if self.plan is not None:  # sync DiLoCo with DyLU: planned at the round's begin
@@ -139,7 +142,8 @@ class Coordinator:
             elif (
                 dylu and self.cfg.dylu.by_for("async") == "time"
             ):  # a deadline; it reserves the steps expected to fit
-                seconds = job_seconds(self.H, list(measured.values()))
+                ends = [j.t + j.seconds for j in self.jobs.values() if j.seconds is not None]
+                seconds = aligned_deadline(now, job_seconds(self.H, list(measured.values())), ends) - now
                 steps = max(1, math.floor(seconds / measured[w] * (1 + 1e-9)))
             elif dylu:
                 steps = dylu_steps(list(measured.values()), self.H)[list(measured).index(w)]

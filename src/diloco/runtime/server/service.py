@@ -92,7 +92,7 @@ class ServerRuntime(SideView):
                 members = sorted(c.workers)
                 st.record({"kind": "begin", "round": self.side.rounds_done + 1, "members": members})
                 for w in members:
-                    st.record(c.plan_dispatch(w))
+                    st.record(c.plan_dispatch(w, time.time()))
             t0 = c.round_t
             timeout = self.cfg.round_timeout_s or float("inf")
             self._wait(lambda: not c.jobs or time.time() >= t0 + timeout, lambda: f"{len(c.jobs)} pushes")
@@ -119,7 +119,7 @@ class ServerRuntime(SideView):
                     return None
                 st.reap()
                 for w in c.idle():
-                    event = c.plan_dispatch(w)
+                    event = c.plan_dispatch(w, time.time())
                     if event is None:
                         break
                     st.record(event)
