@@ -47,8 +47,9 @@ ASYNC = ["--method", "async", "--heterogeneity", "very", "--rounds", "4", "--pro
         [],
         ["--async-rule", "buffer", "--grace-s", "1.5", "--no-shard-sampling", "--async-rule", "delaycomp"],
         ["--grace-s", "inf", "--async-rule", "buffer"],  # config.json holds "inf" (JSON has no infinity)
+        ["--grace-s", "measured", "--dylu-by", "steps", "--speed-jitter", "0.2"],  # the arrivals are saved
     ],
-    ids=["paper-form", "delaycomp-grace", "unbounded-grace"],
+    ids=["paper-form", "delaycomp-grace", "unbounded-grace", "measured-grace"],
 )
 def test_async_stop_after_and_resume_ends_bit_identical(tmp_path, capsys, extra):
     flags = [*_config(tmp_path), *ASYNC, "--workers", "3", *extra]

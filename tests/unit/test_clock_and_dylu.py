@@ -4,10 +4,13 @@ import pytest
 
 from diloco.config.parsers import Slowdown, parse_slowdown
 from diloco.core.async_policy import (
+    SCATTER_WINDOW,
+    ArrivalScatter,
     SpeedEstimator,
-    aligned_deadline,
+    aligned_job_s,
     dylu_steps,
     grace_close,
+    grace_period,
     job_seconds,
     shard_probabilities,
     steps_within,
@@ -152,7 +155,23 @@ def test_a_window_opened_by_an_early_deadline_push_runs_from_its_deadline(in_fli
     ],
 )
 def test_a_deadline_job_ends_with_those_in_flight(now, deadlines, end):
-    assert aligned_deadline(now, 6.0, deadlines) == end
+    assert now + aligned_job_s(now, 6.0, deadlines) == end
+
+
+def test_a_measured_grace_spans_the_spread_of_recent_arrivals():
+    scatter = ArrivalScatter()
+    for landed in (99.0, 101.0, 100.5):  # 10 s jobs expected at 100: -0.1, +0.1, +0.05 of a job
+        scatter.add(landed, 100.0, 10.0)
+    assert scatter.spread() is None  # fewer than 4 known: a tenth of a job
+    assert grace_period("measured", 50, [0.5, 1.0], scatter.spread()) == pytest.approx(2.5)
+    scatter.add(100.0, 100.0, 10.0)
+    # deciles (inclusive) of [-0.1, 0, 0.05, 0.1]: the 10th at -0.07, the 90th at 0.085
+    assert scatter.spread() == pytest.approx(0.155)
+    assert grace_period("measured", 50, [0.5, 1.0], scatter.spread()) == pytest.approx(0.155 * 25)
+    assert grace_period("auto", 50, [0.5, 1.0], scatter.spread()) == pytest.approx(2.5)  # auto ignores it
+    for _ in range(SCATTER_WINDOW):  # only the last SCATTER_WINDOW count: all on time now
+        scatter.add(100.0, 100.0, 10.0)
+    assert scatter.spread() == 0.0
 
 
 def test_a_worker_given_a_deadline_takes_what_fits_and_says_so():

@@ -58,8 +58,8 @@ FLAG_GROUPS = {
 
 
 def _grace(text: str) -> float | str:
-    """--grace-s: a number of seconds, `auto` or `inf`."""
-    return text if text in ("auto", "inf") else float(text)
+    """--grace-s: a number of seconds, `auto`, `measured` or `inf`."""
+    return text if text in ("auto", "measured", "inf") else float(text)
 
 
 def _speeds(text: str) -> tuple[float, ...]:
@@ -265,7 +265,8 @@ class AsyncConfig:
         flag="--grace-s",
         parse=_grace,
         needs=ON_ASYNC,
-        help="s after an update in which other pushes sync too; auto: a tenth of a job; 0: off; inf: sync",
+        help="s after an update in which other pushes sync too; auto: a tenth of a job; measured: the "
+        "spread of recent arrivals around when they were due (simulator); 0: off; inf: sync",
     )
 
     def __post_init__(self) -> None:

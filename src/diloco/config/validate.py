@@ -272,7 +272,12 @@ def _validate_async(cfg: Any) -> None:
     settings.in_range(cfg, "async.delaycomp_lambda", lo=0.0)
     settings.in_range(cfg, "dylu.alpha", lo=0.0, hi=1.0, lo_open=True)
     g = v.grace_s
-    ok = g in ("auto", "inf") if isinstance(g, str) else not math.isnan(g) and g >= 0
+    ok = g in ("auto", "measured", "inf") if isinstance(g, str) else not math.isnan(g) and g >= 0
     settings.check(
-        ok, _label(cfg, "async.grace_s"), g, "auto or a number of seconds >= 0 (inf: wait for all)"
+        ok, _label(cfg, "async.grace_s"), g, "auto, measured or a number of seconds >= 0 (inf: wait for all)"
     )
+    if g == "measured" and cfg.runtime == "server":
+        raise UserError(
+            f"{_label(cfg, 'async.grace_s')} measured is simulated only so far; on the parameter server "
+            "use auto or a number of seconds."
+        )

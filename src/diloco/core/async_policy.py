@@ -8,6 +8,8 @@ pushes join an update, and shard sampling by how far each shard lags behind its 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Iterable
 
 # How DyLU sizes a job: "steps", H_w from the measured speeds (the paper's form), or "time", a
@@ -36,24 +38,25 @@ def job_seconds(inner_steps: int, known_step_s: list[float]) -> float:
 
 # Deadline jobs end together: a job handed out while other deadline jobs are in flight ends at
 # their latest deadline if that leaves it at least this fraction of a job, else whole jobs later
-# (`aligned_deadline`). Without it workers whose jobs began apart (probes of unequal length, a
+# (`aligned_job_s`). Without it workers whose jobs began apart (probes of unequal length, a
 # worker that joins late, a push that missed its grace window) land in groups of their own for
 # the rest of the run (docs/async.md, "Jobs as deadlines").
 ALIGN_MIN_FRACTION = 0.5
 
 
-def aligned_deadline(now: float, job_s: float, deadlines: Iterable[float]) -> float:
-    """When a deadline job handed out at `now` ends: `now + job_s` if no other deadline job is in
-    flight, else the latest of their `deadlines` (plus as many `job_s` as it takes to leave at
-    least ALIGN_MIN_FRACTION of a job), so its push lands with theirs. Its length lies within
-    [ALIGN_MIN_FRACTION, 1 + ALIGN_MIN_FRACTION) × job_s."""
+def aligned_job_s(now: float, job_s: float, deadlines: Iterable[float]) -> float:
+    """How long a deadline job handed out at `now` lasts: `job_s` if no other deadline job is in
+    flight, else until the latest of their `deadlines` (plus as many `job_s` as it takes to leave
+    at least ALIGN_MIN_FRACTION of a job), so its push lands with theirs: between
+    ALIGN_MIN_FRACTION and 1 + ALIGN_MIN_FRACTION jobs. Exactly `job_s` when it ends with jobs
+    handed out at the same moment (no rounding through the deadline)."""
     ends = list(deadlines)
     if not ends:
-        return now + job_s
+        return job_s
     end, least = max(ends), ALIGN_MIN_FRACTION * job_s
     if end - now < least:
         end += math.ceil((least - (end - now)) / job_s) * job_s
-    return end
+    return job_s if abs(end - now - job_s) <= 1e-9 * job_s else end - now
 
 
 def another_step_fits(done: int, spent: float, seconds: float) -> bool:
@@ -87,12 +90,43 @@ def probe_steps(inner_steps: int) -> int:
     return max(1, round(inner_steps * PROBE_FRACTION))
 
 
-def grace_period(grace_s: float | str, inner_steps: int, known_step_s: list[float]) -> float:
-    """The grace period in seconds: `grace_s` as given ("inf" included), or for "auto" a tenth of
-    a job, H × the fastest known seconds per step (0 while no speed is known)."""
-    if grace_s != "auto":
+# grace_s = "measured": the window is the spread (SCATTER_QUANTILES) of where the last
+# SCATTER_WINDOW pushes landed around when the server expected them at hand-out, a fraction of a
+# job; a tenth of a job until SCATTER_MIN are known (`ArrivalScatter`).
+SCATTER_WINDOW, SCATTER_MIN, SCATTER_QUANTILES = 32, 4, (0.1, 0.9)
+
+
+class ArrivalScatter:
+    """Where pushes land around when the server expected them when it handed their jobs out
+    (landing − expected, ÷ the job's expected length), pooled over workers, the last
+    SCATTER_WINDOW kept. `spread()` is the range between their 10th and 90th percentiles: the
+    fraction of a job a grace window must span to hold a group handed out together."""
+
+    def __init__(self, residuals: Iterable[float] = ()):
+        self.residuals = deque(residuals, maxlen=SCATTER_WINDOW)
+
+    def add(self, landed_s: float, expected_s: float, length_s: float) -> None:
+        if length_s > 0:
+            self.residuals.append((landed_s - expected_s) / length_s)
+
+    def spread(self) -> float | None:
+        if len(self.residuals) < SCATTER_MIN:
+            return None
+        cuts = statistics.quantiles(self.residuals, n=10, method="inclusive")  # deciles
+        lo, hi = (cuts[round(q * 10) - 1] for q in SCATTER_QUANTILES)
+        return hi - lo
+
+
+def grace_period(
+    grace_s: float | str, inner_steps: int, known_step_s: list[float], spread: float | None = None
+) -> float:
+    """The grace period in seconds: `grace_s` as given ("inf" included); for "auto" a tenth of a
+    job, H × the fastest known seconds per step (0 while no speed is known); for "measured" the
+    measured `spread` of arrivals (ArrivalScatter) × a job, a tenth until it is known."""
+    if grace_s not in ("auto", "measured"):
         return float(grace_s)
-    return AUTO_GRACE_FRACTION * inner_steps * min(known_step_s) if known_step_s else 0.0
+    fraction = spread if grace_s == "measured" and spread is not None else AUTO_GRACE_FRACTION
+    return fraction * inner_steps * min(known_step_s) if known_step_s else 0.0
 
 
 def grace_close(

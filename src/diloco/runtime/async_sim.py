@@ -5,13 +5,12 @@ A worker pulls θ (at `version` v), runs its local steps, and pushes outer_grad 
 pulls again. Events are processed in simulated-time order (ties by worker index), so a run is
 deterministic for a seed whatever the number of processes computing the workers.
 
-The server also decides each job, as the paper's Algorithm 2 does: how many steps (DyLU's H_w
-from measured or true speeds, or H), which shard (sampled, or the worker's own), and, with a
-grace period, holds back workers that finish within `grace_s` of an update so they restart from
-the same θ (see `grace_close`). A worker's first job measures its speed on its first steps (the
-probe, counted as training) before DyLU sets its length, so no job runs from unmeasured speeds.
+The server decides each job as Algorithm 2 does: its steps (DyLU: H_w from measured or true
+speeds, or a deadline), its shard (sampled, or the worker's own), and with a grace period holds
+back workers that finish within it so they restart from the same θ (`grace_close`). A first job
+measures its worker's speed on its first steps (the probe, counted as training).
 
-    diloco train --method async --heterogeneity very            # DN + DyLU, paper form
+    diloco train --method async --heterogeneity very            # DN + DyLU with deadline jobs
     diloco train --method async --no-dylu --no-shard-sampling --grace-s 0   # the bare rule
 """
 
@@ -24,8 +23,9 @@ from typing import Any
 
 from diloco.config import TrainConfig
 from diloco.core.async_policy import (
+    ArrivalScatter,
     SpeedEstimator,
-    aligned_deadline,
+    aligned_job_s,
     dylu_steps,
     grace_close,
     grace_period,
@@ -107,22 +107,21 @@ class AsyncDiLoCo(SideView):
         self.dylu, self.dylu_oracle, self.grace_s = dylu or dylu_oracle, dylu_oracle, grace_s
         self.by_time = self.dylu and dylu_by == "time"  # jobs are deadlines (job_seconds)
         self.estimators = [SpeedEstimator(dylu_alpha) for _ in range(k)]
+        self.scatter = ArrivalScatter()  # for --grace-s measured
         self._push_bytes = side.codec.message_bytes(side.params)  # one encoded outer_grad
         self._probes: dict[int, tuple[float, float]] = {}  # worker -> (probe ends at, s per step)
         self.shard_sizes = shard_sizes  # None: every worker keeps its own shard
         self.shard_steps = [0] * (len(shard_sizes) if shard_sizes else k)
         self.rng = random.Random(side.seed)
-        self._sim_time_s = 0.0
-        self.dispatched = 0  # inner steps handed out
-        self.applied = 0  # inner steps whose outer_grad has arrived
+        # simulated time; inner steps handed out, and those whose outer_grad has arrived
+        self._sim_time_s, self.dispatched, self.applied = 0.0, 0, 0
         self._jobs = [0] * k  # jobs per worker, numbering jitter draws
         self._heap: list[tuple[float, int, int]] = []
         self._inflight: dict[int, dict] = {}
         self._ready: dict[int, InnerResult] = {}  # results collected early (for a checkpoint)
         self._started = False
-        self._group: list[tuple[float, int]] = []  # the grace group being applied
-        self._pending: list[int] = []  # its workers not applied yet
-        self._restart = 0.0  # when its workers restart
+        # the grace group being applied [(lands, worker)], its workers not applied yet, when they restart
+        self._group, self._pending, self._restart = [], [], 0.0
 
     @property
     def num_workers(self) -> int:
@@ -153,7 +152,7 @@ class AsyncDiLoCo(SideView):
         """The grace period at time t: `grace_s`, or for "auto" a tenth of a job, H × the fastest
         known seconds per step (0 while no speed is known)."""
         known = [s for s in self.known_step_s(t) if s is not None]
-        return grace_period(self.grace_s, self.inner_steps, known)
+        return grace_period(self.grace_s, self.inner_steps, known, self.scatter.spread())
 
     def _steps_for(self, w: int, t: float, start_s: float) -> tuple[int, float | None]:
         """H_w of a job handed out at t whose steps start at `start_s`, and its length in seconds
@@ -171,19 +170,20 @@ class AsyncDiLoCo(SideView):
         if self.by_time:  # the worker trains until the deadline: H_w is what fits in it
             seconds = job_seconds(self.inner_steps, speeds)
             if not first:  # it ends with the deadline jobs in flight (first jobs all start at 0)
-                seconds = aligned_deadline(start_s, seconds, self._deadlines_set(t)) - start_s
+                seconds = aligned_job_s(start_s, seconds, self._deadlines_set(t))
             steps = steps_within(seconds, self.clock.step_times(w, start_s, job=self._jobs[w]))
             return max(least, steps), seconds
         return max(least, dylu_steps(speeds, self.inner_steps)[w]), None
 
     def _deadlines_set(self, t: float) -> list[float]:
-        """The deadlines of the jobs in flight that the server has set by time t (a first job's
-        is set when its probe ends)."""
+        """The deadlines in flight that the server has set by time t (a first job's: at its probe's end)."""
+        set_by = {
+            v: self._probes[v][0] if self._jobs[v] == 1 and v in self._probes else 0.0 for v in self._inflight
+        }
         return [
-            job["started_s"] + job["seconds"]
-            for v, job in self._inflight.items()
-            if job["seconds"] is not None
-            and (self._jobs[v] > 1 or v not in self._probes or self._probes[v][0] <= t)
+            j["started_s"] + j["seconds"]
+            for v, j in self._inflight.items()
+            if j["seconds"] and set_by[v] <= t
         ]
 
     def _probe(self, w: int, t: float) -> None:
@@ -211,6 +211,9 @@ class AsyncDiLoCo(SideView):
         self.pool.submit(w, self.side.pull(w), steps, lr_step=shard_step, shard=shard)
         compute_s = self.clock.compute_s(w, pulled_at, steps, job=self._jobs[w])
         arrival = pulled_at + compute_s + self.clock.transfer_s(self._push_bytes)
+        step_s = self.known_step_s(t)[w]  # the job's length as expected now (ArrivalScatter)
+        length = seconds if seconds is not None else None if step_s is None else steps * step_s
+        expected = None if length is None else [arrival - compute_s + length, length]
         self._jobs[w] += 1
         self.dispatched += steps
         pulled = [p.detach().clone() for p in self.params] if isinstance(self.rule, DelayComp) else None
@@ -222,6 +225,7 @@ class AsyncDiLoCo(SideView):
             "pulled": pulled,
             "shard": key,
             "seconds": seconds,
+            "expected": expected,  # [when it should land, how long it should take]
         }
         heapq.heappush(self._heap, (arrival, w, w))
 
@@ -236,6 +240,8 @@ class AsyncDiLoCo(SideView):
         self.applied += job["steps"]
         self._sim_time_s = t
         estimate = self.estimators[w].update(job["compute_s"], job["steps"])
+        if job.get("expected"):
+            self.scatter.add(t, *job["expected"])
         return Arrival(
             w, job["steps"], staleness, changed, result.mean_loss, result.last_lr, job["shard"], estimate, t
         )
@@ -346,6 +352,7 @@ class AsyncDiLoCo(SideView):
                     ],
                     "shard_steps": list(self.shard_steps),
                     "rng": [version, list(internal), gauss],
+                    "scatter": list(self.scatter.residuals),
                 }
             },
         }
@@ -379,11 +386,13 @@ class AsyncDiLoCo(SideView):
                 "pulled": [t.clone() for t in job["pulled"]] if job["pulled"] else None,
                 "shard": int(job["shard"]),
                 "seconds": None if job.get("seconds") is None else float(job["seconds"]),
+                "expected": job.get("expected"),
             }
         self._probes = {w: (float(p[0]), float(p[1])) for w, p in enumerate(a["probes"]) if p is not None}
         for e, step_s in zip(self.estimators, a["speed_estimates"], strict=True):
             e.step_s = None if step_s is None else float(step_s)
         self.shard_steps = [int(n) for n in a["shard_steps"]]
+        self.scatter = ArrivalScatter(float(r) for r in a.get("scatter", []))
         version, internal, gauss = a["rng"]
         self.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
 

@@ -43,7 +43,7 @@ from typing import Any
 from diloco.config import TrainConfig
 from diloco.core.async_policy import (
     SpeedEstimator,
-    aligned_deadline,
+    aligned_job_s,
     dylu_steps,
     grace_period,
     job_seconds,
@@ -128,7 +128,7 @@ class Coordinator:
         out). Sync: H steps on its own shard. Async (Algorithm 2): a first job measures the
         worker's speed on H/10 steps; later ones have H_w = max(1, ⌊fastest s/step ÷ its s/step
         × H⌋) steps (DyLU), or with jobs as deadlines end with the deadline jobs in flight
-        (`aligned_deadline`), on a shard sampled by p_i ∝ max(|D_i|/Σ|D| − n_i/Σn, 0) (shard
+        (`aligned_job_s`), on a shard sampled by p_i ∝ max(|D_i|/Σ|D| − n_i/Σn, 0) (shard
         sampling), else its own."""
         v, job = self.cfg.async_, self.next_job
         steps, shard, lr_stride, seconds = self.H, w, 1.0, None
@@ -143,7 +143,7 @@ class Coordinator:
                 dylu and self.cfg.dylu.by_for("async") == "time"
             ):  # a deadline; it reserves the steps expected to fit
                 ends = [j.t + j.seconds for j in self.jobs.values() if j.seconds is not None]
-                seconds = aligned_deadline(now, job_seconds(self.H, list(measured.values())), ends) - now
+                seconds = aligned_job_s(now, job_seconds(self.H, list(measured.values())), ends)
                 steps = max(1, math.floor(seconds / measured[w] * (1 + 1e-9)))
             elif dylu:
                 steps = dylu_steps(list(measured.values()), self.H)[list(measured).index(w)]
