@@ -9,7 +9,9 @@ Methods (`METHODS`): sync DiLoCo; sync DiLoCo with DyLU (`--dylu`: H_w per round
 speeds, all sync together; `sync_dylu_time`: each round a deadline); the paper's baselines on
 Algorithm 2's framework with a fixed H (shard sampling and the grace period on): naive, poly,
 polythres, delay compensation, buffer, DN; DN + DyLU in the paper's form (H_w from measured
-speeds, `--dylu-by steps`); and DN + DyLU with jobs as deadlines (`--dylu-by time`).
+speeds, `--dylu-by steps`), also with a grace window sized from the measured spread of arrivals
+(`dn_dylu_measured`, `--grace-s measured`); and DN + DyLU with jobs as deadlines that end
+together (`--dylu-by time`, async's default).
 
 Each method's outer lr is the best of {0.1, 0.3, 0.5, 0.7, 1.0} on seed 100 (not among the
 reported seeds) at jitter 0.1 from scratch (`--sweep`), and is used at every jitter level and in
@@ -65,6 +67,8 @@ METHODS = {
     "buffer": ("async", AsyncConfig(rule="buffer"), FIXED_H),
     "dn": ("async", AsyncConfig(), FIXED_H),
     "dn_dylu": ("async", AsyncConfig(), DyluConfig(by="steps")),  # the paper's form: H_w from measured speeds
+    # the paper's form with a grace window spanning the measured spread of arrivals (--grace-s measured)
+    "dn_dylu_measured": ("async", AsyncConfig(grace_s="measured"), DyluConfig(by="steps")),
     "dn_dylu_time": ("async", AsyncConfig(), DyluConfig(by="time")),  # jobs as deadlines
 }
 JITTERS = (0.0, 0.1, 0.2)

@@ -389,19 +389,23 @@ def test_async_deadline_jobs_on_the_server_replay_bit_for_bit(tmp_path):
     """`--dylu-by time` on the server: after its probe each job is a deadline of H × the fastest
     measured seconds per step (6 × 20 ms here) reserving the steps expected to fit; the push says
     how many it took, the budget counts those, and `diloco replay` re-runs exactly them."""
-    run = ["--method", "async", "--workers", "2", "--inner-steps", "6", "--rounds", "3", "--dylu-by", "time"]
+    run = ["--method", "async", "--workers", "2", "--inner-steps", "6", "--rounds", "6", "--dylu-by", "time"]
     srv = serve(tmp_path, *run)
     at = address(tmp_path / "run")
-    results = finish(srv, worker(at, "--step-s", "0.02"), worker(at, "--step-s", "0.05"))
+    # the second worker turns 2.5x slower 0.3 s into its steps: its next jobs reserve steps at the
+    # speed measured before and it takes fewer (the push says how many; replay runs those)
+    slowing = worker(at, "--step-s", "0.02", "--slowdown", "2.5@0.3-inf")
+    results = finish(srv, worker(at, "--step-s", "0.02"), slowing)
     assert [rc for rc, _ in results] == [0, 0, 0], results
     log = events(tmp_path / "run")
     dispatched = {e["job"]: e for e in log if e["kind"] == "dispatch"}
     pushed = [e for e in log if e["kind"] == "push"]
     deadlines = [d for d in dispatched.values() if d["seconds"] is not None]
-    assert len(deadlines) >= 4 and all(0.1 < d["seconds"] < 0.2 for d in deadlines)
+    assert len(deadlines) >= 4 and all(0.06 <= d["seconds"] < 0.2 for d in deadlines)
     for p in pushed:
         d = dispatched[p["job"]]
         assert 1 <= p["steps"] <= (2 * d["steps"] if d["seconds"] is not None else d["steps"])
+    assert any(p["steps"] != dispatched[p["job"]]["steps"] for p in pushed)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["inner_steps"] == sum(p["steps"] for p in pushed) >= 36
+    assert summary["inner_steps"] == sum(p["steps"] for p in pushed) >= 72
     assert replay(tmp_path / "run")["bitwise_equal"]

@@ -118,7 +118,7 @@ def test_on_nonfinite_keep_checkpoints_and_timeout_have_defaults_and_take_values
         ({"sim": {"slowdowns": ["1:2@5-5"]}}, "START < END"),
         (
             {"async": {"grace_s": math.nan}, "method": "async"},
-            "async.grace_s (--grace-s) must be auto or a number",
+            "async.grace_s (--grace-s) must be auto, measured or a number",
         ),
     ],
 )

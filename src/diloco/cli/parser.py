@@ -183,10 +183,10 @@ def _worker(sub: Any) -> None:
     )
     worker.add_argument(
         "--slowdown",
-        type=float,
-        default=1.0,
-        metavar="F",
-        help="emulate a machine F times slower: every inner step is padded to F x its time (default 1)",
+        default="1",
+        metavar="F[@START-END]",
+        help="emulate a machine F times slower: every inner step is padded to F x its time (default "
+        "1); with @START-END only from START to END seconds after its first inner step (END: inf)",
     )
     worker.add_argument(
         "--step-s",

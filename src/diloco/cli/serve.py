@@ -16,6 +16,7 @@ from typing import Any
 
 from diloco.cli.configure import SERVE_RESUME_OVERRIDES, finished, given_settings, resumed_run, with_flags
 from diloco.config import TrainConfig, load_toml
+from diloco.config.parsers import parse_worker_slowdown
 from diloco.errors import UserError
 
 
@@ -134,10 +135,17 @@ def worker_command(args: argparse.Namespace) -> int:
     from diloco.run.worker import run_worker
     from diloco.runtime.server import security
 
-    if args.threads < 1 or not args.slowdown >= 1.0 or not args.retry_s >= 0 or not 0 <= args.step_s < 3600:
+    try:
+        slowdown = parse_worker_slowdown(args.slowdown)
+    except ValueError:
         raise UserError(
-            f"diloco worker needs --threads >= 1, --slowdown >= 1, --retry-s >= 0 and --step-s in [0, 3600), "
-            f"got {args.threads}, {args.slowdown}, {args.retry_s} and {args.step_s}."
+            f"--slowdown must be F or F@START-END (F >= 1, 0 <= START < END seconds, END may be inf), "
+            f"got {args.slowdown!r}; e.g. --slowdown 2 or --slowdown 3@60-inf."
+        ) from None
+    if args.threads < 1 or not args.retry_s >= 0 or not 0 <= args.step_s < 3600:
+        raise UserError(
+            f"diloco worker needs --threads >= 1, --retry-s >= 0 and --step-s in [0, 3600), "
+            f"got {args.threads}, {args.retry_s} and {args.step_s}."
         )
     for path in (args.token_file, args.tls_ca):
         if path is not None and not path.is_file():
@@ -146,7 +154,7 @@ def worker_command(args: argparse.Namespace) -> int:
         args.server,
         device=args.device,
         threads=args.threads,
-        slowdown=args.slowdown,
+        slowdown=slowdown,
         step_s=args.step_s,
         retry_s=args.retry_s,
         token=security.given_token(args.token_file),

@@ -52,6 +52,17 @@ def parse_slowdown(text: str) -> Slowdown:
     return Slowdown(int(worker), float(factor), float(start), float(end))
 
 
+def parse_worker_slowdown(text: str) -> tuple[float, float, float]:
+    """`diloco worker --slowdown`: 'F' (always) or 'F@START-END' (from START to END seconds after
+    the worker's first inner step; END may be inf) -> (F, START, END). ValueError if malformed."""
+    factor, _, span = text.partition("@")
+    start, end = span.split("-") if span else ("0", "inf")
+    f, s, e = float(factor), float(start), float(end)
+    if not (math.isfinite(f) and f >= 1 and math.isfinite(s) and 0 <= s < e):
+        raise ValueError(text)
+    return f, s, e
+
+
 def parse_spec(spec: str) -> tuple[str, int | str | None]:
     """--tokenizer: 'byte' -> ('byte', None); 'bpe:N' -> ('bpe', N); anything else -> ('file', spec)."""
     if spec == "byte":

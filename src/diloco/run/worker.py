@@ -12,6 +12,7 @@ server's event log records it.
 
     diloco worker --server localhost:7000 --threads 1
     diloco worker --server 10.0.0.5:7000 --device cuda --slowdown 2   # an emulated slower worker
+    diloco worker --server 10.0.0.5:7000 --slowdown 3@60-inf          # ... 3x slower after a minute
     diloco worker --server 10.0.0.5:7000 --step-s 0.05                # an emulated 50 ms/step device
 """
 
@@ -57,6 +58,20 @@ def _get_job(link: Link, ref: pb.WorkerRef) -> tuple[pb.JobChunk, bytes]:
     return head, blob
 
 
+def _emulated(step_s: float, factor: float, start: float, end: float):
+    """An emulated device's time for a step that took t seconds: at least `step_s`, times
+    `factor` from `start` to `end` seconds after its first inner step (runtime.clock.slowed)."""
+    first: list[float] = []  # when its first step ended
+
+    def emulated_s(t: float) -> float:
+        if not first:
+            first.append(time.monotonic())
+        since = time.monotonic() - first[0]
+        return max(t, step_s) * (factor if start <= since < end else 1.0)
+
+    return emulated_s
+
+
 def _stoppable(worker: Worker, over: threading.Event) -> None:
     """Make the worker's inner steps raise RunOver once `over` is set."""
     step = worker.train_step
@@ -86,7 +101,7 @@ def run_worker(
     *,
     device: str = "cpu",
     threads: int = 1,
-    slowdown: float = 1.0,
+    slowdown: tuple[float, float, float] = (1.0, 0.0, math.inf),
     step_s: float = 0.0,
     retry_s: float = 60.0,
     token: str | None = None,
@@ -138,8 +153,10 @@ def run_worker(
                 if dev.type != "cpu":
                     worker.model.to(dev)  # before the optimizer's first step, so its state follows
                     worker.batches = ToDevice(worker.batches, dev)
-                if slowdown != 1.0 or step_s:  # an emulated device; the pause ends early when the run is over
-                    slowed(worker, lambda t: max(t, step_s) * slowdown, beat.over.wait)
+                if (
+                    slowdown[0] != 1.0 or step_s
+                ):  # an emulated device; the pause ends early when the run is over
+                    slowed(worker, _emulated(step_s, *slowdown), beat.over.wait)
                 _stoppable(worker, beat.over)
                 log(f"joined {server} as worker {reg.worker}")
                 try:
@@ -225,7 +242,7 @@ def _jobs(
             run_id=ref.run_id,
             token=ref.token,
             job=head.job,
-            steps=head.steps,
+            steps=result.steps,  # a deadline job's: those it took (the server checks and counts them)
             mean_loss=result.mean_loss,
             last_lr=result.last_lr,
             finite=result.finite,

@@ -112,6 +112,7 @@ class Handlers(rpc.ParameterServerServicer):
             lr_stride=job.lr_stride,
             position=job.position,
             version=job.version,
+            seconds=job.seconds or 0.0,  # a deadline job's length (0: a job of `steps` steps)
             total_bytes=len(blob),
         )
         for at in range(0, len(blob), CHUNK_BYTES):
