@@ -9,6 +9,7 @@ from conftest import check_summary
 from safetensors.torch import load_file
 
 from diloco.config import AsyncConfig, DyluConfig, SimConfig
+from diloco.core.async_rules import DelayedNesterov
 from diloco.run.train import train
 from diloco.rundir.metrics import read_metrics
 
@@ -336,6 +337,35 @@ def test_with_jitter_deadline_jobs_keep_every_grace_group_whole(tiny, tmp_path):
     whole = [0, 1, 2, 3] * (len(stale["time"]) // 4)
     assert len(stale["time"]) >= 12 and stale["time"][: len(whole)] == whole
     assert stale["steps"][: len(whole)] != [0, 1, 2, 3] * (len(whole) // 4)
+
+
+@pytest.mark.timeout(120)
+def test_with_deadline_jobs_dn_steps_its_momentum_at_each_groups_end(tiny, tmp_path, monkeypatch):
+    # The jitter profile again: every group holds all 4 workers, so DN (N = 4) is told the 4th
+    # arrival of each is its group's last, and steps its momentum there (nothing left in Δ).
+    seen = []
+    apply = DelayedNesterov.apply
+
+    def recording(self, params, grad, **kw):
+        changed = apply(self, params, grad, **kw)
+        seen.append((kw["staleness"], kw["group_end"], self.at_group_end, self.count))
+        return changed
+
+    monkeypatch.setattr(DelayedNesterov, "apply", recording)
+    cfg = tiny(
+        method="async",
+        num_workers=4,
+        inner_steps=20,
+        rounds=4,
+        sim=SimConfig(speeds=SPEEDS, speed_jitter=0.1, procs=1),
+        eval_every=0,
+    )
+    train(cfg, progress=False)
+    whole = len(seen) // 4 * 4
+    assert whole >= 12 and all(grouped for *_, grouped, _ in seen)
+    assert [(s, end, n) for s, end, _, n in seen[:whole]] == [
+        (s, s == 3, 0 if s == 3 else s + 1) for s in [0, 1, 2, 3] * (whole // 4)
+    ]
 
 
 @pytest.mark.timeout(120)

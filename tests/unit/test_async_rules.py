@@ -51,6 +51,26 @@ def test_dn_non_momentum_arrivals_are_plain_sgd_steps_and_c_adds_momentum():
         DelayedNesterov(1.0, 0.9, size=4, c=0.5)
 
 
+def test_dn_at_group_end_steps_its_momentum_at_the_groups_last_arrival():
+    # N = 2, ε = 1, β = 0.5, c = 0. Arrivals g = 1 (alone), then a group of 2 and 3.
+    # The paper's rule steps at the 2nd arrival, inside the group: θ = −0.5, m = (1 + 2)/2 = 1.5,
+    # θ −= 0.5·1.5 + 1 → −2.25, then θ −= 3/2 → −3.75. At the group's end: θ = −0.5, −1.5, then
+    # m = (1 + 2 + 3)/3 = 2 (three arrivals in Δ) and θ −= 0.5·2 + 1.5 → −4.0.
+    arrivals = [(1.0, True), (2.0, False), (3.0, True)]
+    for at_group_end, want in ((False, -3.75), (True, -4.0)):
+        theta, dn = [torch.zeros(1)], DelayedNesterov(1.0, 0.5, size=2, at_group_end=at_group_end)
+        for g, end in arrivals:
+            dn.apply(theta, [torch.tensor([g])], worker=0, staleness=0, group_end=end)
+        torch.testing.assert_close(theta[0], torch.tensor([want]))
+    # every arrival on its own (no grace period): the paper's rule, bit for bit
+    a, b = _t(0), _t(0)
+    paper, grouped = DelayedNesterov(0.7, 0.9, size=3), DelayedNesterov(0.7, 0.9, size=3, at_group_end=True)
+    for i in range(8):
+        paper.apply(a, _t(i + 1), worker=i % 3, staleness=1)
+        grouped.apply(b, _t(i + 1), worker=i % 3, staleness=1, group_end=True)
+    assert torch.equal(a[0], b[0])
+
+
 def test_buffer_with_n_equal_k_is_the_sync_update():
     theta, ref = _t(0), _t(0)
     rule, sync = Buffer(0.7, 0.9, size=3), Nesterov(0.7, 0.9)
@@ -82,18 +102,21 @@ def test_delay_compensation_term():
     torch.testing.assert_close(theta[0], torch.tensor([1.0 - 4.0, 2.0 - 2.0]))
 
 
-@pytest.mark.parametrize("name", ["dn", "naive", "buffer", "poly", "polythres", "delaycomp"])
+@pytest.mark.parametrize("name", ["dn", "naive", "buffer", "poly", "polythres", "delaycomp", "dn-grouped"])
 def test_every_rule_state_round_trips(name):
-    a = build_async_rule(name, lr=0.7, momentum=0.9, num_workers=3)
-    b = build_async_rule(name, lr=0.7, momentum=0.9, num_workers=3)
+    grouped = name == "dn-grouped"
+    make = lambda: build_async_rule(  # noqa: E731
+        name.removesuffix("-grouped"), lr=0.7, momentum=0.9, num_workers=3, at_group_end=grouped
+    )
+    a, b = make(), make()
     pa, pb = _t(0), _t(0)
-    for i in range(4):
-        a.apply(pa, _t(i + 1), worker=i % 3, staleness=i, pulled=_t(0))
+    for i in range(3):  # groups of 2: grouped DN holds 3 arrivals in Δ when the state is saved
+        a.apply(pa, _t(i + 1), worker=i % 3, staleness=i, pulled=_t(0), group_end=i % 2 == 1)
     b.load_state_dict(a.state_dict())
     pb = [p.clone() for p in pa]
-    for i in range(4, 7):
-        a.apply(pa, _t(i + 1), worker=i % 3, staleness=1, pulled=_t(0))
-        b.apply(pb, _t(i + 1), worker=i % 3, staleness=1, pulled=_t(0))
+    for i in range(3, 7):
+        a.apply(pa, _t(i + 1), worker=i % 3, staleness=1, pulled=_t(0), group_end=i % 2 == 1)
+        b.apply(pb, _t(i + 1), worker=i % 3, staleness=1, pulled=_t(0), group_end=i % 2 == 1)
     assert torch.equal(pa[0], pb[0])
 
 

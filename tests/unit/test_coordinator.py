@@ -177,6 +177,24 @@ def test_deadline_jobs_handed_out_apart_end_together(tiny):
 
 
 @pytest.mark.timeout(60)
+def test_an_apply_event_says_whether_it_ends_its_grace_group(tiny):
+    """DN of a run with deadline jobs steps its momentum at a group's end: the apply event carries
+    it (the server knows its groups), so replaying the log steps at the same arrivals."""
+    coord = make(tiny, method="async", k=2, shard_sampling=False)
+    coord.side.update = build_async_rule("dn", lr=0.7, momentum=0.9, num_workers=2, at_group_end=True)
+    log = Log(coord)
+    for w in (0, 1):
+        log({"kind": "join", "worker": w, "name": f"w{w}", "device": "cpu"})
+        log(coord.plan_dispatch(w, log.t + 1))
+    for w in (0, 1):
+        push(log, w, w, outer_grad(coord, 0.01 * (w + 1)), steps=1)
+    log({"kind": "apply", "job": 0, "group_end": False})
+    assert coord.side.update.count == 1
+    log({"kind": "apply", "job": 1, "group_end": True})  # 2 = N arrivals, the group's last: the step
+    assert coord.side.update.count == 0 and coord.side.version == 2
+
+
+@pytest.mark.timeout(60)
 def test_state_after_a_checkpoint_and_the_rest_of_the_log_is_the_same(tiny):
     """Crash recovery in its pure form: checkpoint mid-run, load it into a new coordinator, apply
     the remaining events: the same θ, bit for bit, as applying them all to one."""

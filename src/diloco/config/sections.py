@@ -273,9 +273,10 @@ class AsyncConfig:
         if self.grace_s == math.inf:  # kept as text, so config.json (JSON has no infinity) holds it
             object.__setattr__(self, "grace_s", "inf")
 
-    def build(self, outer: OuterConfig, num_workers: int) -> AsyncRule:
+    def build(self, outer: OuterConfig, num_workers: int, *, at_group_end: bool = False) -> AsyncRule:
         """The async rule these settings describe (core.async_rules), with the outer lr and
-        momentum of `outer`; N of dn and buffer is `num_workers` unless `buffer` says."""
+        momentum of `outer`; N of dn and buffer is `num_workers` unless `buffer` says;
+        `at_group_end`: DN's momentum step at a grace group's end (with jobs as deadlines)."""
         return build_async_rule(
             self.rule,
             lr=outer.lr,
@@ -285,6 +286,7 @@ class AsyncConfig:
             c=self.dn_c,
             poly_threshold=self.poly_threshold,
             delaycomp_lambda=self.delaycomp_lambda,
+            at_group_end=at_group_end,
         )
 
 

@@ -30,8 +30,16 @@ class AsyncRule:
     """Applies one arriving outer_grad to the server's parameters."""
 
     def apply(
-        self, params: Tensors, grad: Tensors, *, worker: int, staleness: int, pulled: Tensors | None = None
+        self,
+        params: Tensors,
+        grad: Tensors,
+        *,
+        worker: int,
+        staleness: int,
+        pulled: Tensors | None = None,
+        group_end: bool = True,
     ) -> bool:
+        """Apply `grad`; `group_end`: whether it is the last of a grace group (or stands alone)."""
         raise NotImplementedError
 
     def flush(self, params: Tensors) -> bool:
@@ -54,7 +62,7 @@ class _NesterovRule(AsyncRule):
     def transform(self, grad: Tensors, staleness: int, params: Tensors, pulled: Tensors | None):
         return grad
 
-    def apply(self, params, grad, *, worker, staleness, pulled=None) -> bool:
+    def apply(self, params, grad, *, worker, staleness, pulled=None, group_end=True) -> bool:
         grad = self.transform(grad, staleness, params, pulled)
         if grad is None:
             return False
@@ -104,7 +112,7 @@ class Buffer(AsyncRule):
         self.size = size
         self.pending: list[tuple[int, Tensors]] = []
 
-    def apply(self, params, grad, *, worker, staleness, pulled=None) -> bool:
+    def apply(self, params, grad, *, worker, staleness, pulled=None, group_end=True) -> bool:
         self.pending.append((worker, [g.clone() for g in grad]))
         if len(self.pending) < self.size:
             return False
@@ -129,34 +137,45 @@ class Buffer(AsyncRule):
 
 
 class DelayedNesterov(AsyncRule):
-    """Algorithm 3 (DN), buffer size N, c ∈ [0, 1/N]; state t, m, Δ start at 0.
+    """Algorithm 3 (DN), buffer size N, c ∈ [0, 1/N]; state t, m, Δ start at 0; n counts the
+    arrivals in Δ.
 
-    Δ ← Δ + g
-    if (t + 1) mod N == 0:  m ← βm + Δ/N;  θ ← θ − ε[(1 − cN + c) β m + g/N];  Δ ← 0
+    Δ ← Δ + g;  n ← n + 1
+    if (t + 1) mod N == 0:  m ← βm + Δ/n;  θ ← θ − ε[(1 − cN + c) β m + g/N];  Δ ← 0, n ← 0
     else:                   θ ← θ − ε[c β m + g/N]
     t ← t + 1
+
+    (n = N at every momentum step, so this is the paper's Δ/N.) With `at_group_end` (async's
+    jobs as deadlines, docs/async.md) the momentum step comes instead at the last arrival of a
+    grace group once n ≥ N: whole groups of N = k are then sync DiLoCo's Nesterov rounds however
+    the arrivals before them fell (probes landing apart would otherwise put the step inside
+    every later group); arrivals that each stand alone (no grace period) give the paper's rule.
     """
 
-    def __init__(self, lr: float, momentum: float, *, size: int, c: float = 0.0):
+    def __init__(self, lr: float, momentum: float, *, size: int, c: float = 0.0, at_group_end: bool = False):
         if size < 1 or not 0 <= c <= 1 / size:
             raise ValueError(f"dn needs buffer size >= 1 and 0 <= c <= 1/N, got N={size}, c={c}")
         self.lr, self.momentum, self.size, self.c = lr, momentum, size, c
-        self.t = 0
+        self.at_group_end = at_group_end
+        self.t = self.count = 0
         self.m: Tensors | None = None
         self.delta: Tensors | None = None
 
     @torch.no_grad()
-    def apply(self, params, grad, *, worker, staleness, pulled=None) -> bool:
+    def apply(self, params, grad, *, worker, staleness, pulled=None, group_end=True) -> bool:
         if self.m is None:
             self.m = [torch.zeros_like(g) for g in grad]
             self.delta = [torch.zeros_like(g) for g in grad]
         lr, beta, n, c = self.lr, self.momentum, self.size, self.c
         for d, g in zip(self.delta, grad, strict=True):
             d.add_(g)
-        if (self.t + 1) % n == 0:
+        self.count += 1
+        step_now = (group_end and self.count >= n) if self.at_group_end else (self.t + 1) % n == 0
+        if step_now:
             for m, d in zip(self.m, self.delta, strict=True):
-                m.mul_(beta).add_(d, alpha=1.0 / n)
+                m.mul_(beta).add_(d, alpha=1.0 / self.count)
                 d.zero_()
+            self.count = 0
             coef = (1 - c * n + c) * beta
         else:
             coef = c * beta
@@ -169,13 +188,14 @@ class DelayedNesterov(AsyncRule):
         return True
 
     def state_dict(self) -> dict:
-        state = {"t": self.t}
+        state = {"t": self.t, "count": self.count}
         if self.m is not None:
             state.update(m=self.m, delta=self.delta)
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.t = int(state["t"])
+        self.count = int(state.get("count", self.t % self.size))  # older checkpoints: the paper's rule
         self.m = [t.clone() for t in state["m"]] if "m" in state else None
         self.delta = [t.clone() for t in state["delta"]] if "delta" in state else None
 
@@ -190,11 +210,13 @@ def build_async_rule(
     c: float = 0.0,
     poly_threshold: int = 10,
     delaycomp_lambda: float = 0.5,
+    at_group_end: bool = False,
 ) -> AsyncRule:
-    """The rule `name`; `buffer` 0 means N = k (the natural default)."""
+    """The rule `name`; `buffer` 0 means N = k (the natural default); `at_group_end`: DN's
+    momentum step at the end of a grace group (DelayedNesterov)."""
     size = buffer or num_workers
     if name == "dn":
-        return DelayedNesterov(lr, momentum, size=size, c=c)
+        return DelayedNesterov(lr, momentum, size=size, c=c, at_group_end=at_group_end)
     if name == "naive":
         return Naive(lr, momentum)
     if name == "buffer":

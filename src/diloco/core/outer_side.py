@@ -308,8 +308,10 @@ class OuterSide:
         staleness: int,
         finite: bool = True,
         pulled: list[torch.Tensor] | None = None,
+        group_end: bool = True,
     ) -> bool:
-        """Apply worker w's outer_grad at once with the async rule; returns whether θ changed."""
+        """Apply worker w's outer_grad at once with the async rule; returns whether θ changed.
+        `group_end`: it is the last of its grace group (or stands alone)."""
         self.bytes_sent[w] += message.nbytes
         self.total_steps += steps
         self.worker_steps[w] += steps
@@ -323,7 +325,12 @@ class OuterSide:
             self.nonfinite_dropped += 1
             return False
         changed = self.update.apply(
-            self.params, self.codec.decode(message), worker=w, staleness=staleness, pulled=pulled
+            self.params,
+            self.codec.decode(message),
+            worker=w,
+            staleness=staleness,
+            pulled=pulled,
+            group_end=group_end,
         )
         self.version += int(changed)
         return changed

@@ -224,7 +224,9 @@ def outer_opt(cfg: TrainConfig) -> OuterOpt:
 
 
 def _async_rule(cfg: TrainConfig) -> AsyncRule:
-    return cfg.async_.build(cfg.outer, cfg.num_workers)
+    """With jobs as deadlines (async's default) DN steps its momentum at grace groups' ends."""
+    deadlines = cfg.dylu.on(cfg.method) and cfg.dylu.by_for(cfg.method) == "time"
+    return cfg.async_.build(cfg.outer, cfg.num_workers, at_group_end=deadlines)
 
 
 def upload_codec(cfg: TrainConfig) -> Codec:

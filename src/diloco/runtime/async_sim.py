@@ -229,14 +229,13 @@ class AsyncDiLoCo(SideView):
         }
         heapq.heappush(self._heap, (arrival, w, w))
 
-    def _arrive(self, w: int, t: float) -> Arrival:
+    def _arrive(self, w: int, t: float, group_end: bool) -> Arrival:
         job = self._inflight.pop(w)
         result = self._ready.pop(w) if w in self._ready else self.pool.result(w)
         message = result.message
         staleness = self.version - job["version"]
-        changed = self.side.apply_async(
-            w, message, steps=job["steps"], staleness=staleness, finite=result.finite, pulled=job["pulled"]
-        )
+        flags = {"finite": result.finite, "pulled": job["pulled"], "group_end": group_end}
+        changed = self.side.apply_async(w, message, steps=job["steps"], staleness=staleness, **flags)
         self.applied += job["steps"]
         self._sim_time_s = t
         estimate = self.estimators[w].update(job["compute_s"], job["steps"])
@@ -293,7 +292,8 @@ class AsyncDiLoCo(SideView):
             self._restart = close
             self._pending = [w for _, w in self._group]
         ta, wa = self._group[len(self._group) - len(self._pending)]
-        arrival = self._arrive(self._pending.pop(0), ta)
+        w = self._pending.pop(0)
+        arrival = self._arrive(w, ta, group_end=not self._pending)
         if not self._pending:
             for _, w in self._group:
                 self._dispatch(w, self._restart)

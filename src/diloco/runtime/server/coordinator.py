@@ -18,7 +18,8 @@ Every change of the server's state is an event (a small dict, `kind` plus fields
                                                 (handlers.py); θ is untouched; with `abandon` the
                                                 job, the pusher's own, is given back as on a leave
     close    {round}                            sync: the outer step on what arrived
-    apply    {job}                              async: one arrived outer_grad applied by the rule
+    apply    {job, group_end}                   async: one arrived outer_grad applied by the rule
+                                                (group_end: the last of its grace group)
     late     {job, worker, steps}               a worker pushed a job already abandoned (replay
                                                 computes it: the worker did, `ran_steps` of it)
     flush    {}                                 async: the end; a rule's held-back updates applied
@@ -326,9 +327,8 @@ class Coordinator:
         push, message, job = self.arrived.pop(i)
         staleness = self.side.version - job.version
         pulled = job.pulled if isinstance(self.side.update, DelayComp) else None
-        changed = self.side.apply_async(
-            job.worker, message, steps=job.steps, staleness=staleness, finite=push["finite"], pulled=pulled
-        )
+        flags = {"finite": push["finite"], "pulled": pulled, "group_end": e.get("group_end", True)}
+        changed = self.side.apply_async(job.worker, message, steps=job.steps, staleness=staleness, **flags)
         self.applied += job.steps
         self.totals[job.worker]["staleness"] += staleness
         self.totals[job.worker]["last_staleness"] = staleness

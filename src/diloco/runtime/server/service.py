@@ -114,7 +114,8 @@ class ServerRuntime(SideView):
         with self.cond:
             while True:
                 if self._group:
-                    return st.record({"kind": "apply", "job": self._group.pop(0)})
+                    job = self._group.pop(0)  # group_end: the last of its grace group (DN's momentum step)
+                    return st.record({"kind": "apply", "job": job, "group_end": not self._group})
                 if c.finished:
                     return None
                 st.reap()
