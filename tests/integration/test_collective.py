@@ -66,7 +66,7 @@ def _max_rel(a, b):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: the suite's 10 minutes
 def test_collective_equals_the_simulator(tiny, tmp_path, nproc):
     proc = _torchrun(tmp_path, nproc, "--out", str(tmp_path / "c"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -156,7 +156,7 @@ def test_collective_outside_torchrun_and_wrong_worker_count_are_clear_errors(tmp
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("after_drop", ["own", "global"])
+@pytest.mark.parametrize("after_drop", [pytest.param("own", marks=pytest.mark.slow), "global"])
 def test_drop_prob_and_workers_schedule_match_the_simulator(tiny, tmp_path, after_drop):
     faults = ["--drop-prob", "0.5", "--workers-schedule", "0:1,0.5:2", "--after-drop", after_drop]
     proc = _torchrun(tmp_path, 2, *faults, "--out", str(tmp_path / "c"))
@@ -230,7 +230,9 @@ def test_messages_that_cannot_be_summed_are_gathered_and_reduced_like_the_simula
 
 CODED = [
     ["--codec", "bf16"],
-    ["--codec", "int8", "--error-feedback", "--download-codec", "bf16"],
+    pytest.param(  # slow: the suite's 10 minutes (fp4 + error feedback and the server's download codec stay)
+        ["--codec", "int8", "--error-feedback", "--download-codec", "bf16"], marks=pytest.mark.slow
+    ),
     ["--codec", "topk", "--topk-fraction", "0.1", "--error-feedback"],
     ["--fragments", "2", "--overlap-steps", "1", "--codec", "fp4", "--error-feedback"],
     ["--fragments", "2", "--overlap-steps", "1", "--mix-alpha", "0.3", "--codec", "bf16"],
@@ -322,6 +324,7 @@ def test_user_data_bpe_and_a_hugging_face_model_equal_the_simulator(tmp_path, mo
     assert (tmp_path / "c" / "tokenizer.json").read_text() == (tmp_path / "s" / "tokenizer.json").read_text()
 
 
+@pytest.mark.slow  # the suite's 10 minutes; tests/unit/test_shard_plan.py covers the plan itself
 @pytest.mark.timeout(90)
 def test_every_rank_trains_on_rank_0s_shard_plan(tiny, tmp_path):
     """Rank 1 on "another machine", whose own k-means would come out otherwise (tests/

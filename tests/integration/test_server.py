@@ -366,6 +366,7 @@ def test_user_data_bpe_and_a_hugging_face_model_through_the_server_equal_the_sim
     assert replay(tmp_path / "run")["bitwise_equal"]
 
 
+@pytest.mark.slow  # the suite's 10 minutes; tests/unit/test_shard_plan.py covers the plan itself
 @pytest.mark.timeout(180)
 def test_a_worker_whose_k_means_differs_trains_on_the_servers_shard_plan(tmp_path):
     """A worker on "another machine", whose own k-means would come out otherwise (tests/
