@@ -314,26 +314,22 @@ def test_a_deadline_job_handed_out_apart_ends_with_the_one_in_flight(tiny, tmp_p
     ]
 
 
+def _jitter_run(tiny, out, dylu: DyluConfig) -> list[int]:
+    """The benchmark's profile with each job ±10% (4 workers, H = 20, 4 rounds): the pushes'
+    staleness in the order they were applied."""
+    sim = SimConfig(speeds=SPEEDS, speed_jitter=0.1, procs=1)
+    cfg = tiny(method="async", num_workers=4, inner_steps=20, rounds=4, sim=sim, dylu=dylu, out=str(out))
+    train(dataclasses.replace(cfg, eval_every=0), progress=False)
+    return [m["staleness"] for m in read_metrics(out) if m["kind"] == "worker"]
+
+
 @pytest.mark.timeout(120)
 def test_with_jitter_deadline_jobs_keep_every_grace_group_whole(tiny, tmp_path):
     # The benchmark's profile with each job ±10%: jobs of H_w steps land up to a tenth of a job
     # apart and their groups split (a push then lands with staleness other than its place in a
     # whole group); deadline jobs land together, every group holds all 4 workers, and DN sees
     # each group as a synchronous round: staleness 0, 1, 2, 3 in every group.
-    stale = {}
-    for dylu_by in ("steps", "time"):
-        cfg = tiny(
-            method="async",
-            num_workers=4,
-            inner_steps=20,
-            rounds=4,
-            sim=SimConfig(speeds=SPEEDS, speed_jitter=0.1, procs=1),
-            dylu=DyluConfig(by=dylu_by),
-            out=str(tmp_path / dylu_by),
-            eval_every=0,
-        )
-        train(cfg, progress=False)
-        stale[dylu_by] = [m["staleness"] for m in read_metrics(tmp_path / dylu_by) if m["kind"] == "worker"]
+    stale = {by: _jitter_run(tiny, tmp_path / by, DyluConfig(by=by)) for by in ("steps", "time")}
     whole = [0, 1, 2, 3] * (len(stale["time"]) // 4)
     assert len(stale["time"]) >= 12 and stale["time"][: len(whole)] == whole
     assert stale["steps"][: len(whole)] != [0, 1, 2, 3] * (len(whole) // 4)
@@ -352,15 +348,7 @@ def test_with_deadline_jobs_dn_steps_its_momentum_at_each_groups_end(tiny, tmp_p
         return changed
 
     monkeypatch.setattr(DelayedNesterov, "apply", recording)
-    cfg = tiny(
-        method="async",
-        num_workers=4,
-        inner_steps=20,
-        rounds=4,
-        sim=SimConfig(speeds=SPEEDS, speed_jitter=0.1, procs=1),
-        eval_every=0,
-    )
-    train(cfg, progress=False)
+    _jitter_run(tiny, tmp_path / "run", DyluConfig())
     whole = len(seen) // 4 * 4
     assert whole >= 12 and all(grouped for *_, grouped, _ in seen)
     assert [(s, end, n) for s, end, _, n in seen[:whole]] == [
