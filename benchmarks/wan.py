@@ -6,13 +6,17 @@ about as long as H inner steps. Rows (`--configs`, comma-separated; collective r
 
 - `fp32` (plain DiLoCo), `fp4` (`--codec fp4 --error-feedback`), `streaming` (fp4 with error
   feedback, `--fragments P --overlap-steps TAU`): `diloco train --runtime collective`;
-  `utilisation_<row>` is summary.json's `compute_utilisation`, compute ÷ (compute +
-  communication) of the slowest rank, summed over rounds;
-- `server_fp32` (`--codec fp32`) and `server_fp4` (`--codec fp4 --error-feedback
-  --download-codec bf16`): `diloco serve --method diloco --workers 2` and two `diloco worker`s;
-  `utilisation_<row>` is the mean over workers of summary.json's `workers[i].compute_utilisation`
-  (compute ÷ time registered, which includes the first job's start-up and the server's final
-  evaluation); the row also has the bytes each worker sent and received, payload and wire.
+  `utilisation_<row>` is summary.json's `compute_utilisation`: the workers' mean compute ÷ the
+  round's wall time, summed over rounds (docs/server.md, "The summary": one definition for
+  every runtime);
+- `server_fp32` (`--codec fp32`), `server_fp4` (`--codec fp4 --error-feedback
+  --download-codec bf16`), and `server_streaming_fp32` / `server_streaming_fp4` (the same with
+  `--fragments P --overlap-steps TAU`: Streaming DiLoCo through the server, docs/server.md):
+  `diloco serve --method diloco --workers 2` and two `diloco worker`s;
+  `utilisation_<row>` is summary.json's `compute_utilisation`, measured as in the collective
+  rows (the sync server's rounds: the pushes' mean compute ÷ the round's wall time, from θ
+  handed out to the outer step; no start-up, no final evaluation); the row also has each
+  worker's own share and the bytes each worker sent and received, payload and wire.
 
 Each row reports its final validation loss (`final_loss_<row>`: `val_loss`, the whole split,
 evaluated once at the end: `--eval-every` R × H).
@@ -392,8 +396,27 @@ CONFIGS = {
     ],  # fmt: skip
 }
 SERVER_CONFIGS = {
-    "server_fp32": ["--codec", "fp32"],
-    "server_fp4": ["--codec", "fp4", "--error-feedback", "--download-codec", "bf16"],
+    "server_fp32": lambda P, tau: ["--codec", "fp32"],
+    "server_fp4": lambda P, tau: ["--codec", "fp4", "--error-feedback", "--download-codec", "bf16"],
+    "server_streaming_fp32": lambda P, tau: [
+        "--codec",
+        "fp32",
+        "--fragments",
+        str(P),
+        "--overlap-steps",
+        str(tau),
+    ],
+    "server_streaming_fp4": lambda P, tau: [
+        "--codec",
+        "fp4",
+        "--error-feedback",
+        "--download-codec",
+        "bf16",
+        "--fragments",
+        str(P),
+        "--overlap-steps",
+        str(tau),
+    ],  # fmt: skip
 }
 SERVER_WORKERS = 2
 # gRPC honours these: a proxy outside the namespaces is unreachable from them
@@ -516,11 +539,9 @@ def run_server_config(star: Star, flags: list[str], *, run_dir: Path, port: int,
         return failed
     s = json.loads((run_dir / "summary.json").read_text())
     ws = s["workers"]
-    each = [w["compute_utilisation"] for w in ws]
     return {
-        # compute ÷ time registered, per worker (docs/server.md), averaged
-        "compute_utilisation": round(sum(each) / len(each), 4) if None not in each else None,
-        "workers_compute_utilisation": each,
+        "compute_utilisation": s.get("compute_utilisation"),  # as the collective rows'
+        "workers_compute_utilisation": [w["compute_utilisation"] for w in ws],
         "val_loss": s["val_loss"],
         "compute_s": s.get("compute_s"),
         "comm_s": s.get("comm_s"),
@@ -633,7 +654,7 @@ def run_wan(
             ]
             log(f"star shaped {link_mbps:.2f} Mbit/s per link: measured {star_each_way} Mbit/s")
             for name in served:
-                flags = SERVER_CONFIGS[name]
+                flags = SERVER_CONFIGS[name](fragments, overlap_steps)
                 log(f"{name}: {rounds} rounds of H={inner_steps}, {' '.join(flags)}")
                 rows[name] = {"flags": flags, **serve(star, name, flags)}
     if step_s is None:  # --link-mbps: the fp32 run's own step time
@@ -667,6 +688,12 @@ def run_wan(
     for name, row in rows.items():
         result[f"utilisation_{name}"] = row.get("compute_utilisation")
         result[f"final_loss_{name}"] = row.get("val_loss")
+    for codec in ("fp32", "fp4"):  # sync streaming is deterministic: the link changes no number
+        name = f"server_streaming_{codec}"
+        if name in rows and rows[name].get("val_loss") is not None:
+            unshaped = _simulated(rows[name]["flags"], base, rounds, evals(rounds), root / f"{name}_sim")
+            result[f"final_loss_{name}_unshaped"] = unshaped
+            result[f"{name}_loss_gap"] = round(rows[name]["val_loss"] / unshaped - 1, 6)
     a, b = result.get("final_loss_streaming"), result.get("final_loss_fp32")
     result["streaming_loss_gap"] = round(a / b - 1, 5) if a is not None and b else None
     result["configs"] = rows
@@ -674,6 +701,16 @@ def run_wan(
         result["calibration"] = calibration
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
     return result
+
+
+def _simulated(flags: list[str], base: list[str], rounds: int, evals: list[str], out: Path) -> float:
+    """The final loss of the same server run in the simulator, no link at all (its reference)."""
+    cmd = [sys.executable, "-m", "diloco", "train", *base, "--workers", str(SERVER_WORKERS)]
+    cmd += ["--rounds", str(rounds), *evals, *flags, "--procs", "1", "--threads", "1", "--no-progress"]
+    subprocess.run(
+        [*cmd, "--out", str(out)], check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    return json.loads((out / "summary.json").read_text())["val_loss"]
 
 
 def main() -> None:

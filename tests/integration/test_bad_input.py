@@ -154,7 +154,7 @@ def test_a_toml_value_of_the_wrong_type_exits_2_naming_key_flag_and_type(
         (["--dn-buffer", "2"], "add --method async or drop it."),
         (["--dylu-alpha", "0.9", "--method", "dp"], "(this run has dp)"),
         (["--bucket-mb", "4"], "bucket_mb (--bucket-mb) applies only with --runtime collective"),
-        (["--procs-per-worker", "2"], "add --runtime collective or drop it."),
+        (["--procs-per-worker", "2"], "set --runtime collective or server or drop it."),
         (["--timeout-s", "10"], "timeout_s (--timeout-s) applies only with --runtime collective"),
         (
             ["--runtime", "collective", "--speeds", "1,2"],
@@ -286,7 +286,8 @@ def test_a_checkpoint_of_the_earlier_layout_is_refused_in_one_sentence(tiny, tmp
         (["serve", "--tls-cert", "cert.pem"], "--tls-cert and --tls-key go together"),
         (["serve", "--token-file", "missing.txt"], "missing.txt is not a file"),
         (["serve", "--max-staleness", "3"], "a sync round's outer_grads are never stale"),
-        (["serve", "--fragments", "2"], "runs on --runtime sim or collective only"),
+        (["serve", "--fragments", "2", "--max-update-norm-ratio", "4"], "compares whole outer_grads"),
+        (["serve", "--method", "async", "--fragments", "2"], "asynchronous workers have no common rounds"),
         (["serve", "--max-update-norm-ratio", "0.5"], "give a number above 1"),
         (["serve", "--method", "async", "--max-staleness", "-1"], "--max-staleness) must be"),
         (["worker", "--server", "localhost:1", "--tls-ca", "missing.pem"], "missing.pem is not a file"),

@@ -116,16 +116,24 @@ def test_measured_time_gives_the_compute_utilisation_and_a_target_is_reported():
     assert lines[-1] == "  target val_loss 2.2: reached at 3.0 s simulated (step 3)"
 
 
-def test_per_worker_rows_of_a_server_give_each_workers_mean_time():
-    rows = [{"compute_s": 6.0, "present_s": 8.0}, {"compute_s": 2.0, "present_s": 8.0}]
+def test_sync_rounds_give_the_utilisation_and_without_rounds_the_servers_rows_do():
+    """One definition in every real runtime: compute ÷ wall time of the training part. Sync rounds
+    measure it (torchrun and the server); the async server has no rounds, and its per-worker rows
+    give compute over training time (not the time registered, which has the start-up in it)."""
+    rows = [
+        {"compute_s": 6.0, "present_s": 20.0, "train_s": 8.0},
+        {"compute_s": 2.0, "present_s": 20.0, "train_s": 8.0},
+    ]
 
     class Served(DiLoCo):  # a runtime whose summary has per-worker rows, as the server's does
         def summary_extras(self):
             return {"workers": rows}
 
     cfg = TrainConfig(num_workers=K, inner_steps=H, rounds=ROUNDS)
-    s = summarize(cfg, _Finished(_trained(Served), timing=(99.0, 99.0)), 2.0, step=H * ROUNDS)
-    # compute (6 + 2) / 2 = 4 s a worker; present 16 / 2 = 8 s, so 4 s not computing; 50%
+    s = summarize(cfg, _Finished(_trained(Served), timing=(3.0, 1.0)), 2.0, step=H * ROUNDS)
+    assert (s["compute_s"], s["comm_s"], s["compute_utilisation"]) == (3.0, 1.0, 0.75)  # the rounds'
+    s = summarize(cfg, _Finished(_trained(Served), timing=(0.0, 0.0)), 2.0, step=H * ROUNDS)
+    # compute (6 + 2) / 2 = 4 s a worker; training 16 / 2 = 8 s, so 4 s not computing; 50%
     assert (s["compute_s"], s["comm_s"], s["compute_utilisation"]) == (4.0, 4.0, 0.5)
     assert s["workers"] == rows
 

@@ -36,6 +36,12 @@ from diloco.core.codec import DOWNLOAD_CODECS
 from diloco.core.outer_side import AFTER_DROP, ON_NONFINITE
 from diloco.settings import setting
 
+# why Streaming DiLoCo is sync DiLoCo only (in every runtime)
+STREAMING_NEEDS_ROUNDS = (
+    "each fragment is synced at its own step of a round that every worker runs together, and "
+    "asynchronous workers have no common rounds"
+)
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -115,6 +121,7 @@ class TrainConfig:
         flag="--fragments",
         group="communication",
         needs=ON_DILOCO,
+        because=STREAMING_NEEDS_ROUNDS,
         help="strided fragments of blocks, synced at staggered steps",
     )
     overlap_steps: int = setting(
@@ -122,6 +129,7 @@ class TrainConfig:
         flag="--overlap-steps",
         group="communication",
         needs=ON_DILOCO,
+        because=STREAMING_NEEDS_ROUNDS,
         help="inner steps a fragment's exchange runs under",
     )
     mix_alpha: float = setting(
@@ -144,8 +152,9 @@ class TrainConfig:
         1,
         flag="--procs-per-worker",
         group="collective",
-        needs=ON_COLLECTIVE,
-        help="ranks per worker, data parallel on its shard",
+        needs=("runtime", "in", ("collective", "server")),
+        help="ranks per worker, data parallel on its shard (a worker's batch is this × --batch-size; "
+        "diloco serve: a torchrun group of any size that divides it)",
     )
     bucket_mb: float = setting(
         25.0,

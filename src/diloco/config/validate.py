@@ -160,11 +160,11 @@ def _validate_communication(cfg: Any) -> None:
             "Streaming DiLoCo (--fragments, --overlap-steps) stops on a non-finite outer_grad: use "
             "--on-nonfinite stop."
         )
-    if cfg.runtime == "server":
+    if cfg.runtime == "server" and cfg.max_update_norm_ratio:
         raise UserError(
-            "the parameter server hands out whole jobs and takes whole outer_grads, so Streaming DiLoCo "
-            "(--fragments, --overlap-steps) runs on --runtime sim or collective only: drop them or change "
-            "the runtime."
+            "max_update_norm_ratio (--max-update-norm-ratio) compares whole outer_grads, and with "
+            "Streaming DiLoCo (--fragments, --overlap-steps) the server takes them fragment by fragment: "
+            "drop one of them."
         )
 
 

@@ -109,14 +109,28 @@ class Worker:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         lr = self.optimizer.param_groups[0]["lr"]
-        loss = self.loss_fn(self.model, next(self.batches))
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = self.backward(next(self.batches))
         if self.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         self.optimizer.step()
         self.step += 1
         return loss.item(), lr
+
+    def backward(self, batch: Any) -> torch.Tensor:
+        """The loss on `batch`, its gradient left in the parameters' .grad. (diloco replay
+        computes a group worker's as the group did, run/replay.py.)"""
+        loss = self.loss_fn(self.model, batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        return loss
+
+    @staticmethod
+    def may_step(done: int, spent_s: float, seconds: float | None) -> bool:
+        """Whether a job's next inner step starts, after `done` steps in `spent_s` seconds: always
+        for a job of steps; for a deadline of `seconds`, while another fits. The ranks of a group
+        worker replace it with their leader's answer, so that they all take the same steps
+        (run/group.py)."""
+        return seconds is None or another_step_fits(done, spent_s, seconds)
 
     @torch.no_grad()
     def load_params(self, params: list[torch.Tensor]) -> None:
@@ -154,7 +168,7 @@ class Worker:
         self.load_params(start)
         total_loss, lr, began, taken = 0.0, 0.0, time.perf_counter(), 0
         for j in range(steps):
-            if seconds is not None and not another_step_fits(j, time.perf_counter() - began, seconds):
+            if not self.may_step(j, time.perf_counter() - began, seconds):
                 break
             at = j if lr_stride == 1.0 else math.floor(j * lr_stride)
             loss, lr = self.train_step(None if lr_step is None else lr_step + at)
@@ -207,7 +221,8 @@ class Worker:
                 self.anchor[i] = g.detach().clone().cpu()
         total_loss, lr = 0.0, self.optimizer.param_groups[0]["lr"]
         with torch.enable_grad():
-            for _ in range(steps):
+            for j in range(steps):
+                self.may_step(j, 0.0, None)  # a job of steps: always (a group's leader may stop it)
                 loss, lr = self.train_step()
                 total_loss += loss
         if send is None:

@@ -120,10 +120,10 @@ class OuterSide:
         if not self.download.lossy:
             return self.params
         if self._downloaded is None or self._downloaded[0] != self.version:
-            self._downloaded = (self.version, self._through_download(self.params))
+            self._downloaded = (self.version, self.through_download(self.params))
         return self._downloaded[1]
 
-    def _through_download(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def through_download(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """`tensors` as a worker receives them through the download codec."""
         return self.download.decode(self.download.encode(tensors)) if self.download.lossy else tensors
 
@@ -259,9 +259,17 @@ class OuterSide:
         """Worker w's weighted share of fragment `group`'s sum (float32), as `contribution`."""
         return self._weighted(message, self.weights[w], group)
 
-    def reduce_fragment(self, messages: Sequence[Encoded], group: list[int]) -> list[torch.Tensor]:
-        """Σ_w w_i × decode(message_w) over every worker, in worker order (as `reduce`)."""
-        parts = [self.fragment_contribution(w, m, group) for w, m in enumerate(messages)]
+    def reduce_fragment(
+        self, messages: Sequence[Encoded | None], group: list[int]
+    ) -> list[torch.Tensor] | None:
+        """Σ_w w_i × decode(message_w) in worker order (as `reduce`). A None message did not come
+        (the parameter server closed the fragment without a late worker's): the weights of those
+        that came are rescaled to sum to 1; None if none came."""
+        kept = [m is not None for m in messages]
+        if not any(kept):
+            return None
+        weights = iter(kept_weights(self.weights, kept))
+        parts = [self._weighted(m, next(weights), group) for m in messages if m is not None]
         return _sum_in_order(parts, [self.params[i] for i in group])
 
     def sent_fragment(self, w: int, nbytes: int, finite: bool) -> None:
@@ -279,24 +287,28 @@ class OuterSide:
                 "again with a lower --inner-lr."
             )
 
-    def end_fragment(self, p: int, group: list[int], summed: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Fragment p's outer step on the summed contributions; returns the fragment as workers
-        download it (through the download codec), counting each worker's download."""
+    def end_fragment(self, p: int, group: list[int], summed: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Fragment p's outer step on the summed contributions (None: none came, no step); returns
+        the fragment as workers download it (through the download codec), counting each worker's
+        download."""
         fragment = [self.params[i] for i in group]
-        self.update.step_part(p, fragment, summed)
-        fragment = self._through_download(fragment)
+        if summed is not None:
+            self.update.step_part(p, fragment, summed)
+        fragment = self.through_download(fragment)
         nbytes = self.download.message_bytes(fragment)
         for w in range(self.num_workers):
             self.bytes_received[w] += nbytes
         return [t.detach().clone() for t in fragment]
 
-    def end_streaming_round(self, inner_steps: int) -> None:
-        """Every fragment of the round was merged: one more version and round."""
+    def end_streaming_round(self, inner_steps: int, workers: Sequence[int] | None = None) -> None:
+        """Every fragment of the round was merged: one more version and round; `workers` (default
+        all) ran its `inner_steps`."""
         self.version += 1
         self.rounds_done += 1
         self.inner_step += inner_steps
-        self.total_steps += self.num_workers * inner_steps
-        self.worker_steps = [n + inner_steps for n in self.worker_steps]
+        for w in range(self.num_workers) if workers is None else workers:
+            self.total_steps += inner_steps
+            self.worker_steps[w] += inner_steps
 
     # -- asynchronous --------------------------------------------------------------------------
     def apply_async(

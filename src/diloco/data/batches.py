@@ -91,6 +91,9 @@ class RankSlice:
         lo, hi = self.local * self.per_rank, (self.local + 1) * self.per_rank
         return tuple(t[lo:hi] for t in next(self.batches))
 
+    def seek(self, shard: int, step: int) -> None:  # a server's group worker is told where to read
+        self.batches.seek(shard, step)
+
     def state_dict(self) -> dict:
         return self.batches.state_dict()
 

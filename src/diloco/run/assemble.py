@@ -44,7 +44,7 @@ def small_shards(cfg: TrainConfig, data: Data) -> str | None:
     """A warning when shards hold fewer tokens than their worker reads in one round (H steps of
     batch_size × seq_len): those workers see the same text over and over, and their outer_grads
     get small weights (|D_i| / Σ|D_j|). None when every shard is large enough."""
-    ranks = cfg.procs_per_worker if cfg.runtime == "collective" else 1
+    ranks = cfg.procs_per_worker  # 1 but for collective and server runs
     per_round = cfg.inner_steps * cfg.data.batch_size * cfg.model.seq_len * ranks
     small = [(i, len(s), w) for i, (s, w) in enumerate(zip(data.shards, data.weights, strict=True))]
     small = [x for x in small if x[1] < per_round]

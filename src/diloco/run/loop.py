@@ -139,7 +139,7 @@ def run_sync(run: Run, *, start_round: int, stop_after: int | None, run_dir: Pat
     H = cfg.inner_steps
     every = cfg.eval_every or H
     # a worker of M ranks (collective runtime) processes M batches a step
-    ranks_per_worker = cfg.procs_per_worker if cfg.runtime == "collective" else 1
+    ranks_per_worker = cfg.procs_per_worker  # 1 but for collective and server runs
     tokens_per_step = cfg.data.batch_size * cfg.model.seq_len * ranks_per_worker
     schedule = parse_workers_schedule(cfg.workers_schedule, cfg.num_workers) if cfg.workers_schedule else None
     bar = _progress(cfg, cfg.rounds, start_round, "round", progress)

@@ -18,6 +18,7 @@ server's event log records it.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -34,12 +35,13 @@ from diloco.config import from_dict
 from diloco.core.codec import Encoded
 from diloco.core.dylu import DEADLINE_CAP
 from diloco.core.inner import Worker
-from diloco.data.batches import ToDevice
 from diloco.data.recipe import prepare_data
 from diloco.data.shard_plan import ShardPlan
 from diloco.errors import Interrupted, UserError
 from diloco.run.assemble import build_worker, download_codec
+from diloco.run.group import Group
 from diloco.run.link import Heartbeat, Link, Refused, RunOver, log
+from diloco.run.streaming_job import streaming_job
 from diloco.run.threads import set_threads
 from diloco.runtime.clock import slowed
 from diloco.runtime.server import diloco_pb2 as pb
@@ -72,18 +74,6 @@ def _emulated(step_s: float, factor: float, start: float, end: float):
     return emulated_s
 
 
-def _stoppable(worker: Worker, over: threading.Event) -> None:
-    """Make the worker's inner steps raise RunOver once `over` is set."""
-    step = worker.train_step
-
-    def train_step(lr_step: int | None = None):
-        if over.is_set():
-            raise RunOver
-        return step(lr_step)
-
-    worker.train_step = train_step
-
-
 def _device(name: str) -> torch.device:
     try:
         device = torch.device(name)
@@ -109,70 +99,78 @@ def run_worker(
     acks: Path | None = None,
 ) -> int:
     """Work for the server at `server` (HOST:PORT) until its run is done; returns the exit code.
-    `acks`: a file that gets one JSON line per acknowledged push (job, seconds; load tests)."""
+    Under torchrun the launch's ranks are one worker (run/group.py); its leader talks to the
+    server. `acks`: a file that gets one JSON line per acknowledged push (job, seconds; tests)."""
     set_threads(threads)
-    dev = _device(device)
-    link = Link(server, retry_s, token, tls_ca)
+    group = Group.from_env(retry_s)
+    dev = _device(group.device(device))
+    link = Link(server, retry_s, token, tls_ca) if group.leader else None
     name = f"{socket.gethostname()}:{os.getpid()}"
     built: dict[str, tuple] = {}  # the run's settings and shard plan -> (config, data), kept across rejoins
     acked: set[int] = set()  # jobs whose push the server acknowledged
     try:
         while True:
             request = pb.RegisterRequest(
-                name=name, device=str(dev), protocol=PROTOCOL, nonce=uuid.uuid4().hex
+                name=name, device=str(dev), protocol=PROTOCOL, nonce=uuid.uuid4().hex, ranks=group.size
             )
-            reg = link.call(
-                "registering",
-                lambda request=request: link.stub.Register(request, timeout=30.0, metadata=link.meta),
-            )
+            request.group = group.launch
+            reg = pb.RegisterReply.FromString(group.lead(lambda r=request: _register(link, r)))
             if reg.status == pb.RegisterReply.DONE:
-                log(f"the run at {server} is over")
+                if group.leader:
+                    log(f"the run at {server} is over")
                 return 0
-            if reg.status == pb.RegisterReply.FULL:
-                log(f"every worker slot at {server} is taken; waiting for one to free up")
-                time.sleep(reg.retry_s)
-                continue
             # the lease is kept from here on: tokenising the data (or training a BPE) on a first
             # join may take longer than --worker-timeout-s
             ref = pb.WorkerRef(worker=reg.worker, run_id=reg.run_id, token=reg.token)
-            beat = Heartbeat(link, ref, reg.heartbeat_s)
+            beat = Heartbeat(link, ref, reg.heartbeat_s) if group.leader else None
+            over = beat.over if beat is not None else threading.Event()  # the leader's says for all
             try:
                 run = reg.config_json + reg.shard_plan
                 if run not in built:
                     cfg = from_dict(json.loads(reg.config_json), where=f"the settings sent by {server}")
                     # the server's shard plan, not one of this machine's own (older servers send none)
                     plan = reg.shard_plan and ShardPlan.from_json(reg.shard_plan, f"the server at {server}")
-                    built = {run: (cfg, prepare_data(cfg, plan=plan or None))}
+                    built = {
+                        run: (
+                            cfg,
+                            group.first(lambda cfg=cfg, plan=plan: prepare_data(cfg, plan=plan or None)),
+                        )
+                    }
                 cfg, data = built[run]
                 if [len(s) for s in data.shards] != list(reg.shard_tokens):
                     raise UserError(
                         f"this worker's data shards differ from the server's ({server}); run the same "
                         "diloco on both, with the same --data files (at the same paths) and tokenizer."
                     )
-                worker = build_worker(reg.worker, cfg, data.shards)
-                if dev.type != "cpu":
-                    worker.model.to(dev)  # before the optimizer's first step, so its state follows
-                    worker.batches = ToDevice(worker.batches, dev)
+                worker = build_worker(reg.worker, cfg, data.shards, batch_multiple=cfg.procs_per_worker)
+                group.place(worker, dev, cfg.procs_per_worker * cfg.data.batch_size)
                 if (
                     slowdown[0] != 1.0 or step_s
                 ):  # an emulated device; the pause ends early when the run is over
-                    slowed(worker, _emulated(step_s, *slowdown), beat.over.wait)
-                _stoppable(worker, beat.over)
-                log(f"joined {server} as worker {reg.worker}")
+                    slowed(worker, _emulated(step_s, *slowdown), over.wait)
+                group.steps_together(worker, over)
+                if group.leader:
+                    ranks = f" ({group.size} ranks)" if group.size > 1 else ""
+                    log(f"joined {server} as worker {reg.worker}{ranks}")
                 try:
-                    done = _jobs(link, ref, worker, acked, cfg, len(data.shards), acks, beat.over)
+                    done = _jobs(link, ref, worker, acked, cfg, len(data.shards), acks, over, group)
                 except RunOver:
                     done = True
-                    log("the server says the run is over; any job in hand is dropped")
+                    if group.leader:
+                        log("the server says the run is over; any job in hand is dropped")
                 if done:
-                    log(f"the run at {server} is done; {len(acked)} pushes of this worker were acknowledged")
+                    if group.leader:
+                        pushes = f"{len(acked)} pushes of this worker were acknowledged"
+                        log(f"the run at {server} is done; {pushes}")
                     return 0
             except (KeyboardInterrupt, UserError) as e:  # stopping: tell the server (best effort)
-                try:
-                    link.stub.Leave(ref, timeout=2.0, metadata=link.meta)
-                    left = f"left the run at {server}, which drops its job in hand"
-                except grpc.RpcError:
-                    left = f"could not tell {server}, which drops its job when its lease runs out"
+                left = "its group's leader tells the server"
+                if group.leader:
+                    try:
+                        link.stub.Leave(ref, timeout=2.0, metadata=link.meta)
+                        left = f"left the run at {server}, which drops its job in hand"
+                    except grpc.RpcError:
+                        left = f"could not tell {server}, which drops its job when its lease runs out"
                 if isinstance(e, KeyboardInterrupt):
                     raise Interrupted(
                         f"worker {reg.worker} stopped by Ctrl-C and {left}; start diloco worker again "
@@ -180,31 +178,52 @@ def run_worker(
                     ) from None
                 raise
             finally:
-                beat.stop()
-            log(f"worker {reg.worker}'s lease ran out; joining again as a fresh worker")
+                if beat is not None:
+                    beat.stop()
+            if group.leader:
+                log(f"worker {reg.worker}'s lease ran out; joining again as a fresh worker")
     except KeyboardInterrupt:
         raise Interrupted(f"this worker stopped by Ctrl-C before it joined the run at {server}.") from None
     finally:
-        link.close()
+        if link is not None:
+            link.close()
+        group.close()
 
 
-def _check_job(head: pb.JobChunk, start: list[torch.Tensor], worker: Worker, cfg, shards: int) -> None:
-    """A job from the server is checked like any input: steps, shard, position, parameters."""
+def _register(link: Link, request: pb.RegisterRequest) -> bytes:
+    """The server's OK or DONE (serialized), waiting while every slot is taken."""
+    while True:
+        reg = link.call("registering", lambda: link.stub.Register(request, timeout=30.0, metadata=link.meta))
+        if reg.status != pb.RegisterReply.FULL:
+            return reg.SerializeToString()
+        log(f"every worker slot at {link.server} is taken; waiting for one to free up")
+        time.sleep(reg.retry_s)
+
+
+def _check_job(head: pb.JobChunk, start: list[torch.Tensor] | None, worker: Worker, cfg, shards: int) -> None:
+    """A job from the server is checked like any input: steps, shard, position, parameters (none
+    for a Streaming DiLoCo job that goes on from the worker's own)."""
     limit = 100 * cfg.inner_steps  # DyLU never gives more than H; a job far beyond it is an error
-    ok = 1 <= head.steps <= limit and 0 <= head.shard < shards and head.lr_step >= 0 and head.position >= 0
+    ok = (
+        1 <= head.steps <= limit
+        and 0 <= head.max_steps <= DEADLINE_CAP * limit
+        and 0 <= head.shard < shards
+        and head.lr_step >= 0
+        and head.position >= 0
+    )
     ok = ok and math.isfinite(head.lr_stride) and head.lr_stride >= 0
     ok = ok and math.isfinite(head.seconds) and head.seconds >= 0
     want = [(tuple(p.shape), p.dtype) for p in worker.model.parameters()]
-    if not ok or [(tuple(t.shape), t.dtype) for t in start] != want:
+    if not ok or (start is not None and [(tuple(t.shape), t.dtype) for t in start] != want):
         raise UserError(
             f"job {head.job} from the server does not fit this run (steps {head.steps}, shard {head.shard}, "
-            f"lr step {head.lr_step}, position {head.position}, {len(start)} tensors); run the same "
+            f"lr step {head.lr_step}, position {head.position}, {len(start or [])} tensors); run the same "
             "diloco on server and workers."
         )
 
 
 def _jobs(
-    link: Link,
+    link: Link | None,
     ref: pb.WorkerRef,
     worker: Worker,
     acked: set[int],
@@ -212,13 +231,22 @@ def _jobs(
     shards: int,
     acks,
     over: threading.Event,
+    group: Group,
 ) -> bool:
     """Jobs until the run is done (True) or the server no longer knows this worker (False);
-    RunOver when the heartbeat hears that the run is over mid-job."""
-    refused = 0
+    RunOver when the heartbeat hears that the run is over mid-job. The leader talks to the
+    server; every rank of a group runs the job."""
+    refused = [0]
     download = download_codec(cfg)  # how the server sends θ
     while True:
-        head, blob = link.call("asking for a job", lambda: _get_job(link, ref), over)
+        got: list[bytes] = []
+
+        def ask(got: list[bytes] = got) -> bytes:
+            head, blob = link.call("asking for a job", lambda: _get_job(link, ref), over)
+            got.append(blob)
+            return head.SerializeToString()
+
+        head = pb.JobChunk.FromString(group.lead(ask))
         if head.status == pb.JobChunk.DONE:
             return True
         if head.status == pb.JobChunk.UNKNOWN_WORKER:
@@ -226,17 +254,25 @@ def _jobs(
         if head.status == pb.JobChunk.WAIT:
             time.sleep(head.retry_s)
             continue
-        start = download.decode(Encoded.from_bytes(blob))
+        blob = group.share(got[0] if got else None, head.total_bytes)
+        start = None if head.keep else download.decode(Encoded.from_bytes(blob))  # keep: its own θ
         _check_job(head, start, worker, cfg, shards)
+        if cfg.streaming.on:  # Streaming DiLoCo: the round's segments, pushing fragments
+            push = functools.partial(_push, link, over=over, refused=refused, acked=acked, acks=acks)
+            if streaming_job(link, ref, worker, head, start, cfg, group, over, push) == "rejoin":
+                return False
+            continue
         t0 = time.perf_counter()
         stride = head.lr_stride or 1.0  # 0: not set, plain steps
         job = {"lr_step": head.lr_step, "shard": head.shard, "position": head.position, "lr_stride": stride}
-        if head.seconds > 0:  # a deadline job: at most DEADLINE_CAP × the steps it reserves
-            result = worker.run(start, DEADLINE_CAP * head.steps, seconds=head.seconds, **job)
+        if head.seconds > 0:  # a deadline job: at most its cap (older servers: DEADLINE_CAP × steps)
+            most = head.max_steps or DEADLINE_CAP * head.steps
+            result = worker.run(start, most, seconds=head.seconds, **job)
         else:
             result = worker.run(start, head.steps, **job)
         compute_s = time.perf_counter() - t0
         message = result.message.to_bytes()
+        group.check_same(result.message, head.job)
         push = pb.PushChunk(
             worker=ref.worker,
             run_id=ref.run_id,
@@ -250,26 +286,34 @@ def _jobs(
             total_bytes=len(message),
             version=head.version,
         )
-        t0 = time.perf_counter()
-        try:
-            reply = link.call(
-                f"job {head.job}'s update",
-                lambda push=push, message=message: link.stub.Push(
-                    push_chunks(push, message), timeout=120.0, metadata=link.meta
-                ),
-                over,
-            )
-        except Refused as e:  # e.g. too stale, or a norm over the bound: this job is dropped
-            refused += 1
-            if refused >= MAX_REFUSED_IN_A_ROW:
-                raise UserError(f"{e} ({refused} updates of this worker were refused in a row)") from None
-            log(f"{e} Going on with the next job.")
-            continue
-        refused = 0
-        if reply.status == pb.PushReply.LATE:
-            log(f"job {head.job} came too late and was dropped ({reply.reason})")
-        else:  # accepted now, or before (a retry after a lost reply)
-            acked.add(head.job)
-            if acks is not None:
-                with open(acks, "a") as f:
-                    f.write(json.dumps({"job": head.job, "push_s": time.perf_counter() - t0}) + "\n")
+        group.lead(lambda push=push, message=message: _push(link, push, message, over, refused, acked, acks))
+
+
+def _push(link: Link, push: pb.PushChunk, message: bytes, over, refused: list[int], acked, acks) -> str:
+    """Push one job's outer_grad, or a fragment of it (the leader): "acked", "late" or "refused".
+    A refused push drops the job; MAX_REFUSED_IN_A_ROW of them stop the worker (UserError)."""
+    t0 = time.perf_counter()
+    try:
+        reply = link.call(
+            f"job {push.job}'s update",
+            lambda: link.stub.Push(push_chunks(push, message), timeout=120.0, metadata=link.meta),
+            over,
+        )
+    except Refused as e:  # e.g. too stale, or a norm over the bound: this job is dropped
+        refused[0] += 1
+        if refused[0] >= MAX_REFUSED_IN_A_ROW:
+            raise UserError(f"{e} ({refused[0]} updates of this worker were refused in a row)") from None
+        log(f"{e} Going on with the next job.")
+        return "refused"
+    refused[0] = 0
+    if reply.status == pb.PushReply.LATE:
+        log(f"job {push.job} came too late and was dropped ({reply.reason})")
+        return "late"
+    acked.add(push.job)  # accepted now, or before (a retry after a lost reply)
+    if acks is not None:
+        line = {"job": push.job, "push_s": time.perf_counter() - t0}
+        if push.fragment:
+            line["fragment"] = push.fragment - 1
+        with open(acks, "a") as f:
+            f.write(json.dumps(line) + "\n")
+    return "acked"

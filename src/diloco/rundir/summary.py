@@ -59,13 +59,16 @@ def summarize(cfg: TrainConfig, run, val_loss: float, step: int) -> dict[str, An
 
 
 def _timing(measured: dict[str, float], rows: list[dict[str, Any]] | None, k: int) -> dict[str, float]:
-    """A worker's mean compute and other seconds: from the runtime's per-worker rows where it
-    has them (the server: computing, and registered), else as the rounds measured them
-    (torchrun: every worker in every round)."""
-    if not rows:
+    """A worker's mean compute and other seconds in the training part of the run, one definition
+    for every runtime: sync rounds as they measured them (torchrun and the server alike: the
+    workers' mean compute in a round, and the rest of the round's wall time, summed over rounds);
+    without rounds (the async server) from its per-worker rows: computing, and the time from a
+    worker's first job handed out to its last push. Start-up and the final evaluation count in
+    neither."""
+    if measured["compute_s"] + measured["comm_s"] > 0 or not rows:
         return measured
     compute_s = sum(r["compute_s"] for r in rows)
-    return {"compute_s": compute_s / k, "comm_s": (sum(r["present_s"] for r in rows) - compute_s) / k}
+    return {"compute_s": compute_s / k, "comm_s": (sum(r.get("train_s", 0.0) for r in rows) - compute_s) / k}
 
 
 def _utilisation(timing: dict[str, float]) -> dict[str, float]:

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from diloco.config import TrainConfig
 from diloco.config.parsers import parse_slowdown
@@ -34,12 +33,11 @@ from diloco.core.dylu import DEADLINE_CAP, RoundPlanner
 from diloco.core.inner import Worker
 from diloco.core.outer_side import OuterSide
 from diloco.core.streaming import Schedule
-from diloco.data.batches import RankSlice, ToDevice
 from diloco.errors import RESUME_OR, ReplicaMismatch, RunFailed, WorkerDied
 from diloco.runtime import RoundStats, faults, is_main_process
 from diloco.runtime.clock import Clock, slowed
 from diloco.runtime.collective_streaming import StreamingRounds, unflatten
-from diloco.runtime.torchrun import world_from_env
+from diloco.runtime.torchrun import data_parallel_rank, world_from_env
 
 
 def param_hash(params: list[torch.Tensor]) -> int:
@@ -107,17 +105,10 @@ class CollectiveDiLoCo(StreamingRounds):
         ]
         worker = build_worker(self.worker_id, batch_multiple=M)
         self.device = _device()
-        if M > 1:
-            worker.batches = RankSlice(worker.batches, self.local, cfg.data.batch_size)
-        if self.device.type != "cpu":
-            worker.model.to(self.device)  # before the optimizer's first step, so its state follows
-            worker.batches = ToDevice(worker.batches, self.device)
-        if M > 1:
-            worker.model = DistributedDataParallel(
-                worker.model,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                process_group=self._ddp_group(),
-            )
+        group = self._ddp_group() if M > 1 else None
+        data_parallel_rank(
+            worker, local=self.local, ranks=M, per_rank=cfg.data.batch_size, device=self.device, group=group
+        )
         self.worker = worker
         self.started = time.perf_counter()  # --slowdown's START and END count from here
         # an emulated device: every inner step padded to at least --speeds' seconds, × --slowdown's
@@ -267,7 +258,10 @@ class CollectiveDiLoCo(StreamingRounds):
         for r, row in enumerate(every):
             self.bytes_per_rank[r][0] += int(row[4])
             self.bytes_per_rank[r][1] += int(row[5])
-        timing = {"compute_s": max(float(r[2]) for r in every), "comm_s": max(float(r[3]) for r in every)}
+        # as on the server: the workers' mean compute, and the rest of the round's wall time
+        compute_s = sum(float(r[2]) for r in leaders) / self.k
+        wall_s = max(float(r[2]) + float(r[3]) for r in every)
+        timing = {"compute_s": compute_s, "comm_s": max(0.0, wall_s - compute_s)}
         return RoundStats(
             side.version,
             side.inner_step,

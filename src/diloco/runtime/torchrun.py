@@ -13,9 +13,13 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from diloco.config import TrainConfig
+from diloco.core.inner import Worker
+from diloco.data.batches import RankSlice, ToDevice
 from diloco.errors import RunFailed, UserError
 
 
@@ -73,16 +77,45 @@ def init(cfg: TrainConfig) -> None:
             f"--workers {cfg.num_workers} does not match {world} ranks with --procs-per-worker "
             f"{cfg.procs_per_worker} ({world // cfg.procs_per_worker} workers); drop --workers or fix it."
         )
+    join(timedelta(seconds=cfg.timeout_s))
+
+
+def join(timeout: timedelta) -> None:
+    """Join the process group torchrun started, over gloo (once per process), with `timeout` for
+    every collective and the store."""
     if not dist.is_initialized():
         global _LAUNCH_ID
-        timeout = timedelta(seconds=cfg.timeout_s)
         store = _store(timeout)
         _LAUNCH_ID = _launch_nonce(store)
         attempt = dist.PrefixStore(
             f"diloco/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store
         )
         dist.init_process_group(
-            "gloo", store=attempt, rank=int(os.environ["RANK"]), world_size=world, timeout=timeout
+            "gloo",
+            store=attempt,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+        )
+
+
+def data_parallel_rank(
+    worker: Worker, *, local: int, ranks: int, per_rank: int, device: torch.device, group: Any
+) -> None:
+    """Make `worker` rank `local` of `ranks` computing one worker's batches together: it takes its
+    `per_rank` rows of each batch, lives on `device`, and DistributedDataParallel averages the
+    ranks' gradients over `group` at every inner step (the collective runtime's workers of
+    --procs-per-worker ranks, and the server's torchrun group workers, run/group.py)."""
+    if ranks > 1:
+        worker.batches = RankSlice(worker.batches, local, per_rank)
+    if device.type != "cpu":
+        worker.model.to(device)  # before the optimizer's first step, so its state follows
+        worker.batches = ToDevice(worker.batches, device)
+    if ranks > 1:
+        worker.model = DistributedDataParallel(
+            worker.model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=group,
         )
 
 

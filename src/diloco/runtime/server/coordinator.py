@@ -4,20 +4,26 @@ sockets and no clock.
 Every change of the server's state is an event (a small dict, `kind` plus fields) passed to
 `Coordinator.apply`, in the order the server logged it:
 
-    join     {worker, name, device, nonce}      a worker takes a free slot, as a fresh worker
-    leave    {worker, reason}                   it left or its lease ran out; its job is abandoned
+    join     {worker, name, device, nonce, [ranks, group]}   a worker takes a free slot, as a
+                                                fresh worker (a torchrun group: its ranks, launch)
+    leave    {worker, reason}                   it left, its lease ran out, or torchrun restarted
+                                                its group; its job is abandoned
     begin    {round, members}                   sync: a round starts with these workers (with DyLU
                                                 their steps are planned now, from the state)
-    dispatch {job, worker, steps, shard, lr_step, position, version, lr_stride, seconds}   a job
-                                                is handed out (θ copied now); with `seconds` a
-                                                deadline job, `steps` the steps it reserves
+    dispatch {job, worker, steps, shard, lr_step, position, version, lr_stride, seconds, cap}
+                                                a job is handed out (θ copied now); with `seconds`
+                                                a deadline job, `steps` the steps it reserves and
+                                                `cap` the most it may take (the budget's room)
     push     {job, worker, steps, loss, lr, compute_s, finite, nbytes, norm}   + the encoded outer_grad
                                                 (`steps`: what it took; a deadline job's may
                                                 differ from those reserved, which are corrected)
     reject   {job, worker, reason, detail, abandon, steps}   a push refused by validation
                                                 (handlers.py); θ is untouched; with `abandon` the
                                                 job, the pusher's own, is given back as on a leave
-    close    {round}                            sync: the outer step on what arrived
+    close    {round}                            sync: the outer step on what arrived (streaming:
+                                                the round's end, its fragments' steps taken)
+    fragment {round, fragment}                  streaming: fragment p's outer step (fragments.py;
+                                                a dispatch has `round` and `keep`, a push `fragment`)
     apply    {job, group_end}                   async: one arrived outer_grad applied by the rule
                                                 (group_end: the last of its grace group)
     late     {job, worker, steps}               a worker pushed a job already abandoned (replay
@@ -35,8 +41,6 @@ write-ahead log) and how `diloco replay` re-runs a server run in one process (re
 
 from __future__ import annotations
 
-import math
-import random
 import statistics
 from collections import deque
 from typing import Any
@@ -44,27 +48,25 @@ from typing import Any
 from diloco.config import TrainConfig
 from diloco.core.async_policy import (
     SpeedEstimator,
-    aligned_job_s,
-    dylu_steps,
-    grace_period,
-    job_seconds,
-    probe_steps,
-    shard_probabilities,
 )
 from diloco.core.async_rules import DelayComp
 from diloco.core.codec import Encoded
-from diloco.core.dylu import DEADLINE_CAP, RoundPlan, RoundPlanner
+from diloco.core.dylu import RoundPlan, RoundPlanner
 from diloco.core.outer_side import OuterSide
 from diloco.runtime import Arrival, RoundStats
 from diloco.runtime.server import snapshot
+from diloco.runtime.server.fragments import FragmentRounds
 from diloco.runtime.server.jobs import Job
+from diloco.runtime.server.plans import Plans
 
 NORM_WINDOW = 16  # --max-update-norm-ratio compares with the median of this many accepted pushes
 NORM_MIN = 4  # ... once there are at least this many
 
 
-class Coordinator:
-    """The server's state (see the module docstring); `side` holds θ and the outer update."""
+class Coordinator(Plans, FragmentRounds):
+    """The server's state (see the module docstring); `side` holds θ and the outer update.
+    Its decisions (`plan_dispatch`, the grace period) are in plans.py, Streaming DiLoCo's fragment
+    events in fragments.py."""
 
     def __init__(self, cfg: TrainConfig, side: OuterSide, shard_sizes: list[int]):
         self.cfg, self.side = cfg, side
@@ -86,6 +88,7 @@ class Coordinator:
         self.members: list[int] = []  # sync: this round's workers ([] between rounds)
         self.round_t = 0.0  # sync: when this round began
         self.inbox: dict[int, tuple[dict, Encoded]] = {}  # sync: this round's pushes, by worker
+        self._setup_fragments()  # Streaming DiLoCo (fragments.py)
         self.arrived: list[tuple[dict, Encoded, Job]] = []  # async: accepted, not applied, in order
         self.flushed = False
         # sync DiLoCo with DyLU (core/dylu.py): each round's H_w from the members' measured speeds
@@ -124,78 +127,6 @@ class Coordinator:
         waiting = {job.worker for _, _, job in self.arrived}
         return [w for w, rec in sorted(self.workers.items()) if rec["job"] is None and w not in waiting]
 
-    def plan_dispatch(self, w: int, now: float = 0.0) -> dict[str, Any] | None:
-        """The next job of worker w, handed out at time `now` (None: the async budget is handed
-        out). Sync: H steps on its own shard. Async (Algorithm 2): a first job measures the
-        worker's speed on H/10 steps; later ones have H_w = max(1, ⌊fastest s/step ÷ its s/step
-        × H⌋) steps (DyLU), or with jobs as deadlines end with the deadline jobs in flight
-        (`aligned_job_s`), on a shard sampled by p_i ∝ max(|D_i|/Σ|D| − n_i/Σn, 0) (shard
-        sampling), else its own."""
-        v, job = self.cfg.async_, self.next_job
-        steps, shard, lr_stride, seconds = self.H, w, 1.0, None
-        if self.plan is not None:  # sync DiLoCo with DyLU: planned at the round's begin
-            steps, lr_stride = self.plan.steps[w], self.plan.lr_strides[w]
-        if not self.sync:
-            measured = {i: r["step_s"] for i, r in self.workers.items() if r["step_s"] is not None}
-            dylu = self.cfg.dylu.on(self.cfg.method)
-            if dylu and w not in measured:
-                steps = probe_steps(self.H)
-            elif (
-                dylu and self.cfg.dylu.by_for("async") == "time"
-            ):  # a deadline; it reserves the steps expected to fit
-                ends = [j.t + j.seconds for j in self.jobs.values() if j.seconds is not None]
-                seconds = aligned_job_s(now, job_seconds(self.H, list(measured.values())), ends)
-                steps = max(1, math.floor(seconds / measured[w] * (1 + 1e-9)))
-            elif dylu:
-                steps = dylu_steps(list(measured.values()), self.H)[list(measured).index(w)]
-            if steps > self.step_budget - self.dispatched:  # the budget's end: a job of exact steps
-                steps, seconds = self.step_budget - self.dispatched, None
-            if steps <= 0:
-                return None
-            if v.shard_sampling:
-                probs = shard_probabilities(self.shard_sizes, self.shard_steps)
-                rng = random.Random(f"shard/{self.cfg.seed}/{job}")  # no state to save or replay
-                shard = rng.choices(range(len(probs)), weights=probs)[0]
-        return {
-            "kind": "dispatch",
-            "job": job,
-            "worker": w,
-            "steps": steps,
-            "shard": shard,
-            # sync: the round drives the lr, so a worker that joins mid-run takes the run's lr;
-            # async: the shard's own step count does (docs/method.md §2)
-            "lr_step": (self.plan.lr_step if self.plan else self.side.inner_step)
-            if self.sync
-            else self.shard_steps[shard],
-            "position": self.shard_steps[shard],
-            "version": self.side.version,
-            "lr_stride": lr_stride,
-            "seconds": seconds,
-        }
-
-    def grace_s(self) -> float:
-        """The grace period: `grace_s`, or for "auto" a tenth of a job, H × the fastest measured
-        seconds per step (0 while none is measured)."""
-        known = [r["step_s"] for r in self.workers.values() if r["step_s"] is not None]
-        return grace_period(self.cfg.async_.grace_s, self.H, known)
-
-    def due(self, job: Job) -> float | None:
-        """When the server expects job's push: a deadline job's deadline, else from its worker's
-        measured speed (None: unknown)."""
-        if job.seconds is not None:
-            return job.t + job.seconds
-        speed = self.workers.get(job.worker, {}).get("step_s")
-        return None if speed is None else job.t + job.steps * speed
-
-    @staticmethod
-    def ran_steps(job: Job, claimed: int | None) -> int:
-        """The steps a worker ran of `job`: a deadline job's as its push says, when that is
-        possible (1 to DEADLINE_CAP × those reserved; a refused push may claim anything), else
-        the job's own."""
-        if job.seconds is not None and claimed is not None and 1 <= claimed <= DEADLINE_CAP * job.steps:
-            return claimed
-        return job.steps
-
     # -- events --------------------------------------------------------------------------------
     def apply(self, event: dict[str, Any], message: Encoded | None = None) -> Any:
         """Apply one event (its `seq` must follow the last one); returns a close's RoundStats or
@@ -218,7 +149,10 @@ class Coordinator:
             "joined_t": e["t"],
             "token": e["seq"],  # this registration: calls of an earlier holder of the slot are refused
             "nonce": e.get("nonce", ""),
+            "ranks": e.get("ranks", 1),  # a torchrun group's ranks (data parallel inside its jobs)
+            "group": e.get("group", ""),  # its launch: a restart of the group takes the slot back
         }
+        self.totals[w]["ranks"] = e.get("ranks", 1)
 
     def _on_leave(self, e, _):
         rec = self.workers.pop(e["worker"])
@@ -231,6 +165,9 @@ class Coordinator:
 
     def _on_begin(self, e, _):
         members = list(e["members"])
+        if self.schedule is not None:  # streaming: downloads are counted per job and fragment
+            self.members, self.round_t = members, e["t"]
+            return
         if self.planner is not None:  # a member not measured yet makes it a round of H for all
             speeds = [self.workers[w]["step_s"] if w in self.workers else None for w in range(self.k)]
             self.plan = self.planner.plan(speeds, members)
@@ -243,9 +180,10 @@ class Coordinator:
         fits = job == self.next_job and e["version"] == self.side.version
         if not fits or position != self.shard_steps[e["shard"]]:
             raise ValueError(f"dispatch of job {job} does not fit the state it follows")
-        if not self.sync:
+        keep = e.get("keep", False)  # streaming: the worker goes on from its own θ
+        if not self.sync or (self.schedule is not None and not keep):
             self.side.pull(w)  # counts the download (sync: counted by begin)
-        pulled = [p.detach().clone() for p in self.side.downloaded()]
+        pulled = [] if keep else [p.detach().clone() for p in self.side.downloaded()]
         self.jobs[job] = Job(
             job,
             w,
@@ -258,6 +196,9 @@ class Coordinator:
             pulled,
             e.get("lr_stride", 1.0),
             e.get("seconds"),
+            e.get("cap"),
+            e.get("round"),
+            keep,
         )
         self.workers[w]["job"] = job
         self.next_job = job + 1
@@ -265,7 +206,17 @@ class Coordinator:
         self.dispatched += e["steps"]
 
     def _on_push(self, e, message):
+        if "fragment" in e:  # Streaming DiLoCo (fragments.py)
+            return self._fragment_push(e, message)
         job = self.jobs.pop(e["job"])
+        self._job_done(job, e)
+        if self.sync:
+            self.inbox[job.worker] = (e, message)
+        else:
+            self.arrived.append((e, message, job))
+
+    def _job_done(self, job: Job, e: dict[str, Any]) -> None:
+        """`job`'s (last) push `e` came: the worker's counters and measured speed."""
         if e["steps"] != job.steps:  # a deadline job took other than it reserved: count what it took
             taken = self.ran_steps(job, e["steps"])
             self.dispatched += taken - job.steps
@@ -283,13 +234,16 @@ class Coordinator:
         tot["jobs"] += 1
         tot["steps"] += job.steps
         tot["compute_s"] += e["compute_s"]
+        # the training part (utilisation): a registration's first job's compute, then the time from
+        # its first push to its last (its start-up, e.g. preparing the data, is not in it)
+        since = rec.get("pushed_t")
+        tot["train_s"] = tot.get("train_s", 0.0) + (e["compute_s"] if since is None else e["t"] - since)
+        rec["pushed_t"] = e["t"]
         tot["last_steps"] = job.steps
-        if self.sync:
-            self.inbox[job.worker] = (e, message)
-        else:
-            self.arrived.append((e, message, job))
 
     def _on_close(self, e, _):
+        if self.schedule is not None:
+            return self._close_streaming(e)
         side, messages, losses, ids, lr = self.side, {}, [], [], 0.0
         for w in self.members:  # in worker order, as every runtime reports
             if w in self.inbox:
@@ -342,6 +296,7 @@ class Coordinator:
         if e["abandon"]:
             job = self.jobs.pop(e["job"])
             self.workers[job.worker]["job"] = None
+            self.workers[job.worker]["holds"] = False  # streaming: it stopped mid-job; θ is sent again
             if not self.sync:
                 self.dispatched -= job.steps  # re-offered, as a departed worker's
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x64iloco.proto\x12\tdiloco.v1\"P\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x10\n\x08protocol\x18\x03 \x01(\x05\x12\r\n\x05nonce\x18\x04 \x01(\t\"\xfa\x01\n\rRegisterReply\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.diloco.v1.RegisterReply.Status\x12\x0e\n\x06worker\x18\x02 \x01(\x05\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x04 \x01(\t\x12\x14\n\x0cshard_tokens\x18\x05 \x03(\x03\x12\x13\n\x0bheartbeat_s\x18\x06 \x01(\x01\x12\x0f\n\x07retry_s\x18\x07 \x01(\x01\x12\r\n\x05token\x18\x08 \x01(\x03\x12\x12\n\nshard_plan\x18\t \x01(\t\"$\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x08\n\x04\x46ULL\x10\x01\x12\x08\n\x04\x44ONE\x10\x02\":\n\tWorkerRef\x12\x0e\n\x06worker\x18\x01 \x01(\x05\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x03\"\xa8\x02\n\x08JobChunk\x12*\n\x06status\x18\x01 \x01(\x0e\x32\x1a.diloco.v1.JobChunk.Status\x12\x0b\n\x03job\x18\x02 \x01(\x03\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\r\n\x05shard\x18\x04 \x01(\x05\x12\x0f\n\x07lr_step\x18\x05 \x01(\x03\x12\x0f\n\x07version\x18\x06 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x03\x12\x0f\n\x07retry_s\x18\x08 \x01(\x01\x12\x0c\n\x04\x64\x61ta\x18\t \x01(\x0c\x12\x10\n\x08position\x18\n \x01(\x03\x12\x11\n\tlr_stride\x18\x0b \x01(\x01\x12\x0f\n\x07seconds\x18\x0c \x01(\x01\"9\n\x06Status\x12\x07\n\x03RUN\x10\x00\x12\x08\n\x04WAIT\x10\x01\x12\x08\n\x04\x44ONE\x10\x02\x12\x12\n\x0eUNKNOWN_WORKER\x10\x03\"\xd1\x01\n\tPushChunk\x12\x0e\n\x06worker\x18\x01 \x01(\x05\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0b\n\x03job\x18\x03 \x01(\x03\x12\r\n\x05steps\x18\x04 \x01(\x05\x12\x11\n\tmean_loss\x18\x05 \x01(\x01\x12\x0f\n\x07last_lr\x18\x06 \x01(\x01\x12\x0e\n\x06\x66inite\x18\x07 \x01(\x08\x12\x11\n\tcompute_s\x18\x08 \x01(\x01\x12\x13\n\x0btotal_bytes\x18\t \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\n \x01(\x0c\x12\r\n\x05token\x18\x0b \x01(\x03\x12\x0f\n\x07version\x18\x0c \x01(\x03\"y\n\tPushReply\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.diloco.v1.PushReply.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\"/\n\x06Status\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x00\x12\r\n\tDUPLICATE\x10\x01\x12\x08\n\x04LATE\x10\x02\"-\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\"\x0c\n\nLeaveReply2\xb4\x02\n\x0fParameterServer\x12@\n\x08Register\x12\x1a.diloco.v1.RegisterRequest\x1a\x18.diloco.v1.RegisterReply\x12\x35\n\x06GetJob\x12\x14.diloco.v1.WorkerRef\x1a\x13.diloco.v1.JobChunk0\x01\x12\x34\n\x04Push\x12\x14.diloco.v1.PushChunk\x1a\x14.diloco.v1.PushReply(\x01\x12<\n\tHeartbeat\x12\x14.diloco.v1.WorkerRef\x1a\x19.diloco.v1.HeartbeatReply\x12\x34\n\x05Leave\x12\x14.diloco.v1.WorkerRef\x1a\x15.diloco.v1.LeaveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x64iloco.proto\x12\tdiloco.v1\"n\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x10\n\x08protocol\x18\x03 \x01(\x05\x12\r\n\x05nonce\x18\x04 \x01(\t\x12\r\n\x05ranks\x18\x05 \x01(\x05\x12\r\n\x05group\x18\x06 \x01(\t\"\xfa\x01\n\rRegisterReply\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.diloco.v1.RegisterReply.Status\x12\x0e\n\x06worker\x18\x02 \x01(\x05\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x04 \x01(\t\x12\x14\n\x0cshard_tokens\x18\x05 \x03(\x03\x12\x13\n\x0bheartbeat_s\x18\x06 \x01(\x01\x12\x0f\n\x07retry_s\x18\x07 \x01(\x01\x12\r\n\x05token\x18\x08 \x01(\x03\x12\x12\n\nshard_plan\x18\t \x01(\t\"$\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x08\n\x04\x46ULL\x10\x01\x12\x08\n\x04\x44ONE\x10\x02\":\n\tWorkerRef\x12\x0e\n\x06worker\x18\x01 \x01(\x05\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x03\"\xe2\x02\n\x08JobChunk\x12*\n\x06status\x18\x01 \x01(\x0e\x32\x1a.diloco.v1.JobChunk.Status\x12\x0b\n\x03job\x18\x02 \x01(\x03\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\r\n\x05shard\x18\x04 \x01(\x05\x12\x0f\n\x07lr_step\x18\x05 \x01(\x03\x12\x0f\n\x07version\x18\x06 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x03\x12\x0f\n\x07retry_s\x18\x08 \x01(\x01\x12\x0c\n\x04\x64\x61ta\x18\t \x01(\x0c\x12\x10\n\x08position\x18\n \x01(\x03\x12\x11\n\tlr_stride\x18\x0b \x01(\x01\x12\x0f\n\x07seconds\x18\x0c \x01(\x01\x12\r\n\x05round\x18\r \x01(\x03\x12\x0c\n\x04keep\x18\x0e \x01(\x08\x12\x11\n\tmax_steps\x18\x0f \x01(\x05\"C\n\x06Status\x12\x07\n\x03RUN\x10\x00\x12\x08\n\x04WAIT\x10\x01\x12\x08\n\x04\x44ONE\x10\x02\x12\x12\n\x0eUNKNOWN_WORKER\x10\x03\x12\x08\n\x04GONE\x10\x04\"]\n\x0b\x46ragmentRef\x12\x0e\n\x06worker\x18\x01 \x01(\x05\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x03\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x10\n\x08\x66ragment\x18\x05 \x01(\x05\"\xe3\x01\n\tPushChunk\x12\x0e\n\x06worker\x18\x01 \x01(\x05\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0b\n\x03job\x18\x03 \x01(\x03\x12\r\n\x05steps\x18\x04 \x01(\x05\x12\x11\n\tmean_loss\x18\x05 \x01(\x01\x12\x0f\n\x07last_lr\x18\x06 \x01(\x01\x12\x0e\n\x06\x66inite\x18\x07 \x01(\x08\x12\x11\n\tcompute_s\x18\x08 \x01(\x01\x12\x13\n\x0btotal_bytes\x18\t \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\n \x01(\x0c\x12\r\n\x05token\x18\x0b \x01(\x03\x12\x0f\n\x07version\x18\x0c \x01(\x03\x12\x10\n\x08\x66ragment\x18\r \x01(\x05\"y\n\tPushReply\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.diloco.v1.PushReply.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\"/\n\x06Status\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x00\x12\r\n\tDUPLICATE\x10\x01\x12\x08\n\x04LATE\x10\x02\"-\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\"\x0c\n\nLeaveReply2\xf2\x02\n\x0fParameterServer\x12@\n\x08Register\x12\x1a.diloco.v1.RegisterRequest\x1a\x18.diloco.v1.RegisterReply\x12\x35\n\x06GetJob\x12\x14.diloco.v1.WorkerRef\x1a\x13.diloco.v1.JobChunk0\x01\x12\x34\n\x04Push\x12\x14.diloco.v1.PushChunk\x1a\x14.diloco.v1.PushReply(\x01\x12<\n\x0bGetFragment\x12\x16.diloco.v1.FragmentRef\x1a\x13.diloco.v1.JobChunk0\x01\x12<\n\tHeartbeat\x12\x14.diloco.v1.WorkerRef\x1a\x19.diloco.v1.HeartbeatReply\x12\x34\n\x05Leave\x12\x14.diloco.v1.WorkerRef\x1a\x15.diloco.v1.LeaveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,27 +32,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'diloco_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGISTERREQUEST']._serialized_start=27
-  _globals['_REGISTERREQUEST']._serialized_end=107
-  _globals['_REGISTERREPLY']._serialized_start=110
-  _globals['_REGISTERREPLY']._serialized_end=360
-  _globals['_REGISTERREPLY_STATUS']._serialized_start=324
-  _globals['_REGISTERREPLY_STATUS']._serialized_end=360
-  _globals['_WORKERREF']._serialized_start=362
-  _globals['_WORKERREF']._serialized_end=420
-  _globals['_JOBCHUNK']._serialized_start=423
-  _globals['_JOBCHUNK']._serialized_end=719
-  _globals['_JOBCHUNK_STATUS']._serialized_start=662
-  _globals['_JOBCHUNK_STATUS']._serialized_end=719
-  _globals['_PUSHCHUNK']._serialized_start=722
-  _globals['_PUSHCHUNK']._serialized_end=931
-  _globals['_PUSHREPLY']._serialized_start=933
-  _globals['_PUSHREPLY']._serialized_end=1054
-  _globals['_PUSHREPLY_STATUS']._serialized_start=1007
-  _globals['_PUSHREPLY_STATUS']._serialized_end=1054
-  _globals['_HEARTBEATREPLY']._serialized_start=1056
-  _globals['_HEARTBEATREPLY']._serialized_end=1101
-  _globals['_LEAVEREPLY']._serialized_start=1103
-  _globals['_LEAVEREPLY']._serialized_end=1115
-  _globals['_PARAMETERSERVER']._serialized_start=1118
-  _globals['_PARAMETERSERVER']._serialized_end=1426
+  _globals['_REGISTERREQUEST']._serialized_end=137
+  _globals['_REGISTERREPLY']._serialized_start=140
+  _globals['_REGISTERREPLY']._serialized_end=390
+  _globals['_REGISTERREPLY_STATUS']._serialized_start=354
+  _globals['_REGISTERREPLY_STATUS']._serialized_end=390
+  _globals['_WORKERREF']._serialized_start=392
+  _globals['_WORKERREF']._serialized_end=450
+  _globals['_JOBCHUNK']._serialized_start=453
+  _globals['_JOBCHUNK']._serialized_end=807
+  _globals['_JOBCHUNK_STATUS']._serialized_start=740
+  _globals['_JOBCHUNK_STATUS']._serialized_end=807
+  _globals['_FRAGMENTREF']._serialized_start=809
+  _globals['_FRAGMENTREF']._serialized_end=902
+  _globals['_PUSHCHUNK']._serialized_start=905
+  _globals['_PUSHCHUNK']._serialized_end=1132
+  _globals['_PUSHREPLY']._serialized_start=1134
+  _globals['_PUSHREPLY']._serialized_end=1255
+  _globals['_PUSHREPLY_STATUS']._serialized_start=1208
+  _globals['_PUSHREPLY_STATUS']._serialized_end=1255
+  _globals['_HEARTBEATREPLY']._serialized_start=1257
+  _globals['_HEARTBEATREPLY']._serialized_end=1302
+  _globals['_LEAVEREPLY']._serialized_start=1304
+  _globals['_LEAVEREPLY']._serialized_end=1316
+  _globals['_PARAMETERSERVER']._serialized_start=1319
+  _globals['_PARAMETERSERVER']._serialized_end=1689
 # @@protoc_insertion_point(module_scope)

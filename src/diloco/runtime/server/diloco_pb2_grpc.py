@@ -49,6 +49,11 @@ class ParameterServerStub:
                 request_serializer=diloco__pb2.PushChunk.SerializeToString,
                 response_deserializer=diloco__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.GetFragment = channel.unary_stream(
+                '/diloco.v1.ParameterServer/GetFragment',
+                request_serializer=diloco__pb2.FragmentRef.SerializeToString,
+                response_deserializer=diloco__pb2.JobChunk.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/diloco.v1.ParameterServer/Heartbeat',
                 request_serializer=diloco__pb2.WorkerRef.SerializeToString,
@@ -85,6 +90,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetFragment(self, request, context):
+        """Streaming DiLoCo: fragment p of a round's global parameters once its outer step is taken
+        (a header chunk, then the fragment in chunks; WAIT while it is not, GONE for a past round).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Heartbeat(self, request, context):
         """"I am alive" between jobs and during long ones (the lease).
         """
@@ -116,6 +129,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=diloco__pb2.PushChunk.FromString,
                     response_serializer=diloco__pb2.PushReply.SerializeToString,
+            ),
+            'GetFragment': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetFragment,
+                    request_deserializer=diloco__pb2.FragmentRef.FromString,
+                    response_serializer=diloco__pb2.JobChunk.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
@@ -209,6 +227,33 @@ class ParameterServer:
             '/diloco.v1.ParameterServer/Push',
             diloco__pb2.PushChunk.SerializeToString,
             diloco__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetFragment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/diloco.v1.ParameterServer/GetFragment',
+            diloco__pb2.FragmentRef.SerializeToString,
+            diloco__pb2.JobChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,10 +18,10 @@ import grpc
 import torch
 
 from diloco.core.codec import Encoded
-from diloco.core.dylu import DEADLINE_CAP
 from diloco.errors import NonFinite, UserError
 from diloco.runtime.server import diloco_pb2 as pb
 from diloco.runtime.server import diloco_pb2_grpc as rpc
+from diloco.runtime.server.jobs import most_steps
 from diloco.runtime.server.state import ServerState, log
 from diloco.runtime.server.wire import CHUNK_BYTES, PROTOCOL
 
@@ -49,19 +49,39 @@ class Handlers(rpc.ParameterServerServicer):
                 f"this server speaks protocol {PROTOCOL}, the worker {request.protocol}; "
                 "run the same diloco on both",
             )
+        ranks, per_worker = request.ranks or 1, st.cfg.procs_per_worker
+        if per_worker % ranks:
+            ctx.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this run's workers take batches of {per_worker} x --batch-size rows (diloco serve "
+                f"--procs-per-worker {per_worker}), which a group of {ranks} ranks cannot split evenly; "
+                f"start the worker with a number of ranks that divides {per_worker} (torchrun "
+                f"--nproc-per-node {per_worker} -m diloco worker ...)",
+            )
         with st.cond:
             if st.coord.finished:
                 return pb.RegisterReply(status=pb.RegisterReply.DONE)
             again = [
                 w for w, rec in st.coord.workers.items() if request.nonce and rec["nonce"] == request.nonce
             ]
-            w = again[0] if again else st.coord.free_slot()  # a retried Register gets its slot again
+            # torchrun restarted a group (a rank died): it takes its slot back at once, as a fresh
+            # worker, instead of waiting for the old registration's lease to run out
+            restarted = [
+                w
+                for w, rec in st.coord.workers.items()
+                if request.group and rec.get("group") == request.group and not again
+            ]
+            if restarted:
+                st.leave(restarted[0], "restarted")
+            w = again[0] if again else restarted[0] if restarted else st.coord.free_slot()
             if w is None:
                 return pb.RegisterReply(status=pb.RegisterReply.FULL, retry_s=1.0)
             if not again:
                 event = {"kind": "join", "worker": w, "name": request.name, "device": request.device}
-                st.record({**event, "nonce": request.nonce})
-                log(f"worker {w} joined ({request.name}, {request.device})")
+                group = {"ranks": ranks, "group": request.group} if ranks > 1 or request.group else {}
+                st.record({**event, "nonce": request.nonce, **group})
+                shown = f", {ranks} ranks" if ranks > 1 else ""
+                log(f"worker {w} joined ({request.name}, {request.device}{shown})")
             st.renew(w)
             token = st.coord.workers[w]["token"]
         return pb.RegisterReply(
@@ -101,7 +121,8 @@ class Handlers(rpc.ParameterServerServicer):
         if job is None:
             yield yield_header
             return
-        blob = st.params_blob(job)
+        st.served(job.job)
+        blob = b"" if job.keep else st.params_blob(job)  # streaming: a worker that keeps its own θ
         st.count_received(w, len(blob))
         yield pb.JobChunk(
             status=pb.JobChunk.RUN,
@@ -113,8 +134,44 @@ class Handlers(rpc.ParameterServerServicer):
             position=job.position,
             version=job.version,
             seconds=job.seconds or 0.0,  # a deadline job's length (0: a job of `steps` steps)
+            max_steps=most_steps(job),
             total_bytes=len(blob),
+            round=job.round or 0,
+            keep=job.keep,
         )
+        for at in range(0, len(blob), CHUNK_BYTES):
+            yield pb.JobChunk(data=blob[at : at + CHUNK_BYTES])
+
+    def GetFragment(self, request, ctx):
+        """Streaming DiLoCo: fragment p of a round once its outer step is taken (fragments.py)."""
+        st, w, p, r = self.st, request.worker, request.fragment, request.round
+        self._check(request.run_id, ctx)
+        c = st.coord
+        if c.schedule is None or not 0 <= p < c.schedule.fragments:
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"this run has no fragment {p}")
+        limit, status, tensors = time.monotonic() + LONG_POLL_S, None, None
+        with st.cond:
+            while status is None:
+                if c.finished:  # its last merge does not matter any more
+                    st.tell_done(request.token)
+                    status = pb.JobChunk.DONE
+                elif not st.touch(w, request.token):
+                    status = pb.JobChunk.UNKNOWN_WORKER
+                elif c.fragment_round[p] == r:
+                    tensors = [st.side.params[i].detach().clone() for i in c.groups[p]]
+                    status = pb.JobChunk.RUN
+                elif c.fragment_round[p] > r or r > st.side.rounds_done + 1:
+                    status = pb.JobChunk.GONE  # stepped again since: the worker joins again
+                elif time.monotonic() >= limit:
+                    status = pb.JobChunk.WAIT
+                else:
+                    st.cond.wait(1.0)
+        if tensors is None:
+            yield pb.JobChunk(status=status, retry_s=0.0)
+            return
+        blob = st.fragment_blob(r, p, tensors)
+        st.count_received(w, len(blob))
+        yield pb.JobChunk(status=status, round=r, total_bytes=len(blob))
         for at in range(0, len(blob), CHUNK_BYTES):
             yield pb.JobChunk(data=blob[at : at + CHUNK_BYTES])
 
@@ -127,9 +184,9 @@ class Handlers(rpc.ParameterServerServicer):
         if head is None:
             ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "an empty push; send a header chunk first")
         self._check(head.run_id, ctx)
-        w, jid, token = head.worker, head.job, head.token
-        refuse = functools.partial(self._refuse, ctx, w, token, jid, steps=head.steps)
-        limit = st.max_message_bytes
+        w, jid, token, p = head.worker, head.job, head.token, head.fragment - 1  # p: -1 for a whole one
+        refuse = functools.partial(self._refuse, ctx, w, token, jid, steps=head.steps, fragment=p)
+        expected_message, expected_meta, limit = st.expected(p)
         if head.total_bytes > limit:
             refuse(
                 "oversized", f"push of job {jid} announces {head.total_bytes} bytes, over the limit {limit}"
@@ -145,16 +202,16 @@ class Handlers(rpc.ParameterServerServicer):
             refuse("length", f"push of job {jid} has {len(blob)} bytes, its header says {head.total_bytes}")
         with st.cond:
             st.touch(w, token)
-            verdict = self._verdict(ctx, w, token, jid, head.steps)
+            verdict = self._verdict(ctx, w, token, jid, head.steps, p)
             if verdict is not None:
                 return verdict
             job = st.coord.jobs[jid]
         if head.version != job.version:
             refuse("version", f"job {jid} started from version {job.version}, the push says {head.version}")
-        if job.seconds is not None and not 1 <= head.steps <= DEADLINE_CAP * job.steps:
+        if job.seconds is not None and not 1 <= head.steps <= most_steps(job):
             refuse(
                 "steps",
-                f"job {jid} is a deadline job of at most {DEADLINE_CAP * job.steps} inner steps, the push "
+                f"job {jid} is a deadline job of at most {most_steps(job)} inner steps, the push "
                 f"says {head.steps}",
             )
         if job.seconds is None and head.steps != job.steps:
@@ -176,8 +233,9 @@ class Handlers(rpc.ParameterServerServicer):
         except UserError as e:
             refuse("malformed", str(e).removesuffix(" resend it.").rstrip(";."))
         got = [(tuple(t.shape), t.dtype) for t in message.payload]
-        if got != st.expected_message or message.meta != st.expected_meta:
-            refuse("shape", f"job {jid}'s outer_grad does not have this model's shapes and dtypes")
+        if got != expected_message or message.meta != expected_meta:
+            what = f"fragment {p} of job {jid}'s outer_grad" if p >= 0 else f"job {jid}'s outer_grad"
+            refuse("shape", f"{what} does not have this model's shapes and dtypes")
         norm = None
         if head.finite:  # an outer_grad flagged non-finite is dropped by the rule (--on-nonfinite drop)
             try:
@@ -191,7 +249,7 @@ class Handlers(rpc.ParameterServerServicer):
                 refuse("nonfinite", detail)
             norm = total / math.sqrt(max(1, head.steps))  # the steps it took (checked above)
         with st.cond:
-            verdict = self._verdict(ctx, w, token, jid, head.steps)
+            verdict = self._verdict(ctx, w, token, jid, head.steps, p)
             if verdict is not None:
                 return verdict
             c = st.coord
@@ -220,7 +278,8 @@ class Handlers(rpc.ParameterServerServicer):
                 "compute_s": head.compute_s,
                 "finite": head.finite,
                 "nbytes": message.nbytes,
-                "norm": norm,
+                "norm": norm if p < 0 else None,  # the bound compares whole outer_grads
+                **({"fragment": p} if p >= 0 else {}),
             }
             st.record(event, blob, message)
             st.count_sent(w, len(blob))
@@ -228,7 +287,16 @@ class Handlers(rpc.ParameterServerServicer):
         return pb.PushReply(status=pb.PushReply.ACCEPTED)
 
     def _refuse(
-        self, ctx, w: int, token: int, jid: int, reason: str, detail: str, code=None, steps: int | None = None
+        self,
+        ctx,
+        w: int,
+        token: int,
+        jid: int,
+        reason: str,
+        detail: str,
+        code=None,
+        steps: int | None = None,
+        fragment: int = -1,
     ):
         """Refuse a push: a `reject` event (counted in metrics as kind "rejected"; when the job is
         the pusher's own, it is given back, as when a worker leaves: θ and the version stay as
@@ -239,16 +307,24 @@ class Handlers(rpc.ParameterServerServicer):
             job = st.coord.jobs.get(jid)
             own = job is not None and job.worker == w and st.coord.known(w, token)
             event = {"kind": "reject", "job": jid, "worker": w, "reason": reason, "detail": detail}
-            st.record({**event, "abandon": own, "steps": steps})
+            more = {"fragment": fragment} if fragment >= 0 else {}  # replay: the worker stops there
+            st.record({**event, "abandon": own, "steps": steps, **more})
         log(f"refused a push from worker {w} ({ctx.peer()}): {detail}")
         if code is None:
             big = reason == "oversized"
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if big else grpc.StatusCode.INVALID_ARGUMENT
         ctx.abort(code, f"{reason}: {detail}")
 
-    def _verdict(self, ctx, w: int, token: int, jid: int, steps: int):
-        """The reply to a push that is not to be checked further (None: go on). Lock held."""
+    def _verdict(self, ctx, w: int, token: int, jid: int, steps: int, p: int = -1):
+        """The reply to a push that is not to be checked further (None: go on). Lock held.
+        `p` >= 0: fragment p of a Streaming DiLoCo job."""
         st, c = self.st, self.st.coord
+        streaming = c.schedule is not None
+        if streaming != (p >= 0) or (streaming and p >= c.schedule.fragments):
+            want = f"fragments 0 to {c.schedule.fragments - 1}" if streaming else "whole outer_grads"
+            self._refuse(
+                ctx, w, token, jid, "fragment", f"job {jid}'s push is fragment {p}: this run takes {want}"
+            )
         if jid in c.pushed:
             if c.pushed[jid] == w:  # a retry after a lost reply: already in
                 return pb.PushReply(status=pb.PushReply.DUPLICATE, reason=f"job {jid} was accepted before")
@@ -274,7 +350,19 @@ class Handlers(rpc.ParameterServerServicer):
                 f"job {jid} was given to worker {job.worker}, not worker {w}",
                 code=grpc.StatusCode.PERMISSION_DENIED,
             )
+        if streaming and job is not None and c.known(w, token):
+            if c.fragment_pushed(w, p):  # a retry after a lost reply: already in
+                return pb.PushReply(
+                    status=pb.PushReply.DUPLICATE, reason=f"fragment {p} of job {jid} came before"
+                )
+            if p < c.closed:  # dropped for the round; the job goes on
+                return pb.PushReply(
+                    status=pb.PushReply.LATE, reason=f"fragment {p} of round {job.round} closed"
+                )
         if job is None or not c.known(w, token):
+            if streaming:  # the job was abandoned: its worker joins again (no `late` event: it
+                # stops computing that job here, as replay does)
+                return pb.PushReply(status=pb.PushReply.LATE, reason=f"job {jid} was abandoned")
             if job is None and jid not in c.late:
                 st.record({"kind": "late", "job": jid, "worker": w, "steps": steps})
             return pb.PushReply(

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from diloco.core.dylu import DEADLINE_CAP
+
 
 @dataclass
 class Job:
@@ -27,8 +29,19 @@ class Job:
     pulled: list[torch.Tensor]  # those parameters (what the worker downloads)
     lr_stride: float = 1.0  # step j uses the lr of lr_step + ⌊j · lr_stride⌋ (sync DiLoCo with DyLU)
     seconds: float | None = None  # a deadline job (--dylu-by time): `steps` are those it reserves
+    cap: int | None = None  # a deadline job's most steps (None: DEADLINE_CAP × steps; see `most`)
+    round: int | None = None  # Streaming DiLoCo: the round whose fragments it pushes
+    keep: bool = False  # Streaming DiLoCo: handed out without θ (the worker goes on from its own)
 
 
 def job_state(job: Job) -> dict[str, Any]:
     keys = ("job", "worker", "steps", "shard", "lr_step", "position", "version", "t", "lr_stride", "seconds")
+    keys += ("cap", "round", "keep")
     return {k: getattr(job, k) for k in keys}
+
+
+def most_steps(job: Job) -> int:
+    """The most inner steps `job` may take: a deadline job's cap, else its steps."""
+    if job.seconds is None:
+        return job.steps
+    return job.cap if job.cap is not None else DEADLINE_CAP * job.steps

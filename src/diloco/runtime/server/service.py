@@ -93,15 +93,35 @@ class ServerRuntime(SideView):
                 st.record({"kind": "begin", "round": self.side.rounds_done + 1, "members": members})
                 for w in members:
                     st.record(c.plan_dispatch(w, time.time()))
-            t0 = c.round_t
+            t0, ids = c.round_t, list(c.jobs)
             timeout = self.cfg.round_timeout_s or float("inf")
-            self._wait(lambda: not c.jobs or time.time() >= t0 + timeout, lambda: f"{len(c.jobs)} pushes")
-            computes = [push["compute_s"] for push, _ in c.inbox.values()]
+            if c.schedule is None:
+                self._wait(lambda: not c.jobs or time.time() >= t0 + timeout, lambda: f"{len(c.jobs)} pushes")
+                computes = [push["compute_s"] for push, _ in c.inbox.values()]
+            else:
+                computes = self._fragments(t0 + timeout)
             stats = st.record({"kind": "close", "round": self.side.rounds_done + 1})
-        wall_s = time.time() - t0
+            started = st.first_served(ids)  # its training part: from the first job on the wire
+        wall_s = time.time() - (t0 if started is None else max(t0, started))
         compute_s = sum(computes) / len(computes) if computes else 0.0
         stats.timing = {"compute_s": compute_s, "comm_s": max(0.0, wall_s - compute_s)}
         return stats
+
+    def _fragments(self, deadline: float) -> list[float]:
+        """Streaming DiLoCo (fragments.py): each fragment's outer step once every member whose
+        job is alive pushed it, or at the round's `deadline` (--round-timeout-s) without the late
+        ones, who are then made to leave (they join again as fresh workers). Returns the compute
+        seconds of the jobs that finished. Lock held."""
+        c, st, r = self.coord, self.state, self.side.rounds_done + 1
+        for p in range(c.closed, c.schedule.fragments):  # after a resume: from where the log stopped
+            self._wait(
+                lambda p=p: c.fragment_ready(p) or time.time() >= deadline,
+                lambda p=p: f"fragment {p} from {len(c.jobs) - len(c.fragment_in.get(p, {}))} workers",
+            )
+            st.record({"kind": "fragment", "round": r, "fragment": p})
+        for job in list(c.jobs.values()):  # its last fragment did not come in time
+            st.leave(job.worker, "late")
+        return [push["compute_s"] for push in c.last_pushes.values()]
 
     def step(self):
         """Async: apply the next arrived outer_grad (with a grace period, the pushes that land

@@ -39,6 +39,7 @@ def save(self: Any) -> dict[str, Any]:
         "arrived": [[push, m.state_dict(), job_state(job)] for push, m, job in self.arrived],
         "flushed": self.flushed,
         "totals": [dict(t) for t in self.totals],
+        "fragment_round": list(self.fragment_round),  # streaming (fragments.py)
         **({"dylu": self.planner.state_dict()} if self.planner is not None else {}),
     }
 
@@ -65,5 +66,6 @@ def load(self: Any, s: dict[str, Any]) -> None:
     self.arrived = [(push, Encoded.from_state(m), job(j)) for push, m, j in s["arrived"]]
     self.flushed = bool(s["flushed"])
     self.totals = [dict(t) for t in s["totals"]]
+    self.fragment_round = [int(r) for r in s.get("fragment_round", self.fragment_round)]
     if self.planner is not None and "dylu" in s:
         self.planner.load_state_dict(s["dylu"])

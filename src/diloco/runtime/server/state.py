@@ -34,6 +34,7 @@ from diloco.runtime.server import security, wal
 from diloco.runtime.server.coordinator import Coordinator
 from diloco.runtime.server.jobs import Job
 from diloco.runtime.server.security import ServeOptions
+from diloco.runtime.server.views import Views
 
 MESSAGE_SLACK = 1 << 16  # a push may exceed the exact size of this model's message by this much
 
@@ -42,7 +43,7 @@ def log(text: str) -> None:
     print(f"diloco serve: {text}", file=sys.stderr, flush=True)
 
 
-class ServerState:
+class ServerState(Views):
     """What the server's threads share (see the module docstring). Methods marked "lock held"
     expect the caller to hold `cond`; the others take it themselves or need no lock."""
 
@@ -60,14 +61,14 @@ class ServerState:
         self.token = security.server_token(opts, run_dir)  # None: --insecure-no-token
         self.refusals = security.Refusals(log)
         # what a pushed outer_grad must look like: this model's tensors through the run's codec
-        template = side.codec.encode([torch.zeros_like(p) for p in side.params], {})
-        self.expected_message = [(tuple(t.shape), t.dtype) for t in template.payload]
-        self.expected_meta = template.meta  # e.g. fp4's and topk's shapes
-        self.max_message_bytes = len(template.to_bytes()) + MESSAGE_SLACK
+        self.expected_message, self.expected_meta, self.max_message_bytes = _expected(side, side.params)
         self._recent_rejected: deque = deque(maxlen=20)  # for the status page
         self._push_seconds: deque = deque(maxlen=1000)  # receive-to-acknowledge time of recent pushes
         self.run = None  # run.loop.Run, for the metrics lines of refused pushes (attach_run)
         self.coord = Coordinator(cfg, side, shard_sizes)
+        # Streaming DiLoCo: each fragment's, and the fragments sent to workers (made once each)
+        self._fragments = [_expected(side, [side.params[i] for i in g]) for g in self.coord.groups]
+        self._fragment_blobs: dict[tuple[int, int], bytes] = {}
         self.cond = threading.Condition()
         self.run_id = uuid.uuid4().hex
         self.wal = wal.WriteAheadLog(run_dir / "wal.log")  # cuts off a torn tail left by a crash
@@ -77,6 +78,7 @@ class ServerState:
         self._may_call: set[int] = set()  # registrations that may still call (not left on their own)
         self._wire = [{"sent": 0, "received": 0} for _ in range(cfg.num_workers)]  # real message bytes
         self._blobs: dict[int, bytes] = {}  # version -> θ as a message, while a job needs it
+        self._served: dict[int, float] = {}  # sync: job -> when it first went to its worker
         self._pending: deque = deque()  # the log's records after the checkpoint, to apply on resume
         self._saved_seqs = [0]  # the events the last checkpoints hold (the log keeps the rest)
         self.failure: Exception | None = None  # set by a handler: the main thread raises it
@@ -184,8 +186,13 @@ class ServerState:
         silent = time.monotonic() - self._last_seen.get(w, time.monotonic())
         self.record({"kind": "leave", "worker": w, "reason": reason})
         self._last_seen.pop(w, None)
-        gone = f"was silent for {silent:.0f} s: it is gone, its job is re-offered"
-        log(f"worker {w} ({name}) " + (gone if reason == "expired" else "left the run (it said it stops)"))
+        said = {
+            "expired": f"was silent for {silent:.0f} s: it is gone, its job is re-offered",
+            "left": "left the run (it said it stops)",
+            "restarted": "was restarted by torchrun: it joins again as a fresh worker, its job is re-offered",
+            "late": "missed its round's end (Streaming DiLoCo): it joins again as a fresh worker",
+        }
+        log(f"worker {w} ({name}) {said[reason]}")
 
     def tell_done(self, token: int) -> None:
         """The registration that got `token` has heard that the run is over."""
@@ -216,6 +223,17 @@ class ServerState:
         """Worker w pulled a message of `nbytes`."""
         self._wire[w]["received"] += nbytes
 
+    def served(self, job: int) -> None:
+        """Job `job`'s header is on its way to its worker (the first time counts)."""
+        with self.cond:
+            self._served.setdefault(job, time.time())
+
+    def first_served(self, jobs: list[int]) -> float | None:
+        """When the first of `jobs` went to its worker (None: none did); forgets them. Lock held.
+        A sync round's training part starts there: its workers' start-up is not in it."""
+        times = [t for j in jobs if (t := self._served.pop(j, None)) is not None]
+        return min(times) if times else None
+
     def push_took(self, seconds: float) -> None:
         """A push was acknowledged `seconds` after it began to arrive."""
         self._push_seconds.append(seconds)
@@ -232,85 +250,25 @@ class ServerState:
                 self._blobs[job.version] = blob
         return blob
 
-    # -- views ---------------------------------------------------------------------------------
-    def summary(self) -> dict[str, Any]:
-        """summary.json's per-worker rows and the events count. Lock held."""
-        now, c = time.time(), self.coord
-        rows = []
-        for w, tot in enumerate(c.totals):
-            present_s = tot["present_s"] + (now - c.workers[w]["joined_t"] if w in c.workers else 0.0)
-            compute_s, present_s = round(tot["compute_s"], 3), round(present_s, 3)
-            rows.append(
-                {
-                    "worker": w,
-                    "jobs": tot["jobs"],
-                    "inner_steps": self.side.worker_steps[w],  # as summary.json's inner_steps_per_worker
-                    "compute_s": compute_s,
-                    "present_s": present_s,  # registered
-                    "compute_utilisation": round(compute_s / present_s, 4) if present_s > 0 else None,
-                    "mean_staleness": tot["staleness"] / tot["jobs"] if tot["jobs"] and not c.sync else None,
-                    "step_s": c.workers[w]["step_s"] if w in c.workers else tot["step_s"],
-                    "wire_bytes_sent": self._wire[w]["sent"],
-                    "wire_bytes_received": self._wire[w]["received"],
-                }
-            )
-        return {"workers": rows, "events": c.seq}
+    def expected(self, p: int) -> tuple[list, dict, int]:
+        """What a push must look like (payload shapes and dtypes, codec meta, most bytes): a whole
+        outer_grad (p < 0) or Streaming DiLoCo's fragment p."""
+        if p < 0:
+            return self.expected_message, self.expected_meta, self.max_message_bytes
+        return self._fragments[p]
 
-    def status(self) -> dict[str, Any]:
-        """The run at a glance, for the status page (`/status`, `/`, `/metrics`)."""
-        with self.cond:
-            c, now, mono = self.coord, time.time(), time.monotonic()
-            done = sum(t["steps"] for t in c.totals)
-            elapsed = now - self.t0
-            rate = (done - self._steps_at_start) / elapsed if elapsed > 0 else 0.0
-            workers = []
-            for w, tot in enumerate(c.totals):
-                rec = c.workers.get(w)
-                if rec is None and not tot["jobs"]:
-                    continue
-                job = c.jobs.get(rec["job"]) if rec and rec["job"] is not None else None
-                waiting = any(j.worker == w for _, _, j in c.arrived) or (c.sync and w in c.inbox)
-                state = "gone" if rec is None else "working" if job else "pushed" if waiting else "idle"
-                seen = self._last_seen.get(w)
-                workers.append(
-                    {
-                        "worker": w,
-                        "host": rec["name"] if rec else None,
-                        "device": rec["device"] if rec else None,
-                        "state": state,
-                        "step_s": rec["step_s"] if rec else tot["step_s"],
-                        "steps": job.steps if job else tot.get("last_steps"),
-                        "staleness": tot.get("last_staleness"),
-                        "jobs": tot["jobs"],
-                        "inner_steps": tot["steps"],
-                        "bytes_sent": self._wire[w]["sent"],
-                        "bytes_received": self._wire[w]["received"],
-                        "last_seen_s": None if seen is None else round(mono - seen, 1),
-                    }
-                )
-            return {
-                "run_dir": str(self.run_dir),
-                "run_id": self.run_id,
-                "method": self.cfg.method,
-                "rule": self.cfg.async_.rule if not c.sync else self.cfg.outer.opt,
-                "k": self.cfg.num_workers,
-                "H": self.cfg.inner_steps,
-                "version": self.side.version,
-                "inner_steps": done,
-                "inner_step_budget": c.step_budget,
-                "eta_s": round((c.step_budget - done) / rate, 1) if rate > 0 and not c.finished else None,
-                "elapsed_s": round(elapsed, 1),
-                "finished": c.finished,
-                "tls": self.opts.tls_cert is not None,
-                "auth": self.token is not None,
-                "workers": workers,
-                "rejected": dict(c.rejected),
-                "recent_rejected": list(self._recent_rejected),
-                "unauthenticated": self.refusals.count,
-                "push_seconds": sorted(self._push_seconds),
-            }
+    def fragment_blob(self, round_: int, p: int, tensors: list[torch.Tensor]) -> bytes:
+        """Fragment p of round `round_` (`tensors`: θ's, copied under the lock) as sent to workers,
+        made once."""
+        blob = self._fragment_blobs.get((round_, p))
+        if blob is None:
+            blob = self.side.download.encode(tensors).to_bytes()
+            with self.cond:
+                latest = self.coord.fragment_round
+                self._fragment_blobs = {k: b for k, b in self._fragment_blobs.items() if latest[k[1]] == k[0]}
+                self._fragment_blobs[(round_, p)] = blob
+        return blob
 
-    # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint's "server" entry; the log keeps the events after it. Lock held."""
         self._saved_seqs = [*self._saved_seqs[-1:], self.coord.seq]
@@ -353,3 +311,11 @@ class ServerState:
         """Close the write-ahead log and events.jsonl."""
         self.wal.close()
         self._events.close()
+
+
+def _expected(side: OuterSide, params: list[torch.Tensor]) -> tuple[list, dict, int]:
+    """A pushed message of `params`' outer_grad: its payload's shapes and dtypes, its codec meta
+    (e.g. fp4's and topk's shapes), and its largest size."""
+    template = side.codec.encode([torch.zeros_like(p) for p in params], {})
+    shapes = [(tuple(t.shape), t.dtype) for t in template.payload]
+    return shapes, template.meta, len(template.to_bytes()) + MESSAGE_SLACK

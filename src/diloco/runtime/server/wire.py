@@ -11,8 +11,9 @@ from collections.abc import Iterator
 from diloco.runtime.server import diloco_pb2 as pb
 
 # bumped when the messages change meaning (4: the config sent to workers says "async", not
-# "server"; 5: a job carries lr_stride, sync DiLoCo with DyLU, and seconds, a deadline job)
-PROTOCOL = 5
+# "server"; 5: a job carries lr_stride, sync DiLoCo with DyLU, and seconds, a deadline job; 6: a
+# worker may be a torchrun group, which says its ranks and launch when it registers)
+PROTOCOL = 6
 CHUNK_BYTES = 1 << 20  # a stream's chunks stay well under gRPC's 4 MB message limit
 
 
