@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import secrets
@@ -741,6 +742,7 @@ def main() -> None:
         default=None,
         help="where to save the JSON (default: benchmarks/results/wan.json; --quick: none)",
     )
+    parser.add_argument("--keep", metavar="DIR", help="keep every row's run directory under DIR")
     args = parser.parse_args()
     reason = missing()
     if reason:
@@ -756,7 +758,13 @@ def main() -> None:
     install_signal_handlers()
     for name in sweep_stale():
         log(f"deleted {name}, left by a wan.py that was killed")
-    with tempfile.TemporaryDirectory(prefix="diloco-wan-") as tmp:
+    if args.keep:  # the run directories stay, to look into (events.jsonl, metrics.jsonl)
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+    with (
+        contextlib.nullcontext(args.keep)
+        if args.keep
+        else tempfile.TemporaryDirectory(prefix="diloco-wan-") as tmp
+    ):
         try:
             result = run_wan(
                 inner_steps=H,

@@ -82,6 +82,7 @@ def _rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.slow  # the suite's 10 minutes; in `make test-all` (pytest -m slow)
 @pytest.mark.timeout(300)
 def test_a_mixed_async_run_with_deadline_jobs_completes_and_replays_and_a_group_that_does_not_fit_is_refused(
     tmp_path,
@@ -127,6 +128,7 @@ def test_a_mixed_async_run_with_deadline_jobs_completes_and_replays_and_a_group_
     assert sorted(w["ranks"] for w in summary["workers"]) == [1, 2]
 
 
+@pytest.mark.slow  # the suite's 10 minutes; in `make test-all` (pytest -m slow)
 @pytest.mark.timeout(300)
 def test_a_rank_killed_mid_job_restarts_its_group_which_takes_its_slot_back(tmp_path):
     """kill -9 of rank 1 of a group mid-job: torchrun restarts the group (--max-restarts), its
@@ -223,6 +225,7 @@ def test_a_group_that_cannot_reach_the_server_stops_every_rank_with_one_sentence
     )
 
 
+@pytest.mark.slow  # the suite's 10 minutes; in `make test-all` (pytest -m slow)
 @pytest.mark.timeout(300)
 def test_a_group_worker_streams_fragments_and_the_run_replays(tmp_path):
     """Streaming DiLoCo (P = 2, τ = 1) with one 2-rank group and one plain worker: the leader

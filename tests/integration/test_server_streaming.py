@@ -21,7 +21,10 @@ STREAM = ["--workers", "2", "--inner-steps", "24", "--fragments", "4", "--overla
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "codec",
-    [["--codec", "fp32"], ["--codec", "fp4", "--error-feedback", "--download-codec", "bf16"]],
+    [
+        pytest.param(["--codec", "fp32"], marks=pytest.mark.slow),  # the suite's 10 minutes
+        ["--codec", "fp4", "--error-feedback", "--download-codec", "bf16"],
+    ],
     ids=["fp32", "fp4"],
 )
 def test_streaming_through_the_server_equals_the_simulator_and_replays(tmp_path, codec):
@@ -52,6 +55,7 @@ def test_streaming_through_the_server_equals_the_simulator_and_replays(tmp_path,
     assert server["bytes_sent"] == sim["bytes_sent"] and server["bytes_received"] == sim["bytes_received"]
 
 
+@pytest.mark.slow  # the suite's 10 minutes; in `make test-all` (pytest -m slow)
 @pytest.mark.timeout(300)
 def test_the_server_killed_mid_fragment_resumes_and_loses_and_repeats_nothing(tmp_path):
     """kill -9 of the server between two fragments' outer steps of a round, then --resume on
@@ -87,6 +91,7 @@ def test_the_server_killed_mid_fragment_resumes_and_loses_and_repeats_nothing(tm
     assert replay(run_dir)["bitwise_equal"]
 
 
+@pytest.mark.slow  # the suite's 10 minutes; in `make test-all` (pytest -m slow)
 @pytest.mark.timeout(300)
 def test_a_late_workers_fragments_are_dropped_and_it_joins_again_fresh(tmp_path):
     """--round-timeout-s: the fragments close without a worker too slow for the round (the

@@ -1,8 +1,9 @@
 """A Streaming DiLoCo job of a parameter server's worker (docs/server.md, "Streaming DiLoCo"): the
 round's segments (core/streaming.py), as the simulator and the collective runtime run them. At a
-fragment's send step its outer_grad is pushed from a background thread while the worker goes on
-training; at its merge step, τ steps later, the worker waits for that push's answer and asks the
-server for the fragment's new global values (GetFragment), which it mixes in with α. A job
+fragment's send step a background thread pushes its outer_grad and then asks the server for the
+fragment's new global values (GetFragment, which answers once every worker's fragment is in and
+the outer step taken) while the worker goes on training; at the merge step, τ steps later, the
+worker takes them (waiting for what the τ steps did not hide) and mixes them in with α. A job
 handed out with θ (the worker's first, or after its job was dropped) starts from θ and measures
 its outer_grads from it; later jobs (`keep`) go on from the worker's own parameters.
 
@@ -11,6 +12,7 @@ its outer_grads from it; later jobs (`keep`) go on from the worker's own paramet
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -64,10 +66,18 @@ def streaming_job(
                     kwargs["start"], kwargs["anchor"] = start, start
                 if seg.merge is not None:
                     began = time.perf_counter()
-                    status = group.lead(lambda p=seg.merge: pushes.pop(p).result())
-                    if status == "refused":
+                    got: list[bytes] = []
+                    pushed, status, nbytes = group.lead(
+                        lambda p=seg.merge, got=got: _landed(pushes.pop(p), got)
+                    )
+                    if pushed == "refused":
                         return "done"
-                    tensors = _fetch(link, ref, head.round, seg.merge, group, download, over)
+                    if status == pb.JobChunk.DONE:
+                        raise RunOver
+                    if status in (pb.JobChunk.UNKNOWN_WORKER, pb.JobChunk.GONE):
+                        raise _Rejoin
+                    blob = group.share(got[0] if got else None, nbytes)
+                    tensors = download.decode(Encoded.from_bytes(blob))
                     kwargs["merge"] = (groups[seg.merge], tensors, schedule.alpha)
                     waited += time.perf_counter() - began
                 if seg.send is not None:
@@ -85,45 +95,45 @@ def streaming_job(
                         mean_loss=total / max(1, done),  # its steps so far
                         last_lr=result.last_lr,
                         finite=result.finite,
-                        compute_s=time.perf_counter() - t0 - waited,
+                        # its compute so far per step × the job's steps: the last push comes τ
+                        # steps before the job's end (the server's measured speed and utilisation)
+                        compute_s=(time.perf_counter() - t0 - waited) / max(1, done) * head.steps,
                         version=head.version,
                         fragment=seg.send + 1,
                     )
                     message = result.message.to_bytes() if group.leader else b""
                     header.total_bytes = len(message)
-                    pushes[seg.send] = pool.submit(push, header, message) if group.leader else _none()
+                    if group.leader:  # push it, then fetch the fragment's new values, meanwhile
+                        fetch = functools.partial(_fetch, link, ref, head.round, seg.send, over)
+                        pushes[seg.send] = pool.submit(_exchange, push, header, message, fetch)
         except _Rejoin:
             return "rejoin"
     return "done"
 
 
-def _none() -> Future:
-    future: Future = Future()
-    future.set_result(None)
-    return future
+def _exchange(push, header: pb.PushChunk, message: bytes, fetch) -> tuple[str, int, bytes]:
+    """A fragment's exchange, on the background thread (the leader): the push's answer ("acked",
+    "late" or "refused"), then (unless refused) the fragment's status and bytes from the server."""
+    pushed = push(header, message)
+    if pushed == "refused":
+        return pushed, pb.JobChunk.RUN, b""
+    return (pushed, *fetch())
 
 
-def _fetch(link, ref, round_: int, p: int, group: Group, download, over) -> list[torch.Tensor]:
-    """Fragment p of the round as the server has it after its outer step (every rank)."""
-    got: list[bytes] = []
+def _landed(exchange: Future, got: list[bytes]) -> tuple[str, int, int]:
+    """Wait for a fragment's exchange (the leader); keeps its bytes in `got` for the other ranks."""
+    pushed, status, blob = exchange.result()
+    got.append(blob)
+    return pushed, status, len(blob)
 
+
+def _fetch(link: Link, ref: pb.WorkerRef, round_: int, p: int, over) -> tuple[int, bytes]:
+    """Fragment p of the round from the server once its outer step is taken: (status, bytes)."""
     request = pb.FragmentRef(worker=ref.worker, run_id=ref.run_id, token=ref.token, round=round_, fragment=p)
-
-    def ask() -> tuple[int, int]:
-        while True:
-            head, blob = link.call(f"fragment {p}", lambda: _get(link, request), over)
-            if head.status == pb.JobChunk.WAIT:
-                continue
-            got.append(blob)
-            return head.status, len(blob)
-
-    status, nbytes = group.lead(ask)
-    if status == pb.JobChunk.DONE:
-        raise RunOver
-    if status in (pb.JobChunk.UNKNOWN_WORKER, pb.JobChunk.GONE):
-        raise _Rejoin
-    blob = group.share(got[0] if got else None, nbytes)
-    return download.decode(Encoded.from_bytes(blob))
+    while True:
+        head, blob = link.call(f"fragment {p}", lambda: _get(link, request), over)
+        if head.status != pb.JobChunk.WAIT:
+            return head.status, blob
 
 
 def _get(link: Link, request: pb.FragmentRef) -> tuple[pb.JobChunk, bytes]:
