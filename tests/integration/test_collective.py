@@ -265,6 +265,7 @@ def test_every_codec_and_streaming_equal_the_simulator_bit_for_bit(tiny, tmp_pat
     assert a["bytes_sent_per_worker"] == b["bytes_sent_per_worker"] and a["val_loss"] == b["val_loss"]
 
 
+@pytest.mark.slow  # the suite's 10 minutes: streaming and 2-rank workers are each covered alone
 @pytest.mark.timeout(120)
 def test_streaming_with_workers_of_two_ranks_matches_the_simulator_at_double_batch(tiny, tmp_path):
     import dataclasses
