@@ -152,6 +152,16 @@ class Link:
         problem = security.tls_problem(self.server, self.tls_ca, details)
         return UserError(problem) if problem else None
 
+    def download(self, rpc: str, request, what: str) -> tuple[pb.JobChunk, bytes]:
+        """A streamed answer (GetJob, GetFragment): its header chunk and the bytes of all the
+        chunks, checked against the header's length."""
+        chunks = getattr(self.stub, rpc)(request, timeout=120.0, metadata=self.meta)
+        head = next(chunks)
+        blob = b"".join(chunk.data for chunk in chunks)
+        if head.status == pb.JobChunk.RUN and len(blob) != head.total_bytes:
+            raise UserError(f"{what} came with {len(blob)} bytes, not {head.total_bytes}")
+        return head, blob
+
     def close(self) -> None:
         self.channel.close()
 

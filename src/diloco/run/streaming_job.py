@@ -22,7 +22,6 @@ import torch
 from diloco.core.codec import Encoded
 from diloco.core.inner import Worker
 from diloco.core.streaming import fragment_groups
-from diloco.errors import UserError
 from diloco.run.assemble import download_codec
 from diloco.run.group import Group
 from diloco.run.link import Link, RunOver
@@ -131,15 +130,8 @@ def _fetch(link: Link, ref: pb.WorkerRef, round_: int, p: int, over) -> tuple[in
     """Fragment p of the round from the server once its outer step is taken: (status, bytes)."""
     request = pb.FragmentRef(worker=ref.worker, run_id=ref.run_id, token=ref.token, round=round_, fragment=p)
     while True:
-        head, blob = link.call(f"fragment {p}", lambda: _get(link, request), over)
+        head, blob = link.call(
+            f"fragment {p}", lambda: link.download("GetFragment", request, f"fragment {p}"), over
+        )
         if head.status != pb.JobChunk.WAIT:
             return head.status, blob
-
-
-def _get(link: Link, request: pb.FragmentRef) -> tuple[pb.JobChunk, bytes]:
-    chunks = link.stub.GetFragment(request, timeout=120.0, metadata=link.meta)
-    head = next(chunks)
-    blob = b"".join(chunk.data for chunk in chunks)
-    if head.status == pb.JobChunk.RUN and len(blob) != head.total_bytes:
-        raise UserError(f"fragment {request.fragment} came with {len(blob)} bytes, not {head.total_bytes}")
-    return head, blob

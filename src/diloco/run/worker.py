@@ -50,16 +50,6 @@ from diloco.runtime.server.wire import PROTOCOL, push_chunks
 MAX_REFUSED_IN_A_ROW = 3  # then something is wrong with this worker: it stops (exit 2)
 
 
-def _get_job(link: Link, ref: pb.WorkerRef) -> tuple[pb.JobChunk, bytes]:
-    """The next job's header and the global parameters (all chunks)."""
-    chunks = link.stub.GetJob(ref, timeout=120.0, metadata=link.meta)
-    head = next(chunks)
-    blob = b"".join(chunk.data for chunk in chunks)
-    if head.status == pb.JobChunk.RUN and len(blob) != head.total_bytes:
-        raise UserError(f"job {head.job} came with {len(blob)} bytes of parameters, not {head.total_bytes}")
-    return head, blob
-
-
 def _emulated(step_s: float, factor: float, start: float, end: float):
     """An emulated device's time for a step that took t seconds: at least `step_s`, times
     `factor` from `start` to `end` seconds after its first inner step (runtime.clock.slowed)."""
@@ -242,7 +232,9 @@ def _jobs(
         got: list[bytes] = []
 
         def ask(got: list[bytes] = got) -> bytes:
-            head, blob = link.call("asking for a job", lambda: _get_job(link, ref), over)
+            head, blob = link.call(
+                "asking for a job", lambda: link.download("GetJob", ref, "a job's parameters"), over
+            )
             got.append(blob)
             return head.SerializeToString()
 
