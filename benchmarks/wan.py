@@ -5,7 +5,9 @@ bucket (`tc qdisc ... tbf`) to one rate, chosen so that one fp32 exchange of the
 about as long as H inner steps. Rows (`--configs`, comma-separated; collective rows run first):
 
 - `fp32` (plain DiLoCo), `fp4` (`--codec fp4 --error-feedback`), `streaming` (fp4 with error
-  feedback, `--fragments P --overlap-steps TAU`): `diloco train --runtime collective`;
+  feedback, `--fragments P --overlap-steps TAU`), `streaming_fp32` (the same in fp32, which
+  sends as many bytes as `fp32`, spread over the round: the link's own limit):
+  `diloco train --runtime collective`;
   `utilisation_<row>` is summary.json's `compute_utilisation`: the workers' mean compute ÷ the
   round's wall time, summed over rounds (docs/server.md, "The summary": one definition for
   every runtime);
@@ -386,6 +388,7 @@ c.sendall(b"\\0" * int(sys.argv[3])); c.shutdown(socket.SHUT_WR); c.recv(1); c.c
 CONFIGS = {
     "fp32": lambda P, tau: ["--codec", "fp32"],
     "fp4": lambda P, tau: ["--codec", "fp4", "--error-feedback"],
+    "streaming_fp32": lambda P, tau: ["--codec", "fp32", "--fragments", str(P), "--overlap-steps", str(tau)],
     "streaming": lambda P, tau: [
         "--codec",
         "fp4",

@@ -4,7 +4,9 @@ page's and summary's figures, and a checkpoint plus the log after it restoring t
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 
 import pytest
 import torch
@@ -211,3 +213,23 @@ def test_a_log_that_does_not_go_on_from_the_checkpoint_is_refused(tiny, tmp_path
     ):
         again.load_state_dict(old)
     again.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_first_job_goes_without_theta_only_to_a_worker_that_built_the_same(tiny, tmp_path):
+    """WorkerRef.theta: the digest of the θ a worker built from the run's settings. Its job of
+    the run's first version goes without θ only if the digest is that θ's, as sent."""
+    st = make(tiny, tmp_path / "run")
+    join(st, 0)
+    with st.cond:
+        st.record({"kind": "begin", "round": 1, "members": [0]})
+        st.record(st.coord.plan_dispatch(0, time.time()))
+    job = st.coord.jobs[0]
+    same = st.side.download.encode([p.detach().clone() for p in st.side.params]).digest()
+    other = [p.detach().clone() for p in st.side.params]
+    other[0][0] += 1e-6
+    assert st.own_theta(job, same)
+    assert not st.own_theta(job, st.side.download.encode(other).digest())
+    assert not st.own_theta(job, "")  # a worker that built none (its --init-from file is elsewhere)
+    assert not st.own_theta(dataclasses.replace(job, version=1), same)  # later versions: sent
+    st.close()

@@ -39,6 +39,7 @@ print(build_codec('fp4').encode([torch.ones(1000)]).nbytes)"
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -97,6 +98,16 @@ class Encoded:
             raise UserError(
                 f"an outer_grad message is not a valid encoded message ({e}); resend it."
             ) from None
+
+    def digest(self) -> str:
+        """A hash of the message's values (not of `to_bytes`, whose safetensors header order may
+        differ between processes): equal digests, equal messages."""
+        h = hashlib.sha256(json.dumps([self.codec, self.nbytes, self.meta], sort_keys=True).encode())
+        for t in self.payload:
+            t = t.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
     def state_dict(self) -> dict[str, Any]:
         return {"codec": self.codec, "payload": self.payload, "nbytes": self.nbytes, "meta": self.meta}

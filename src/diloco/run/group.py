@@ -20,7 +20,6 @@ A worker started without torchrun is a group of one, and every call here is a pl
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from collections.abc import Callable
@@ -151,10 +150,7 @@ class Group:
         safetensors header's order may differ between processes)."""
         if self.size == 1:
             return
-        digest = hashlib.sha256(message.codec.encode())
-        for t in message.payload:
-            digest.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-        mine = int.from_bytes(digest.digest()[:8], "little", signed=True)
+        mine = int.from_bytes(bytes.fromhex(message.digest())[:8], "little", signed=True)
         every = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
         with self._collective("checking the outer_grad"):
             dist.all_gather(every, torch.tensor([mine], dtype=torch.int64))

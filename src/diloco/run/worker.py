@@ -38,6 +38,7 @@ from diloco.core.inner import Worker
 from diloco.data.recipe import prepare_data
 from diloco.data.shard_plan import ShardPlan
 from diloco.errors import Interrupted, UserError
+from diloco.model.init import initial_model, load_init
 from diloco.run.assemble import build_worker, download_codec
 from diloco.run.group import Group
 from diloco.run.link import Heartbeat, Link, Refused, RunOver, log
@@ -212,6 +213,18 @@ def _check_job(head: pb.JobChunk, start: list[torch.Tensor] | None, worker: Work
         )
 
 
+def _first_theta(cfg, download) -> Encoded | None:
+    """The run's first θ as the server would send it, built here from the run's settings (the
+    seed, or its --init-from file if this machine has that file too); None when it cannot be."""
+    try:
+        init = load_init(cfg)
+    except UserError:  # the file is on the server's machine only: the job brings θ
+        return None
+    with torch.random.fork_rng(devices=[]):
+        model = initial_model(cfg, init)
+    return download.encode([p.detach() for p in model.parameters() if p.requires_grad])
+
+
 def _jobs(
     link: Link | None,
     ref: pb.WorkerRef,
@@ -228,12 +241,18 @@ def _jobs(
     server; every rank of a group runs the job."""
     refused = [0]
     download = download_codec(cfg)  # how the server sends θ
+    # the θ this worker built from the run's settings, as the server would send it: its first job,
+    # if it starts from exactly that (the run's first version), comes without it (WorkerRef.theta)
+    built = _first_theta(cfg, download)
+    asking = pb.WorkerRef()
+    asking.CopyFrom(ref)
+    asking.theta = built.digest() if group.leader and built is not None else ""
     while True:
         got: list[bytes] = []
 
         def ask(got: list[bytes] = got) -> bytes:
             head, blob = link.call(
-                "asking for a job", lambda: link.download("GetJob", ref, "a job's parameters"), over
+                "asking for a job", lambda: link.download("GetJob", asking, "a job's parameters"), over
             )
             got.append(blob)
             return head.SerializeToString()
@@ -247,7 +266,13 @@ def _jobs(
             time.sleep(head.retry_s)
             continue
         blob = group.share(got[0] if got else None, head.total_bytes)
-        start = None if head.keep else download.decode(Encoded.from_bytes(blob))  # keep: its own θ
+        if head.own and built is None:
+            raise UserError(
+                f"job {head.job} from the server came without parameters; run the same diloco on both."
+            )
+        mine, built, asking.theta = built, None, ""  # from its first job on, θ comes from the server
+        # keep: Streaming DiLoCo, its own θ; own: the θ it built (the server checked the digest)
+        start = None if head.keep else download.decode(mine if head.own else Encoded.from_bytes(blob))
         _check_job(head, start, worker, cfg, shards)
         if cfg.streaming.on:  # Streaming DiLoCo: the round's segments, pushing fragments
             push = functools.partial(_push, link, over=over, refused=refused, acked=acked, acks=acks)

@@ -122,7 +122,8 @@ class Handlers(rpc.ParameterServerServicer):
             yield yield_header
             return
         st.served(job.job)
-        blob = b"" if job.keep else st.params_blob(job)  # streaming: a worker that keeps its own θ
+        own = st.own_theta(job, request.theta)  # the worker built this θ itself: not sent
+        blob = b"" if job.keep or own else st.params_blob(job)  # keep: streaming, the worker's own θ
         st.count_received(w, len(blob))
         yield pb.JobChunk(
             status=pb.JobChunk.RUN,
@@ -138,6 +139,7 @@ class Handlers(rpc.ParameterServerServicer):
             total_bytes=len(blob),
             round=job.round or 0,
             keep=job.keep,
+            own=own,
         )
         for at in range(0, len(blob), CHUNK_BYTES):
             yield pb.JobChunk(data=blob[at : at + CHUNK_BYTES])

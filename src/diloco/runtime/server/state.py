@@ -78,6 +78,7 @@ class ServerState(Views):
         self._may_call: set[int] = set()  # registrations that may still call (not left on their own)
         self._wire = [{"sent": 0, "received": 0} for _ in range(cfg.num_workers)]  # real message bytes
         self._blobs: dict[int, bytes] = {}  # version -> θ as a message, while a job needs it
+        self._theta0: str | None = None  # the digest of the first version's θ as it is sent
         self._served: dict[int, float] = {}  # sync: job -> when it first went to its worker
         self._pending: deque = deque()  # the log's records after the checkpoint, to apply on resume
         self._saved_seqs = [0]  # the events the last checkpoints hold (the log keeps the rest)
@@ -249,6 +250,16 @@ class ServerState(Views):
                 self._blobs = {v: b for v, b in self._blobs.items() if v in live}
                 self._blobs[job.version] = blob
         return blob
+
+    def own_theta(self, job: Job, theta: str) -> bool:
+        """Whether job's θ is the one a worker built from the run's settings (`theta`: its digest,
+        WorkerRef.theta), so the job goes without it: the run's first version only (every worker
+        builds that one from the seed, or the same --init file); its digest is made once."""
+        if not theta or job.version != 0 or job.keep:
+            return False
+        if self._theta0 is None:
+            self._theta0 = self.side.download.encode(job.pulled).digest()
+        return theta == self._theta0
 
     def expected(self, p: int) -> tuple[list, dict, int]:
         """What a push must look like (payload shapes and dtypes, codec meta, most bytes): a whole

@@ -12,8 +12,9 @@ from diloco.runtime.server import diloco_pb2 as pb
 
 # bumped when the messages change meaning (4: the config sent to workers says "async", not
 # "server"; 5: a job carries lr_stride, sync DiLoCo with DyLU, and seconds, a deadline job; 6: a
-# worker may be a torchrun group, which says its ranks and launch when it registers)
-PROTOCOL = 6
+# worker may be a torchrun group, which says its ranks and launch when it registers; 7: a worker
+# says the digest of the parameters it built, and a job of those comes without them, `own`)
+PROTOCOL = 7
 CHUNK_BYTES = 1 << 20  # a stream's chunks stay well under gRPC's 4 MB message limit
 
 
