@@ -59,6 +59,7 @@ class ServerRuntime(SideView):
         self.max_message_bytes = st.max_message_bytes
         self.endpoint = Endpoint(st, opts, self._lock)
         self._group: list[int] = []  # async: jobs of the grace group still to apply
+        self._closed_t: float | None = None  # streaming: when the last round closed (its timing)
 
     # -- the runtime interface -----------------------------------------------------------------
     num_workers = property(lambda self: self.cfg.num_workers)
@@ -102,7 +103,11 @@ class ServerRuntime(SideView):
                 computes = self._fragments(t0 + timeout)
             stats = st.record({"kind": "close", "round": self.side.rounds_done + 1})
             started = st.first_served(ids)  # its training part: from the first job on the wire
-        wall_s = time.time() - (t0 if started is None else max(t0, started))
+        now, begin = time.time(), (t0 if started is None else max(t0, started))
+        if c.schedule is not None and self._closed_t is not None:
+            begin = self._closed_t  # streaming: from the last round's close (see _fragments)
+        self._closed_t = now if c.schedule is not None else None
+        wall_s = now - begin
         compute_s = sum(computes) / len(computes) if computes else 0.0
         stats.timing = {"compute_s": compute_s, "comm_s": max(0.0, wall_s - compute_s)}
         return stats
@@ -111,8 +116,15 @@ class ServerRuntime(SideView):
         """Streaming DiLoCo (fragments.py): each fragment's outer step once every member whose
         job is alive pushed it, or at the round's `deadline` (--round-timeout-s) without the late
         ones, who are then made to leave (they join again as fresh workers). Returns the compute
-        seconds of the jobs that finished. Lock held."""
+        seconds of the jobs that finished, as far as the round's timing window reaches. Lock held.
+
+        The rounds overlap: a worker trains on τ steps past its last push, the next round's
+        first τ. So a round's window runs from the last round's close to this one's (its first,
+        from its first job on the wire): H steps of a worker that went on from its own θ, H − τ
+        of one that started afresh in it."""
         c, st, r = self.coord, self.state, self.side.rounds_done + 1
+        H, tau = c.schedule.inner_steps, c.schedule.overlap_steps
+        fresh = {job.worker for job in c.jobs.values() if not job.keep}
         for p in range(c.closed, c.schedule.fragments):  # after a resume: from where the log stopped
             self._wait(
                 lambda p=p: c.fragment_ready(p) or time.time() >= deadline,
@@ -121,7 +133,9 @@ class ServerRuntime(SideView):
             st.record({"kind": "fragment", "round": r, "fragment": p})
         for job in list(c.jobs.values()):  # its last fragment did not come in time
             st.leave(job.worker, "late")
-        return [push["compute_s"] for push in c.last_pushes.values()]
+        return [
+            push["compute_s"] * ((H - tau) / H if w in fresh else 1.0) for w, push in c.last_pushes.items()
+        ]
 
     def step(self):
         """Async: apply the next arrived outer_grad (with a grace period, the pushes that land
