@@ -45,6 +45,8 @@ import statistics
 from collections import deque
 from typing import Any
 
+import torch
+
 from diloco.config import TrainConfig
 from diloco.core.async_policy import (
     SpeedEstimator,
@@ -82,6 +84,7 @@ class Coordinator(Plans, FragmentRounds):
         self.rejected: dict[str, int] = {}  # refused pushes by reason
         self.late: set[int] = set()  # abandoned jobs whose push came anyway (logged once)
         self.next_job = 0
+        self._pulled: tuple[int, list[torch.Tensor]] | None = None  # (version, θ) of the last dispatch
         self.shard_steps = [0] * len(shard_sizes)
         self.dispatched = 0  # async: inner steps handed out (an abandoned job's are given back)
         self.applied = 0  # async: inner steps whose outer_grad was applied
@@ -183,7 +186,7 @@ class Coordinator(Plans, FragmentRounds):
         keep = e.get("keep", False)  # streaming: the worker goes on from its own θ
         if not self.sync or (self.schedule is not None and not keep):
             self.side.pull(w)  # counts the download (sync: counted by begin)
-        pulled = [] if keep else [p.detach().clone() for p in self.side.downloaded()]
+        pulled = [] if keep else self._pulled_now()
         self.jobs[job] = Job(
             job,
             w,
@@ -204,6 +207,15 @@ class Coordinator(Plans, FragmentRounds):
         self.next_job = job + 1
         self.shard_steps[e["shard"]] += e["steps"]
         self.dispatched += e["steps"]
+
+    def _pulled_now(self) -> list[torch.Tensor]:
+        """θ as workers receive it now, one copy shared by the jobs of this version (a sync
+        round's k jobs hold one θ, not k; Streaming DiLoCo's fragments change θ within a version,
+        so it copies each time)."""
+        version = self.side.version
+        if self.schedule is not None or self._pulled is None or self._pulled[0] != version:
+            self._pulled = (version, [p.detach().clone() for p in self.side.downloaded()])
+        return self._pulled[1]
 
     def _on_push(self, e, message):
         if "fragment" in e:  # Streaming DiLoCo (fragments.py)

@@ -123,8 +123,9 @@ class Handlers(rpc.ParameterServerServicer):
             return
         st.served(job.job)
         own = st.own_theta(job, request.theta)  # the worker built this θ itself: not sent
-        blob = b"" if job.keep or own else st.params_blob(job)  # keep: streaming, the worker's own θ
-        st.count_received(w, len(blob))
+        # keep: streaming, the worker goes on from its own θ
+        total, pieces = (0, iter(())) if job.keep or own else st.params_stream(job)
+        st.count_received(w, total)
         yield pb.JobChunk(
             status=pb.JobChunk.RUN,
             job=job.job,
@@ -136,13 +137,13 @@ class Handlers(rpc.ParameterServerServicer):
             version=job.version,
             seconds=job.seconds or 0.0,  # a deadline job's length (0: a job of `steps` steps)
             max_steps=most_steps(job),
-            total_bytes=len(blob),
+            total_bytes=total,
             round=job.round or 0,
             keep=job.keep,
             own=own,
         )
-        for at in range(0, len(blob), CHUNK_BYTES):
-            yield pb.JobChunk(data=blob[at : at + CHUNK_BYTES])
+        for piece in pieces:
+            yield pb.JobChunk(data=piece)
 
     def GetFragment(self, request, ctx):
         """Streaming DiLoCo: fragment p of a round once its outer step is taken (fragments.py)."""

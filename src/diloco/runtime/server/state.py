@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from diloco.runtime.server.coordinator import Coordinator
 from diloco.runtime.server.jobs import Job
 from diloco.runtime.server.security import ServeOptions
 from diloco.runtime.server.views import Views
+from diloco.runtime.server.wire import message_stream
 
 MESSAGE_SLACK = 1 << 16  # a push may exceed the exact size of this model's message by this much
 
@@ -77,7 +79,7 @@ class ServerState(Views):
         self._told_done: set[int] = set()  # registrations (tokens) told that the run is over
         self._may_call: set[int] = set()  # registrations that may still call (not left on their own)
         self._wire = [{"sent": 0, "received": 0} for _ in range(cfg.num_workers)]  # real message bytes
-        self._blobs: dict[int, bytes] = {}  # version -> θ as a message, while a job needs it
+        self._messages: dict[int, Encoded] = {}  # version -> θ as a message, while a job needs it
         self._theta0: str | None = None  # the digest of the first version's θ as it is sent
         self._served: dict[int, float] = {}  # sync: job -> when it first went to its worker
         self._pending: deque = deque()  # the log's records after the checkpoint, to apply on resume
@@ -239,17 +241,19 @@ class ServerState(Views):
         """A push was acknowledged `seconds` after it began to arrive."""
         self._push_seconds.append(seconds)
 
-    def params_blob(self, job: Job) -> bytes:
-        """θ of job's version as a message (made once per version)."""
+    def params_stream(self, job: Job) -> tuple[int, Iterator[bytes]]:
+        """θ of job's version as a message streamed from its tensors (wire.message_stream): made
+        once per version and shared by its jobs (fp32: θ's copy itself; bf16: its half-size
+        encoding), never joined into one blob. (its length, its pieces)."""
         with self.cond:
-            blob = self._blobs.get(job.version)
-        if blob is None:
-            blob = self.side.download.encode(job.pulled).to_bytes()  # bf16: exactly what was made
+            message = self._messages.get(job.version)
+        if message is None:
+            message = self.side.download.encode(job.pulled)  # bf16: exactly what was made
             with self.cond:
                 live = {j.version for j in self.coord.jobs.values()}
-                self._blobs = {v: b for v, b in self._blobs.items() if v in live}
-                self._blobs[job.version] = blob
-        return blob
+                self._messages = {v: m for v, m in self._messages.items() if v in live}
+                self._messages[job.version] = message
+        return message_stream(message)
 
     def own_theta(self, job: Job, theta: str) -> bool:
         """Whether job's θ is the one a worker built from the run's settings (`theta`: its digest,
