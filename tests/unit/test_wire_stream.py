@@ -15,8 +15,8 @@ from diloco.runtime.server.wire import CHUNK_BYTES, message_stream
 def test_a_streamed_message_reads_back_the_same(codec):
     g = torch.Generator().manual_seed(0)
     # 3.2 MB of float32 over several tensors, a 0-dim one and an empty one
-    tensors = [torch.randn(600, 1000, generator=g), torch.randn(77, generator=g), torch.randn(()), torch.zeros(0)]
-    tensors.append(torch.randn(200, 1000, generator=g))
+    tensors = [torch.randn(600, 1000, generator=g), torch.randn(77, generator=g), torch.randn(())]
+    tensors += [torch.zeros(0), torch.randn(200, 1000, generator=g)]
     message = build_codec(codec, topk_fraction=0.1).encode(tensors, {})
     total, pieces = message_stream(message)
     pieces = list(pieces)

@@ -50,6 +50,7 @@ from safetensors.numpy import save as np_save
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from diloco.core.tensor_view import read_view
 from diloco.errors import UserError
 
 # dtypes safetensors' numpy writer takes as they are (bfloat16, for one, it does not)
@@ -83,11 +84,15 @@ class Encoded:
         return st_save(tensors, metadata=header)
 
     @classmethod
-    def from_bytes(cls, blob: bytes) -> Encoded:
-        """The message in `blob`; a damaged or foreign blob is a UserError naming the problem."""
+    def from_bytes(cls, blob: bytes | bytearray) -> Encoded:
+        """The message in `blob`; a damaged or foreign blob is a UserError naming the problem.
+        A bytearray is read in place (core/tensor_view.py): the tensors share its memory."""
         try:
-            tensors = st_load(blob)
-            header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
+            if isinstance(blob, bytearray):
+                tensors, header = read_view(blob)
+            else:
+                tensors = st_load(blob)
+                header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
             return cls(
                 header["codec"],
                 [tensors[k] for k in sorted(tensors)],

@@ -194,15 +194,18 @@ class Handlers(rpc.ParameterServerServicer):
             refuse(
                 "oversized", f"push of job {jid} announces {head.total_bytes} bytes, over the limit {limit}"
             )
-        parts, size = [], 0
+        # received into one buffer of the announced size, which the message is then read from in
+        # place (core/tensor_view.py): one copy of the push in memory, made while it arrives
+        blob, size = bytearray(max(0, head.total_bytes)), 0
         for chunk in itertools.chain([head], request_iterator):
-            size += len(chunk.data)
-            if size > limit:
+            n = len(chunk.data)
+            if size + n > limit:
                 refuse("oversized", f"push of job {jid} sent more than this run's limit of {limit} bytes")
-            parts.append(chunk.data)
-        blob = b"".join(parts)
-        if len(blob) != head.total_bytes:
-            refuse("length", f"push of job {jid} has {len(blob)} bytes, its header says {head.total_bytes}")
+            if size + n <= len(blob):
+                blob[size : size + n] = chunk.data
+            size += n
+        if size != head.total_bytes:
+            refuse("length", f"push of job {jid} has {size} bytes, its header says {head.total_bytes}")
         with st.cond:
             st.touch(w, token)
             verdict = self._verdict(ctx, w, token, jid, head.steps, p)

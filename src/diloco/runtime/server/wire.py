@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from diloco.core.codec import Encoded
+from diloco.core.tensor_view import DTYPES
 from diloco.runtime.server import diloco_pb2 as pb
 
 # bumped when the messages change meaning (4: the config sent to workers says "async", not
@@ -31,28 +32,13 @@ def push_chunks(head: pb.PushChunk, blob: bytes) -> Iterator[pb.PushChunk]:
         yield pb.PushChunk(data=blob[at : at + CHUNK_BYTES])
 
 
-# safetensors' names of the dtypes a message carries (https://github.com/huggingface/safetensors)
-_DTYPES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.int16: "I16",
-    torch.int32: "I32",
-    torch.int64: "I64",
-    torch.float64: "F64",
-    torch.bool: "BOOL",
-}
-
-
 def message_stream(message: Encoded) -> tuple[int, Iterator[bytes]]:
     """`message` as the bytes `Encoded.to_bytes` would make (a safetensors blob that
     `Encoded.from_bytes` reads back), in pieces of at most CHUNK_BYTES cut straight from the
     tensors' memory: the whole blob never exists, so a model's θ is held once however many
     workers download it. Returns (its length, the pieces)."""
     tensors = [t.detach().cpu().contiguous() for t in message.payload]
-    if any(t.dtype not in _DTYPES for t in tensors):  # not a dtype a message has today
+    if any(t.dtype not in DTYPES for t in tensors):  # not a dtype a message has today
         blob = message.to_bytes()
         return len(blob), (blob[at : at + CHUNK_BYTES] for at in range(0, len(blob), CHUNK_BYTES))
     header: dict = {
@@ -65,7 +51,7 @@ def message_stream(message: Encoded) -> tuple[int, Iterator[bytes]]:
     at = 0
     for i, t in enumerate(tensors):
         n = t.numel() * t.element_size()
-        header[f"{i:05d}"] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
+        header[f"{i:05d}"] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
         at += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-aligned, as safetensors writes it
