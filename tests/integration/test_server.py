@@ -114,6 +114,8 @@ def test_sync_server_equals_the_simulator_and_replays(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["runtime"] == "server" and summary["outer_updates"] == 3
     assert [w["jobs"] for w in summary["workers"]] == [3, 3]
+    slots = summary["push_slots"]  # --max-inflight-pushes 0: from the memory available, ≥ 1
+    assert slots["limit"] >= 1 and 1 <= slots["most_at_once"] <= min(2, slots["limit"])
     assert all(w["wire_bytes_sent"] > 0 and w["compute_utilisation"] > 0 for w in summary["workers"])
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sorted((x["inner_step"], x["worker"]) for x in lines if x["kind"] == "inner") == [
@@ -122,6 +124,27 @@ def test_sync_server_equals_the_simulator_and_replays(tmp_path):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.timeout(180)
+def test_pushes_beyond_the_inflight_limit_wait_their_turn(tmp_path):
+    """--max-inflight-pushes 1 with 3 workers pushing at each round's end: never more than one
+    push received at once, none refused for it, and the run is the simulator's bit for bit."""
+    run = ["--workers", "3", "--inner-steps", "4", "--rounds", "3"]
+    srv = serve(tmp_path, *run, "--max-inflight-pushes", "1")
+    results = finish(srv, *[worker(address(tmp_path / "run")) for _ in range(3)])
+    assert [rc for rc, _ in results] == [0, 0, 0, 0], results
+    assert "receiving at most 1 pushes at once" in results[0][1]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["push_slots"]["limit"] == 1 and summary["push_slots"]["most_at_once"] == 1
+    assert summary["outer_updates"] == 3 and not [
+        e for e in events(tmp_path / "run") if e["kind"] == "reject"
+    ]
+    (tmp_path / "sim.toml").write_text(TINY)
+    cmd = ["train", "--config", str(tmp_path / "sim.toml"), *SMALL, *run, "--procs", "1"]
+    assert main([*cmd, "--out", str(tmp_path / "sim")]) == 0
+    server_model = (tmp_path / "run" / "model.safetensors").read_bytes()
+    assert server_model == (tmp_path / "sim" / "model.safetensors").read_bytes()
+
+
 @pytest.mark.parametrize(
     "codec",
     [

@@ -23,6 +23,7 @@ SERVE_RESUME_OVERRIDES = (
     "threads",
     "round_timeout_s",
     "worker_timeout_s",
+    "max_inflight_pushes",
     "max_update_norm_ratio",
     "max_staleness",
 )

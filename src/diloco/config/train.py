@@ -185,6 +185,14 @@ class TrainConfig:
         needs=ON_SERVER,
         help="seconds without a heartbeat after which a worker is gone and its job is re-offered",
     )
+    max_inflight_pushes: int = setting(
+        0,
+        flag="--max-inflight-pushes",
+        group="parameter_server",
+        needs=ON_SERVER,
+        help="pushes received at once (each held whole in memory); the rest wait their turn; "
+        "0: as many as a quarter of the memory available at start holds",
+    )
     max_update_norm_ratio: float = setting(
         0.0,
         flag="--max-update-norm-ratio",

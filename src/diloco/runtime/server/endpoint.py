@@ -115,6 +115,11 @@ class Endpoint:
             )
         elif token == "generated":
             log(f"the workers' token is in {st.run_dir / 'token'} (give it to them with --token-file)")
+        mb = st.max_message_bytes / 1e6
+        log(
+            f"receiving at most {st.push_slots.limit} pushes at once (--max-inflight-pushes; up to "
+            f"{mb:.0f} MB each); more wait their turn"
+        )
         if self.status_page:
             query = f"?token={st.token}" if st.token else ""
             log(f"status page: {'https' if tls else 'http'}://{shown[0]}:{self._http_port}/{query}")

@@ -194,6 +194,15 @@ class Handlers(rpc.ParameterServerServicer):
             refuse(
                 "oversized", f"push of job {jid} announces {head.total_bytes} bytes, over the limit {limit}"
             )
+        with st.push_slots.slot():  # --max-inflight-pushes: the rest wait here (slots.py)
+            return self._receive(
+                head, request_iterator, ctx, refuse, expected_message, expected_meta, limit, t0
+            )
+
+    def _receive(self, head, request_iterator, ctx, refuse, expected_message, expected_meta, limit, t0):
+        """The rest of a push, once it has its slot."""
+        st = self.st
+        w, jid, token, p = head.worker, head.job, head.token, head.fragment - 1
         # received into one buffer of the announced size, which the message is then read from in
         # place (core/tensor_view.py): one copy of the push in memory, made while it arrives
         blob, size = bytearray(max(0, head.total_bytes)), 0

@@ -31,10 +31,11 @@ from diloco.config import TrainConfig
 from diloco.core.codec import Encoded
 from diloco.core.outer_side import OuterSide
 from diloco.errors import UserError
-from diloco.runtime.server import security, wal
+from diloco.runtime.server import security, slots, wal
 from diloco.runtime.server.coordinator import Coordinator
 from diloco.runtime.server.jobs import Job
 from diloco.runtime.server.security import ServeOptions
+from diloco.runtime.server.slots import PushSlots
 from diloco.runtime.server.views import Views
 from diloco.runtime.server.wire import message_stream
 
@@ -64,6 +65,7 @@ class ServerState(Views):
         self.refusals = security.Refusals(log)
         # what a pushed outer_grad must look like: this model's tensors through the run's codec
         self.expected_message, self.expected_meta, self.max_message_bytes = _expected(side, side.params)
+        self.push_slots = PushSlots(slots.resolve(cfg.max_inflight_pushes, self.max_message_bytes))
         self._recent_rejected: deque = deque(maxlen=20)  # for the status page
         self._push_seconds: deque = deque(maxlen=1000)  # receive-to-acknowledge time of recent pushes
         self.run = None  # run.loop.Run, for the metrics lines of refused pushes (attach_run)

@@ -37,7 +37,8 @@ class Views:
                     "wire_bytes_received": self._wire[w]["received"],
                 }
             )
-        return {"workers": rows, "events": c.seq}
+        # --max-inflight-pushes: its limit, the most received at once, how many waited (slots.py)
+        return {"workers": rows, "events": c.seq, "push_slots": self.push_slots.figures()}
 
     def status(self) -> dict[str, Any]:
         """The run at a glance, for the status page (`/status`, `/`, `/metrics`)."""
@@ -92,6 +93,7 @@ class Views:
                 "recent_rejected": list(self._recent_rejected),
                 "unauthenticated": self.refusals.count,
                 "push_seconds": sorted(self._push_seconds),
+                "push_slots": self.push_slots.figures(),
             }
 
     # -- checkpoints ---------------------------------------------------------------------------
