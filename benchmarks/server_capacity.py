@@ -29,9 +29,10 @@ fp4 rows push `--codec fp4` messages (0.52 bytes per value) and download θ in b
     python benchmarks/server_capacity.py                       # the default matrix (see --help)
     python benchmarks/server_capacity.py --model 150m --codec fp32 --workers 16   # one row
 
-Writes benchmarks/results/server_capacity.json (rows merged by their key, so rows run one at a
-time accumulate; `--out` elsewhere). A row whose server dies (out of memory, say) is reported
-with its `error` and the server's last line.
+Writes benchmarks/results/server_capacity.json (rows merged by their key: model, codec, workers,
+storage and `--max-inflight-pushes`; so rows run one at a time accumulate; `--out` elsewhere).
+A row whose server dies (out of memory, say) is reported with its `error` and the server's last
+line.
 """
 
 from __future__ import annotations
@@ -161,7 +162,9 @@ def _clients(workers: int, body) -> tuple[float, list]:
     return t0, [r for rs in rows for r in rs]
 
 
-def _diloco_row(model: str, codec: str, workers: int, root: Path, pushes: int, message: bytes) -> dict:
+def _diloco_row(
+    model: str, codec: str, workers: int, root: Path, pushes: int, message: bytes, inflight: int
+) -> dict:
     from diloco.runtime.server import diloco_pb2 as pb
     from diloco.runtime.server import diloco_pb2_grpc as rpc
     from diloco.runtime.server.wire import PROTOCOL, push_chunks
@@ -179,7 +182,7 @@ def _diloco_row(model: str, codec: str, workers: int, root: Path, pushes: int, m
         "--method", "async", "--workers", str(workers), "--inner-steps", "1", "--rounds", str(pushes),
         "--no-dylu", "--grace-s", "0", "--model", model, *codec_flags, "--eval-every", str(steps),
         "--checkpoint-every", str(steps), "--http-port", "-1", "--no-progress",
-        "--worker-timeout-s", "600",
+        "--worker-timeout-s", "600", "--max-inflight-pushes", str(inflight),
     ]  # fmt: skip
     log = open(run.parent / "server.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -315,13 +318,14 @@ def _raw_disk(workers: int, pushes: int, message: bytes, root: Path) -> float:
         subprocess.run(["rm", "-rf", str(where)], check=False)
 
 
-def row(model: str, codec: str, workers: int, storage: str, pushes: int) -> dict:
+def row(model: str, codec: str, workers: int, storage: str, pushes: int, inflight: int = 0) -> dict:
     message, down_bytes = _message(model, codec)
     root = STORAGE[storage]
     out = {"model": model, "codec": codec, "workers": workers, "storage": storage}
     out |= {"message_bytes": len(message), "download_bytes": down_bytes, "pushes_per_worker": pushes}
+    out["max_inflight_pushes"] = inflight  # 0: the server's default (from its memory)
     try:
-        out |= _diloco_row(model, codec, workers, root, pushes, message)
+        out |= _diloco_row(model, codec, workers, root, pushes, message, inflight)
     except (RuntimeError, grpc.RpcError) as e:
         out["error"] = str(e)[-500:]
         return out
@@ -340,6 +344,12 @@ def main() -> None:
     ap.add_argument("--workers", default="1,16", help="concurrent workers, comma-separated")
     ap.add_argument("--storage", default="disk,tmpfs", help="disk and/or tmpfs, comma-separated")
     ap.add_argument("--pushes", type=int, default=None, help="pushes per worker (default: by message size)")
+    ap.add_argument(
+        "--max-inflight-pushes",
+        type=int,
+        default=0,
+        help="the server's --max-inflight-pushes (0: its default)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "server_capacity.json"))
     ap.add_argument("--raw-server", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--raw-bytes", type=int, help=argparse.SUPPRESS)
@@ -352,7 +362,7 @@ def main() -> None:
     torch.set_num_threads(1)
     out = Path(args.out)
     saved = json.loads(out.read_text()) if out.exists() else {"benchmark": "server_capacity", "rows": []}
-    key = ("model", "codec", "workers", "storage")
+    key = ("model", "codec", "workers", "storage", "max_inflight_pushes")
     for model in args.model.split(","):
         for codec in args.codec.split(","):
             for workers in (int(w) for w in args.workers.split(",")):
@@ -361,10 +371,12 @@ def main() -> None:
                     print(
                         f"[capacity] {model} {codec} x{workers} on {storage} ...", file=sys.stderr, flush=True
                     )
-                    r = row(model, codec, workers, storage, pushes)
+                    r = row(model, codec, workers, storage, pushes, args.max_inflight_pushes)
                     print(f"[capacity] {json.dumps(r)}", file=sys.stderr, flush=True)
                     saved["rows"] = [
-                        x for x in saved["rows"] if tuple(x[k] for k in key) != tuple(r[k] for k in key)
+                        x
+                        for x in saved["rows"]
+                        if tuple(x.get(k, 0) for k in key) != tuple(r[k] for k in key)
                     ]
                     saved["rows"].append(r)
                     out.parent.mkdir(parents=True, exist_ok=True)
