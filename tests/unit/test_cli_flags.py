@@ -46,6 +46,7 @@ EXPECTED = {
     "--bucket-mb": "bucket_mb",
     "--round-timeout-s": "round_timeout_s",
     "--worker-timeout-s": "worker_timeout_s",
+    "--max-inflight-pushes": "max_inflight_pushes",
     "--max-update-norm-ratio": "max_update_norm_ratio",
     "--max-staleness": "max_staleness",
     "--drop-prob": "drop_prob",

@@ -181,30 +181,25 @@ class Handlers(rpc.ParameterServerServicer):
     def Push(self, request_iterator, ctx):
         """Check a pushed outer_grad before it touches anything, then log it (durably) and
         acknowledge it. A refused push changes neither θ nor the version (see `_refuse`)."""
-        st = self.st
-        t0 = time.perf_counter()
+        st, t0 = self.st, time.perf_counter()
         head = next(request_iterator, None)
         if head is None:
             ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "an empty push; send a header chunk first")
         self._check(head.run_id, ctx)
         w, jid, token, p = head.worker, head.job, head.token, head.fragment - 1  # p: -1 for a whole one
         refuse = functools.partial(self._refuse, ctx, w, token, jid, steps=head.steps, fragment=p)
-        expected_message, expected_meta, limit = st.expected(p)
-        if head.total_bytes > limit:
+        if head.total_bytes > (most := st.expected(p)[2]):
             refuse(
-                "oversized", f"push of job {jid} announces {head.total_bytes} bytes, over the limit {limit}"
+                "oversized", f"push of job {jid} announces {head.total_bytes} bytes, over the limit {most}"
             )
         with st.push_slots.slot():  # --max-inflight-pushes: the rest wait here (slots.py)
-            return self._receive(
-                head, request_iterator, ctx, refuse, expected_message, expected_meta, limit, t0
-            )
+            return self._receive(head, request_iterator, ctx, refuse, t0)
 
-    def _receive(self, head, request_iterator, ctx, refuse, expected_message, expected_meta, limit, t0):
+    def _receive(self, head, request_iterator, ctx, refuse, t0):
         """The rest of a push, once it has its slot."""
-        st = self.st
-        w, jid, token, p = head.worker, head.job, head.token, head.fragment - 1
-        # received into one buffer of the announced size, which the message is then read from in
-        # place (core/tensor_view.py): one copy of the push in memory, made while it arrives
+        st, w, jid, token, p = self.st, head.worker, head.job, head.token, head.fragment - 1
+        expected_message, expected_meta, limit = st.expected(p)
+        # into one buffer of the announced size, then read in place (core/tensor_view.py): one copy
         blob, size = bytearray(max(0, head.total_bytes)), 0
         for chunk in itertools.chain([head], request_iterator):
             n = len(chunk.data)
