@@ -244,18 +244,9 @@ class ServerState(Views):
         self._push_seconds.append(seconds)
 
     def params_stream(self, job: Job) -> tuple[int, Iterator[bytes]]:
-        """θ of job's version as a message streamed from its tensors (wire.message_stream): made
-        once per version and shared by its jobs (fp32: θ's copy itself; bf16: its half-size
-        encoding), never joined into one blob. (its length, its pieces)."""
-        with self.cond:
-            message = self._messages.get(job.version)
-        if message is None:
-            message = self.side.download.encode(job.pulled)  # bf16: exactly what was made
-            with self.cond:
-                live = {j.version for j in self.coord.jobs.values()}
-                self._messages = {v: m for v, m in self._messages.items() if v in live}
-                self._messages[job.version] = message
-        return message_stream(message)
+        """θ of job's version streamed from its message's tensors (wire.message_stream), never
+        joined into one blob. (its length, its pieces)."""
+        return message_stream(self._version_message(job))
 
     def own_theta(self, job: Job, theta: str) -> bool:
         """Whether job's θ is the one a worker built from the run's settings (`theta`: its digest,
@@ -264,8 +255,21 @@ class ServerState(Views):
         if not theta or job.version != 0 or job.keep:
             return False
         if self._theta0 is None:
-            self._theta0 = self.side.download.encode(job.pulled).digest()
+            self._theta0 = self._version_message(job).digest()
         return theta == self._theta0
+
+    def _version_message(self, job: Job) -> Encoded:
+        """θ of job's version as the download codec sends it, made once per version and shared by
+        its jobs (fp32: θ's copy itself; bf16: its half-size encoding) while a job needs it."""
+        with self.cond:
+            message = self._messages.get(job.version)
+        if message is None:
+            message = self.side.download.encode(job.pulled)  # bf16: exactly what was made
+            with self.cond:
+                live = {j.version for j in self.coord.jobs.values()}
+                self._messages = {v: m for v, m in self._messages.items() if v in live}
+                self._messages[job.version] = message
+        return message
 
     def expected(self, p: int) -> tuple[list, dict, int]:
         """What a push must look like (payload shapes and dtypes, codec meta, most bytes): a whole
