@@ -13,6 +13,7 @@ import torch
 
 from diloco.config import AsyncConfig, SimConfig
 from diloco.core.async_rules import build_async_rule
+from diloco.core.codec import Encoded
 from diloco.core.outer import Nesterov
 from diloco.core.outer_side import OuterSide
 from diloco.errors import UserError
@@ -116,7 +117,7 @@ def test_a_log_that_cannot_be_written_stops_the_run_with_a_sentence(tiny, tmp_pa
     run_dir = tmp_path / "run"
     st = make(tiny, run_dir)
 
-    def full(header, payload=b""):
+    def full(header, payload=b"", spool=None):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(st.wal, "append", full)
@@ -190,6 +191,46 @@ def test_a_checkpoint_and_the_log_after_it_restore_the_state(tiny, tmp_path):
         again.state_dict()  # ... and another: the log's records up to event 4 may go
     again.after_checkpoint()
     assert wal.read(run_dir / "wal.log") == []
+    again.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_logged_push_is_replayed_from_its_file_and_a_missing_file_is_one_sentence(tiny, tmp_path):
+    """A push's bytes are in its own file (wal.Spool), not in the log: a resumed server reads the
+    message back from it, the same values; with the file gone it says which and stops."""
+    run_dir = tmp_path / "run"
+    st = make(tiny, run_dir, method="async")
+    join(st, 0)
+    grads = [torch.full_like(p, 1e-3) for p in st.side.params]
+    blob = st.side.codec.encode(grads, {}).to_bytes()
+    with st.cond:
+        saved = json.loads(json.dumps(st.state_dict()))
+        job = st.record(st.coord.plan_dispatch(0)) or st.coord.workers[0]["job"]
+    spool = st.wal.spool(f"job{job}")
+    spool.write(blob)
+    message = Encoded.from_bytes(spool.finish())
+    push = {"kind": "push", "job": job, "worker": 0, "steps": st.coord.jobs[job].steps, "loss": 1.0}
+    push |= {"lr": 1e-3, "compute_s": 0.1, "finite": True, "nbytes": message.nbytes, "norm": None}
+    with st.cond:
+        st.record(push, message=message, spool=spool)
+    st.close()
+    (logged,) = [h for h, _ in wal.read(run_dir / "wal.log") if h["kind"] == "push"]
+    assert (run_dir / "pushes" / logged["file"]).read_bytes() == blob
+
+    again = make(tiny, run_dir, method="async")
+    again.load_state_dict(saved)
+    while again.replaying:
+        again.replay_next()
+    ((_, replayed, _),) = again.coord.arrived
+    assert replayed.digest() == message.digest()
+    again.close()
+
+    (run_dir / "pushes" / logged["file"]).unlink()
+    again = make(tiny, run_dir, method="async")
+    again.load_state_dict(saved)
+    with pytest.raises(UserError, match=f"names the push file \\S+{logged['file']}, which is missing"):
+        while again.replaying:
+            again.replay_next()
     again.close()
 
 

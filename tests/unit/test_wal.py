@@ -58,3 +58,42 @@ def test_truncate_keeps_only_records_after_the_checkpoint(tmp_path):
     log.append({"seq": 6})
     log.close()
     assert [h["seq"] for h, _ in wal.read(tmp_path / "wal.log")] == [4, 5, 6]
+
+
+@pytest.mark.timeout(30)
+def test_a_push_file_is_named_by_its_record_read_in_place_and_dropped_with_it(tmp_path):
+    path = tmp_path / "wal.log"
+    log = wal.WriteAheadLog(path)
+    spool = log.spool("job7")
+    for piece in (b"abc", b"", b"defg"):  # as its chunks arrive
+        spool.write(piece)
+    buf = spool.finish()
+    assert bytes(buf) == b"abcdefg" and not memoryview(buf).readonly  # read in place (tensor_view)
+    wal.release(buf)
+    assert bytes(buf) == b"abcdefg"  # its pages are read again when used
+    log.append({"seq": 1, "kind": "push"}, spool=spool)
+    spool.discard()  # logged: kept
+    log.append({"seq": 2, "kind": "apply"})
+    (header, payload), second = wal.read(path)
+    assert header == {"seq": 1, "kind": "push", "file": spool.name, "bytes": 7}
+    assert payload == tmp_path / "pushes" / spool.name and payload.read_bytes() == b"abcdefg"
+    assert second == ({"seq": 2, "kind": "apply"}, b"")
+    log.truncate(1)  # a checkpoint holds event 1: its record and its file go
+    assert not payload.exists() and [h["seq"] for h, _ in wal.read(path)] == [2]
+    log.close()
+
+
+@pytest.mark.timeout(30)
+def test_push_files_no_record_names_are_deleted_when_the_log_opens(tmp_path):
+    path = tmp_path / "wal.log"
+    log = wal.WriteAheadLog(path)
+    kept, refused, cut_off = log.spool("a"), log.spool("b"), log.spool("c")
+    for s in (kept, refused, cut_off):
+        s.write(b"x" * 10)
+    kept.finish()
+    log.append({"seq": 1, "kind": "push"}, spool=kept)
+    refused.discard()  # refused: gone at once
+    assert not refused.path.exists() and cut_off.path.exists()  # cut_off: the server died here
+    log.close()
+    wal.WriteAheadLog(path).close()
+    assert sorted(p.name for p in (tmp_path / "pushes").iterdir()) == [kept.name]

@@ -190,7 +190,7 @@ class TrainConfig:
         flag="--max-inflight-pushes",
         group="parameter_server",
         needs=ON_SERVER,
-        help="pushes received at once (each held whole in memory); the rest wait their turn; "
+        help="pushes received and checked at once (each read in place while checked); the rest wait; "
         "0: as many as a quarter of the memory available at start holds",
     )
     max_update_norm_ratio: float = setting(

@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,11 +85,12 @@ class Encoded:
         return st_save(tensors, metadata=header)
 
     @classmethod
-    def from_bytes(cls, blob: bytes | bytearray) -> Encoded:
+    def from_bytes(cls, blob: bytes | bytearray | mmap.mmap) -> Encoded:
         """The message in `blob`; a damaged or foreign blob is a UserError naming the problem.
-        A bytearray is read in place (core/tensor_view.py): the tensors share its memory."""
+        A bytearray or a mapped file is read in place (core/tensor_view.py): the tensors share
+        its memory."""
         try:
-            if isinstance(blob, bytearray):
+            if isinstance(blob, (bytearray, mmap.mmap)):
                 tensors, header = read_view(blob)
             else:
                 tensors = st_load(blob)

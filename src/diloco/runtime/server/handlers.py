@@ -11,14 +11,12 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import math
 import time
 
 import grpc
-import torch
 
-from diloco.core.codec import Encoded
-from diloco.errors import NonFinite, UserError
+from diloco.errors import NonFinite
+from diloco.runtime.server import checks
 from diloco.runtime.server import diloco_pb2 as pb
 from diloco.runtime.server import diloco_pb2_grpc as rpc
 from diloco.runtime.server.jobs import most_steps
@@ -196,20 +194,23 @@ class Handlers(rpc.ParameterServerServicer):
             return self._receive(head, request_iterator, ctx, refuse, t0)
 
     def _receive(self, head, request_iterator, ctx, refuse, t0):
-        """The rest of a push, once it has its slot."""
+        """The rest of a push, once it has its slot: into its own file as it arrives (wal.Spool),
+        which goes again unless the push is logged."""
+        spool = self.st.wal.spool(f"job{head.job}")
+        try:
+            return self._take(head, request_iterator, ctx, refuse, t0, spool)
+        finally:
+            spool.discard()
+
+    def _take(self, head, request_iterator, ctx, refuse, t0, spool):
         st, w, jid, token, p = self.st, head.worker, head.job, head.token, head.fragment - 1
-        expected_message, expected_meta, limit = st.expected(p)
-        # into one buffer of the announced size, then read in place (core/tensor_view.py): one copy
-        blob, size = bytearray(max(0, head.total_bytes)), 0
+        limit = st.expected(p)[2]
         for chunk in itertools.chain([head], request_iterator):
-            n = len(chunk.data)
-            if size + n > limit:
+            if spool.size + len(chunk.data) > limit:
                 refuse("oversized", f"push of job {jid} sent more than this run's limit of {limit} bytes")
-            if size + n <= len(blob):
-                blob[size : size + n] = chunk.data
-            size += n
-        if size != head.total_bytes:
-            refuse("length", f"push of job {jid} has {size} bytes, its header says {head.total_bytes}")
+            spool.write(chunk.data)
+        if spool.size != head.total_bytes:
+            refuse("length", f"push of job {jid} has {spool.size} bytes, its header says {head.total_bytes}")
         with st.cond:
             st.touch(w, token)
             verdict = self._verdict(ctx, w, token, jid, head.steps, p)
@@ -237,27 +238,7 @@ class Handlers(rpc.ParameterServerServicer):
                     )
                 )
             ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, "the run stopped on a non-finite outer_grad")
-        try:
-            message = Encoded.from_bytes(blob)
-            st.side.codec.check(message)
-        except UserError as e:
-            refuse("malformed", str(e).removesuffix(" resend it.").rstrip(";."))
-        got = [(tuple(t.shape), t.dtype) for t in message.payload]
-        if got != expected_message or message.meta != expected_meta:
-            what = f"fragment {p} of job {jid}'s outer_grad" if p >= 0 else f"job {jid}'s outer_grad"
-            refuse("shape", f"{what} does not have this model's shapes and dtypes")
-        norm = None
-        if head.finite:  # an outer_grad flagged non-finite is dropped by the rule (--on-nonfinite drop)
-            try:
-                grads = st.side.codec.decode(message)  # e.g. topk indices out of order or range
-            except UserError as e:
-                refuse("malformed", str(e).removesuffix(" resend it.").rstrip(";."))
-            # one fused pass: the norm is finite exactly when every value is (or it overflows)
-            total = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
-            if not math.isfinite(total):
-                detail = f"job {jid}'s outer_grad has NaN or Inf values (or overflows) but says it is finite"
-                refuse("nonfinite", detail)
-            norm = total / math.sqrt(max(1, head.steps))  # the steps it took (checked above)
+        message, norm = checks.check_push(st, spool.finish(), head, refuse)
         with st.cond:
             verdict = self._verdict(ctx, w, token, jid, head.steps, p)
             if verdict is not None:
@@ -291,8 +272,8 @@ class Handlers(rpc.ParameterServerServicer):
                 "norm": norm if p < 0 else None,  # the bound compares whole outer_grads
                 **({"fragment": p} if p >= 0 else {}),
             }
-            st.record(event, blob, message)
-            st.count_sent(w, len(blob))
+            st.record(event, message=message, spool=spool)
+            st.count_sent(w, spool.size)
             st.push_took(time.perf_counter() - t0)
         return pb.PushReply(status=pb.PushReply.ACCEPTED)
 

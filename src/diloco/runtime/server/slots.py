@@ -1,6 +1,7 @@
-"""How many pushes the server receives at once (`--max-inflight-pushes`): each is held whole in
-memory while it arrives and is checked, so a model of hundreds of MB from many workers at once
-would otherwise need (workers × message) of memory. The rest wait their turn (gRPC's flow
+"""How many pushes the server receives and checks at once (`--max-inflight-pushes`): each goes
+to its own file as it arrives (wal.Spool), but its check reads it in place, a message's worth of
+mapped pages (let go afterwards), so a model of hundreds of MB from many workers at once would
+otherwise map (workers × message). The rest wait their turn (gRPC's flow
 control holds their senders back); none fails for it. docs/server.md, "Limits".
 """
 

@@ -91,12 +91,12 @@ class ServerState(Views):
         self._steps_at_start = 0  # inner steps done then
 
     # -- events --------------------------------------------------------------------------------
-    def record(self, event: dict[str, Any], payload: bytes = b"", message: Encoded | None = None):
+    def record(self, event: dict[str, Any], message: Encoded | None = None, spool: wal.Spool | None = None):
         """Log the event durably (numbered and timed), then apply it; what the coordinator
-        returns for it. Lock held."""
+        returns for it. `spool`: the pushed `message`'s file, which the record names. Lock held."""
         event = {**event, "seq": self.coord.seq + 1, "t": time.time()}
         try:
-            self.wal.append(event, payload)  # durable before anyone acts on it
+            self.wal.append(event, spool=spool)  # durable before anyone acts on it
         except OSError as e:
             self.fail(
                 UserError(
@@ -143,10 +143,22 @@ class ServerState(Views):
         with self.cond:
             while self._pending:
                 header, payload = self._pending.popleft()
-                out = self._apply(header, Encoded.from_bytes(payload) if payload else None)
+                out = self._apply(header, self._logged_message(header, payload))
                 if out is not None:
                     return out
         return None
+
+    def _logged_message(self, header: dict[str, Any], payload: bytes | Path) -> Encoded | None:
+        """The pushed message a logged record holds (in its push file, or in older logs inline)."""
+        if isinstance(payload, bytes):
+            return Encoded.from_bytes(payload) if payload else None
+        if not payload.is_file() or payload.stat().st_size != header["bytes"]:
+            raise UserError(
+                f"the write-ahead log of {self.run_dir} names the push file {payload}, which is missing or "
+                f"not {header['bytes']} bytes long (was it deleted or moved?): this run cannot be resumed "
+                "exactly from its last checkpoint; put the file back or start the run again."
+            )
+        return Encoded.from_bytes(wal.map_file(payload))
 
     def sync_events(self) -> int:
         """events.jsonl flushed to disk; its length. Lock held."""

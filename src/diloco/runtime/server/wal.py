@@ -1,16 +1,23 @@
 """The server's write-ahead log: every event that changes the server's state, durable before the
 server acts on it or acknowledges it.
 
-A record is a JSON header (the event, with its sequence number `seq`) and an optional payload
-(an outer_grad message's bytes), framed as
+A record is a JSON header (the event, with its sequence number `seq`) and an optional payload,
+framed as
 
     [u32 header length][u64 payload length][header][payload][u32 crc32 of header + payload]
 
-and written with one `writev` and `fdatasync`. A server killed in the middle of a write
-leaves a torn last record: `read` stops at the first record that is incomplete or fails its
-checksum (that event was never acknowledged) and `WriteAheadLog` cuts it off before appending.
-After a checkpoint, `truncate(seq)` drops the records it covers (rewriting the file and
-renaming it over the old one, so a crash leaves either log whole).
+and written with one `writev` and `fdatasync`. A pushed outer_grad is not in the record: it is
+written to a file of its own in `pushes/` next to the log as its chunks arrive (`Spool`, so the
+server never holds a whole push in memory), made durable (fdatasync, outside the server's lock,
+so pushes arriving together flush together), and its record names it (`file`, `bytes`). `read`
+gives such a record's payload as the file's `Path`; `map_file` reads it in place.
+
+A server killed in the middle of a write leaves a torn last record: `read` stops at the first
+record that is incomplete or fails its checksum (that event was never acknowledged) and
+`WriteAheadLog` cuts it off before appending. After a checkpoint, `truncate(seq)` drops the
+records it covers (rewriting the file and renaming it over the old one, so a crash leaves either
+log whole) and their push files. Opening the log deletes push files no whole record names (a
+refused push, or one cut off by a crash).
 
     python -m pytest tests/unit/test_wal.py
 """
@@ -18,8 +25,10 @@ renaming it over the old one, so a crash leaves either log whole).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
+import uuid
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,28 +65,102 @@ def _records(blob: bytes) -> Iterator[tuple[dict[str, Any], bytes, int]]:
         at = end
 
 
-def read(path: Path) -> list[tuple[dict[str, Any], bytes]]:
-    """Every whole record of the log at `path` (none if it does not exist)."""
+def read(path: Path) -> list[tuple[dict[str, Any], bytes | Path]]:
+    """Every whole record of the log at `path` (none if it does not exist): (header, payload),
+    the payload a push file's path for a record that names one."""
     if not path.exists():
         return []
-    return [(h, p) for h, p, _ in _records(path.read_bytes())]
+    return [
+        (h, _spool_dir(path) / h["file"] if "file" in h else p) for h, p, _ in _records(path.read_bytes())
+    ]
+
+
+def _spool_dir(path: Path) -> Path:
+    return path.parent / "pushes"
+
+
+def map_file(path: Path) -> mmap.mmap | bytearray:
+    """A push file's bytes, mapped copy-on-write: a writable buffer that is read in place
+    (core/tensor_view.py) and never written, backed by the page cache, not the heap.
+    `release(buf)` drops its pages from the process (they are read again if used)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return bytearray()
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+
+
+def release(buf: mmap.mmap | bytearray) -> None:
+    """The pages of a mapped push file out of this process's memory (`map_file`)."""
+    if isinstance(buf, mmap.mmap):
+        buf.madvise(mmap.MADV_DONTNEED)
+
+
+class Spool:
+    """A pushed payload written to its own file as it arrives (`WriteAheadLog.spool`)."""
+
+    def __init__(self, directory: Path, stem: str):
+        self.name = f"{stem}-{uuid.uuid4().hex[:12]}.msg"
+        self.path, self.size, self.kept = directory / self.name, 0, False
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        self.size += len(data)
+
+    def finish(self) -> mmap.mmap | bytearray:
+        """Durable (the file and its name), closed for writing; its bytes mapped (`map_file`)."""
+        os.fdatasync(self._fd)
+        os.close(self._fd)
+        self._fd = None
+        _fsync_dir(self.path.parent)
+        return map_file(self.path)
+
+    def discard(self) -> None:
+        """Not logged after all (refused, a duplicate, the sender gone): the file goes."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if not self.kept:
+            self.path.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class WriteAheadLog:
     """Appends durable records to `path` (cutting off a torn tail left by a crash first)."""
 
     def __init__(self, path: Path):
-        self.path = path
-        good = 0
+        self.path, self.spool_dir = path, _spool_dir(path)
+        good, named = 0, set()
         if path.exists():
-            for _, _, end in _records(path.read_bytes()):
+            for header, _, end in _records(path.read_bytes()):
                 good = end
+                named.add(header.get("file"))
             with open(path, "r+b") as f:
                 f.truncate(good)
+        self.spool_dir.mkdir(exist_ok=True)
+        for orphan in self.spool_dir.iterdir():  # refused, or cut off by a crash: never logged
+            if orphan.name not in named:
+                orphan.unlink()
         self._file = open(path, "ab", buffering=0)
 
-    def append(self, header: dict[str, Any], payload: bytes = b"") -> None:
-        """Write one record and make it durable (fdatasync) before returning."""
+    def spool(self, stem: str) -> Spool:
+        """A new push file in `pushes/` (named `stem`-random.msg), for `append(..., spool=)`."""
+        return Spool(self.spool_dir, stem)
+
+    def append(self, header: dict[str, Any], payload: bytes = b"", spool: Spool | None = None) -> None:
+        """Write one record and make it durable (fdatasync) before returning. `spool`: a push
+        file made durable (`Spool.finish`), which the record names instead of a payload."""
+        if spool is not None:
+            header = {**header, "file": spool.name, "bytes": spool.size}
         fd, parts = self._file.fileno(), _parts(header, payload)
         start = os.lseek(fd, 0, os.SEEK_END)
         try:
@@ -90,23 +173,25 @@ class WriteAheadLog:
         except OSError:
             os.ftruncate(fd, start)  # no torn record in the middle of the log (a full disk, ...)
             raise
+        if spool is not None:
+            spool.kept = True
 
     def truncate(self, seq: int) -> None:
-        """Drop the records with `seq` ≤ `seq` (a checkpoint now holds them)."""
+        """Drop the records with `seq` ≤ `seq` (a checkpoint now holds them), and their files."""
         self._file.close()
-        keep = [(h, p) for h, p in read(self.path) if h["seq"] > seq]
+        records = [(h, p) for h, p, _ in _records(self.path.read_bytes())]
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "wb") as f:
-            for h, p in keep:
-                f.write(b"".join(_parts(h, p)))
+            for h, p in records:
+                if h["seq"] > seq:
+                    f.write(b"".join(_parts(h, p)))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _fsync_dir(self.path.parent)
+        for h, _ in records:  # once no log names them
+            if h["seq"] <= seq and "file" in h:
+                (self.spool_dir / h["file"]).unlink(missing_ok=True)
         self._file = open(self.path, "ab", buffering=0)
 
     def close(self) -> None:
