@@ -304,3 +304,22 @@ def test_a_topk_push_with_bad_indices_is_refused_as_malformed(topk_server):
         )
     rejects = [e for e in _events(rt) if e["kind"] == "reject"]
     assert [e["reason"] for e in rejects] == ["malformed", "malformed"]
+
+
+@pytest.mark.timeout(120)
+def test_a_job_asked_for_again_after_its_parameters_went_out_is_given_back(server):
+    """An async job's θ is let go once it went out whole (the server holds θ per version only
+    while a download needs it): a worker that asks for the same job again gets a new one, and
+    a push of the old one is late, not applied."""
+    rt = server
+    a = Client(rt.address).register()
+    first = a.job()  # θ read whole
+    with rt.cond:
+        assert rt.state.coord.jobs[first.job].pulled is None and not rt.state._messages
+    again = a.job()  # asked for again (a worker that lost what it got)
+    assert again.job != first.job and again.total_bytes == first.total_bytes > 0
+    assert a.push(first, encode(update(rt))).status == pb.PushReply.LATE
+    assert a.push(again, encode(update(rt))).status == pb.PushReply.ACCEPTED
+    applied(rt, 1)
+    kinds = [(e["kind"], e.get("job")) for e in _events(rt) if e["kind"] in ("regive", "late", "push")]
+    assert kinds == [("regive", first.job), ("push", again.job)]

@@ -82,6 +82,8 @@ def replay(run_dir: Path, *, progress: bool | None = None) -> dict[str, Any]:
                 slot = event["worker"]
             elif fragments is not None:
                 message = fragments.on_event(kind, event, workers)
+            elif kind == "regive":  # asked for again after its θ went out: never run
+                handed.pop(event["job"])
             elif kind in ("push", "late") or (kind == "reject" and event["abandon"]):
                 # the worker ran the job whether its push was applied, came late or was refused
                 ran = handed.pop(event["job"])

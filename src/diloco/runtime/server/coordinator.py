@@ -166,6 +166,14 @@ class Coordinator(Plans, FragmentRounds):
         if job is not None and not self.sync:
             self.dispatched -= job.steps  # re-offered to the others
 
+    def _on_regive(self, e, _):
+        """An async job asked for again after its θ went out whole (the server no longer holds
+        that θ, state.py `downloaded`): given back, as a departed worker's, and its worker idle."""
+        job = self.jobs.pop(e["job"])
+        self.workers[job.worker]["job"] = None
+        self.dispatched -= job.steps
+        self.late.add(job.job)  # a push of it after all is answered "late", and not logged
+
     def _on_begin(self, e, _):
         members = list(e["members"])
         if self.schedule is not None:  # streaming: downloads are counted per job and fragment

@@ -110,7 +110,10 @@ class Handlers(rpc.ParameterServerServicer):
                 jid = st.coord.workers[w]["job"]
                 if jid is not None and jid in st.coord.jobs:
                     job = st.coord.jobs[jid]
-                    yield_header = None
+                    if job.pulled is None:  # its θ went out whole before and was let go
+                        st.regive(job)
+                        continue
+                    yield_header, pulled = None, job.pulled
                     break
                 if time.monotonic() >= limit:
                     yield_header, job = pb.JobChunk(status=pb.JobChunk.WAIT, retry_s=0.0), None
@@ -122,7 +125,7 @@ class Handlers(rpc.ParameterServerServicer):
         st.served(job.job)
         own = st.own_theta(job, request.theta)  # the worker built this θ itself: not sent
         # keep: streaming, the worker goes on from its own θ
-        total, pieces = (0, iter(())) if job.keep or own else st.params_stream(job)
+        total, pieces = (0, iter(())) if job.keep or own else st.params_stream(job, pulled)
         st.count_received(w, total)
         yield pb.JobChunk(
             status=pb.JobChunk.RUN,
@@ -142,6 +145,7 @@ class Handlers(rpc.ParameterServerServicer):
         )
         for piece in pieces:
             yield pb.JobChunk(data=piece)
+        st.downloaded(job)
 
     def GetFragment(self, request, ctx):
         """Streaming DiLoCo: fragment p of a round once its outer step is taken (fragments.py)."""

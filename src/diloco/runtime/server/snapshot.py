@@ -19,8 +19,8 @@ def save(self: Any) -> dict[str, Any]:
     runs are saved between rounds (the log holds a round in progress)."""
     if self.members:
         raise RuntimeError("a sync server is checkpointed between rounds, not during one")
-    versions = {job.version: job.pulled for job in self.jobs.values()}
-    versions.update({job.version: job.pulled for _, _, job in self.arrived})
+    jobs = [*self.jobs.values(), *(job for _, _, job in self.arrived)]
+    versions = {job.version: job.pulled for job in jobs if job.pulled is not None}  # async: let go
     return {
         "seq": self.seq,
         "workers": {str(w): dict(rec) for w, rec in self.workers.items()},
@@ -49,7 +49,7 @@ def load(self: Any, s: dict[str, Any]) -> None:
 
     def job(state):
         state = {"position": state["lr_step"], **state}  # checkpoints of protocol 2: one number
-        return Job(**state, pulled=pulled[state["version"]])
+        return Job(**state, pulled=pulled.get(state["version"]))  # None: asked for again, regiven
 
     self.seq = int(s["seq"])
     self.workers = {int(w): dict(rec) for w, rec in s["workers"].items()}

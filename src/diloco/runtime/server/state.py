@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from diloco.config import TrainConfig
+from diloco.core.async_rules import DelayComp
 from diloco.core.codec import Encoded
 from diloco.core.outer_side import OuterSide
 from diloco.errors import UserError
@@ -255,32 +256,54 @@ class ServerState(Views):
         """A push was acknowledged `seconds` after it began to arrive."""
         self._push_seconds.append(seconds)
 
-    def params_stream(self, job: Job) -> tuple[int, Iterator[bytes]]:
-        """θ of job's version streamed from its message's tensors (wire.message_stream), never
-        joined into one blob. (its length, its pieces)."""
-        return message_stream(self._version_message(job))
+    def params_stream(self, job: Job, pulled: list[torch.Tensor]) -> tuple[int, Iterator[bytes]]:
+        """θ of job's version (`pulled`: job.pulled, read under the lock) streamed from its
+        message's tensors (wire.message_stream), never joined into one blob. (its length, its
+        pieces)."""
+        return message_stream(self._version_message(job.version, pulled))
+
+    def downloaded(self, job: Job) -> None:
+        """Job's θ went out whole (or the worker had it): an async job lets it go, so θ is held
+        per version only while a download needs it, not for every job in flight (unless the rule
+        reads it when the push is applied: delaycomp). Asked for again, the job is given back
+        (`regive`)."""
+        c = self.coord
+        if c.sync or c.schedule is not None or isinstance(self.side.update, DelayComp):
+            return
+        with self.cond:
+            job.pulled = None
+            live = {j.version for j in c.jobs.values() if j.pulled is not None}
+            self._messages = {v: m for v, m in self._messages.items() if v in live}
+
+    def regive(self, job: Job) -> None:
+        """A job asked for again after its θ was let go (`downloaded`): given back; its worker
+        gets a new one. Lock held."""
+        self.record({"kind": "regive", "job": job.job, "worker": job.worker})
+        log(f"worker {job.worker} asked again for job {job.job}, whose θ it was sent: it gets a new job")
 
     def own_theta(self, job: Job, theta: str) -> bool:
         """Whether job's θ is the one a worker built from the run's settings (`theta`: its digest,
         WorkerRef.theta), so the job goes without it: the run's first version only (every worker
         builds that one from the seed, or the same --init file); its digest is made once."""
-        if not theta or job.version != 0 or job.keep:
+        pulled = job.pulled
+        if not theta or job.version != 0 or job.keep or (self._theta0 is None and pulled is None):
             return False
         if self._theta0 is None:
-            self._theta0 = self._version_message(job).digest()
+            self._theta0 = self._version_message(0, pulled).digest()
         return theta == self._theta0
 
-    def _version_message(self, job: Job) -> Encoded:
-        """θ of job's version as the download codec sends it, made once per version and shared by
-        its jobs (fp32: θ's copy itself; bf16: its half-size encoding) while a job needs it."""
+    def _version_message(self, version: int, pulled: list[torch.Tensor]) -> Encoded:
+        """θ of `version` (`pulled`) as the download codec sends it, made once per version and
+        shared by its jobs (fp32: θ's copy itself; bf16: its half-size encoding) while a job
+        needs it."""
         with self.cond:
-            message = self._messages.get(job.version)
+            message = self._messages.get(version)
         if message is None:
-            message = self.side.download.encode(job.pulled)  # bf16: exactly what was made
+            message = self.side.download.encode(pulled)  # bf16: exactly what was made
             with self.cond:
-                live = {j.version for j in self.coord.jobs.values()}
+                live = {j.version for j in self.coord.jobs.values() if j.pulled is not None}
                 self._messages = {v: m for v, m in self._messages.items() if v in live}
-                self._messages[job.version] = message
+                self._messages[version] = message
         return message
 
     def expected(self, p: int) -> tuple[list, dict, int]:
