@@ -14,7 +14,8 @@ every worker registered to the last acknowledgment):
   (first chunk sent to acknowledgment);
 - `cpu_s_per_push`: the server process's user + system CPU seconds ÷ pushes;
 - `peak_rss_over_idle_mb`: the server's largest resident set while pushes run (sampled every
-  20 ms) minus its resident set once ready and idle;
+  20 ms) minus its resident set once ready and idle; `peak_rss_file_mb`: how much of that
+  largest resident set was pages of mapped files (push files being checked or applied);
 - `acknowledged` (by the clients), `logged` (push events in events.jsonl), `applied` (apply
   events): equal when nothing was lost or applied twice;
 - `raw_grpc_mb_per_s`: the same threads doing the same downloads and uploads, in the same 1 MB
@@ -87,16 +88,17 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def _proc_stat(pid: int) -> tuple[float, float]:
-    """(user + system CPU seconds, resident MB) of process `pid`."""
+def _proc_stat(pid: int) -> tuple[float, float, float]:
+    """(user + system CPU seconds, resident MB, of which mapped files) of process `pid`."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     rss = int(fields[21]) * os.sysconf("SC_PAGE_SIZE") / 1e6
-    return cpu, rss
+    status = dict(x.split(":", 1) for x in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in x)
+    return cpu, rss, int(status.get("RssFile", "0 kB").split()[0]) / 1e3
 
 
 class _Sampler(threading.Thread):
-    """(time, CPU seconds, resident MB) of `pid` every 20 ms while it runs."""
+    """(time, CPU seconds, resident MB, of which mapped files) of `pid` every 20 ms while it runs."""
 
     def __init__(self, pid: int):
         super().__init__(daemon=True)
@@ -109,10 +111,12 @@ class _Sampler(threading.Thread):
             except (FileNotFoundError, ProcessLookupError):
                 return
 
-    def until(self, t: float) -> tuple[float, float]:
-        """The CPU seconds at the last sample before `t`, and the largest resident set until it."""
+    def until(self, t: float) -> tuple[float, float, float]:
+        """The CPU seconds at the last sample before `t`, the largest resident set until it and
+        the mapped files' part of it then."""
         before = [s for s in self.samples if s[0] <= t] or self.samples[:1]
-        return before[-1][1], max(s[2] for s in before)
+        peak = max(before, key=lambda s: s[2])
+        return before[-1][1], peak[2], peak[3]
 
 
 def _message(model: str, codec: str) -> tuple[bytes, int]:
@@ -193,7 +197,7 @@ def _diloco_row(
             time.sleep(0.2)
         address = json.loads((run / "server.json").read_text())["address"]
         time.sleep(1.0)
-        cpu0, idle_rss = _proc_stat(proc.pid)
+        cpu0, idle_rss, _ = _proc_stat(proc.pid)
         sampler = _Sampler(proc.pid)
         sampler.start()
 
@@ -233,8 +237,8 @@ def _diloco_row(
         while not sampler.samples or sampler.samples[-1][0] < last:
             time.sleep(0.02)
         sampler.stop.set()
-        cpu_start = next((c for t, c, _ in sampler.samples if t >= start), cpu0)
-        cpu_end, peak = sampler.until(last)
+        cpu_start = next((s[1] for s in sampler.samples if s[0] >= start), cpu0)
+        cpu_end, peak, peak_file = sampler.until(last)
         events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
         acked = sum(1 for r in rows if r[2])
         latencies = [r[0] * 1e3 for r in rows]
@@ -245,6 +249,7 @@ def _diloco_row(
             "push_latency_ms_p99": round(_percentile(latencies, 0.99), 2),
             "cpu_s_per_push": round((cpu_end - cpu_start) / max(1, len(rows)), 4),
             "peak_rss_over_idle_mb": round(max(0.0, peak - idle_rss), 1),
+            "peak_rss_file_mb": round(peak_file, 1),  # of the peak: pages of mapped files (pushes)
             "idle_rss_mb": round(idle_rss, 1),
             "acknowledged": acked,
             "logged": sum(1 for e in events if e["kind"] == "push"),

@@ -323,3 +323,27 @@ def test_a_job_asked_for_again_after_its_parameters_went_out_is_given_back(serve
     applied(rt, 1)
     kinds = [(e["kind"], e.get("job")) for e in _events(rt) if e["kind"] in ("regive", "late", "push")]
     assert kinds == [("regive", first.job), ("push", again.job)]
+
+
+@pytest.fixture
+def one_download_server(tmp_path):
+    yield from _serving(tmp_path, max_inflight_downloads=1)
+
+
+@pytest.mark.timeout(120)
+def test_a_job_waits_while_theta_is_held_for_as_many_downloads_as_allowed(one_download_server):
+    """--max-inflight-downloads 1: while worker b has not downloaded its version-0 θ, worker a's
+    next job (from version 1, a second copy of θ) is not handed out; once b's θ went out it is."""
+    rt = one_download_server
+    a, b = Client(rt.address).register(), Client(rt.address).register()
+    first = a.job()  # both jobs start from version 0: one copy of θ, held for b's download
+    assert a.push(first, encode(update(rt))).status == pb.PushReply.ACCEPTED
+    applied(rt, 1)
+    time.sleep(0.3)  # the main thread would have handed a its next job by now
+    with rt.cond:
+        assert rt.state.coord.workers[a.ref.worker]["job"] is None
+        assert rt.state.coord.jobs[rt.state.coord.workers[b.ref.worker]["job"]].version == 0
+    b.job()  # version 0 went out whole: let go
+    assert a.job().version == 1
+    with rt.cond:
+        assert rt.state.downloads == {"limit": 1, "most_held": 1}

@@ -47,6 +47,7 @@ EXPECTED = {
     "--round-timeout-s": "round_timeout_s",
     "--worker-timeout-s": "worker_timeout_s",
     "--max-inflight-pushes": "max_inflight_pushes",
+    "--max-inflight-downloads": "max_inflight_downloads",
     "--max-update-norm-ratio": "max_update_norm_ratio",
     "--max-staleness": "max_staleness",
     "--drop-prob": "drop_prob",

@@ -24,6 +24,7 @@ SERVE_RESUME_OVERRIDES = (
     "round_timeout_s",
     "worker_timeout_s",
     "max_inflight_pushes",
+    "max_inflight_downloads",
     "max_update_norm_ratio",
     "max_staleness",
 )

@@ -193,6 +193,14 @@ class TrainConfig:
         help="pushes received and checked at once (each read in place while checked); the rest wait; "
         "0: as many as a quarter of the memory available at start holds",
     )
+    max_inflight_downloads: int = setting(
+        0,
+        flag="--max-inflight-downloads",
+        group="parameter_server",
+        needs=ON_SERVER,
+        help="async: θ versions held for downloads at once (a copy of θ each); a job waits for one; "
+        "0: one per CPU core, as many as a quarter of the memory available holds",
+    )
     max_update_norm_ratio: float = setting(
         0.0,
         flag="--max-update-norm-ratio",

@@ -225,6 +225,11 @@ class Coordinator(Plans, FragmentRounds):
             self._pulled = (version, [p.detach().clone() for p in self.side.downloaded()])
         return self._pulled[1]
 
+    def release_pulled(self, held: set[int]) -> None:
+        """Let go of the θ copy kept for the next job of its version unless `held` needs it."""
+        if self._pulled is not None and self._pulled[0] not in held:
+            self._pulled = None
+
     def _on_push(self, e, message):
         if "fragment" in e:  # Streaming DiLoCo (fragments.py)
             return self._fragment_push(e, message)

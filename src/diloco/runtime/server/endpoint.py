@@ -120,6 +120,11 @@ class Endpoint:
             f"receiving at most {st.push_slots.limit} pushes at once (--max-inflight-pushes; up to "
             f"{mb:.0f} MB each); more wait their turn"
         )
+        if not st.coord.sync:
+            log(
+                f"holding θ for at most {st.downloads['limit']} downloads at once (--max-inflight-downloads; "
+                f"{st.side.pull_bytes / 1e6:.0f} MB each); a job waits for one"
+            )
         if self.status_page:
             query = f"?token={st.token}" if st.token else ""
             log(f"status page: {'https' if tls else 'http'}://{shown[0]}:{self._http_port}/{query}")

@@ -154,6 +154,8 @@ class ServerRuntime(SideView):
                     return None
                 st.reap()
                 for w in c.idle():
+                    if not st.may_hand_out():  # --max-inflight-downloads: θ copies at their limit
+                        break
                     event = c.plan_dispatch(w, time.time())
                     if event is None:
                         break

@@ -67,6 +67,9 @@ class ServerState(Views):
         # what a pushed outer_grad must look like: this model's tensors through the run's codec
         self.expected_message, self.expected_meta, self.max_message_bytes = _expected(side, side.params)
         self.push_slots = PushSlots(slots.resolve(cfg.max_inflight_pushes, self.max_message_bytes))
+        # async: θ versions held for downloads at once (--max-inflight-downloads), the most held
+        self.downloads = {"limit": slots.resolve_downloads(cfg.max_inflight_downloads, side.pull_bytes)}
+        self.downloads["most_held"] = 0
         self._recent_rejected: deque = deque(maxlen=20)  # for the status page
         self._push_seconds: deque = deque(maxlen=1000)  # receive-to-acknowledge time of recent pushes
         self.run = None  # run.loop.Run, for the metrics lines of refused pushes (attach_run)
@@ -272,8 +275,23 @@ class ServerState(Views):
             return
         with self.cond:
             job.pulled = None
-            live = {j.version for j in c.jobs.values() if j.pulled is not None}
+            live = self._held()
             self._messages = {v: m for v, m in self._messages.items() if v in live}
+            c.release_pulled(live)
+            self.cond.notify_all()  # the main thread may hand out a job now (`may_hand_out`)
+
+    def _held(self) -> set[int]:
+        """The versions of θ held for downloads (jobs whose θ has not gone out yet). Lock held."""
+        return {j.version for j in self.coord.jobs.values() if j.pulled is not None}
+
+    def may_hand_out(self) -> bool:
+        """Async: whether a job may be handed out now: the θ it starts from is held already, or
+        fewer versions than --max-inflight-downloads are (each a copy of θ). Lock held."""
+        held = self._held() | {self.coord.side.version}
+        if len(held) > self.downloads["limit"]:
+            return False
+        self.downloads["most_held"] = max(self.downloads["most_held"], len(held))
+        return True
 
     def regive(self, job: Job) -> None:
         """A job asked for again after its θ was let go (`downloaded`): given back; its worker

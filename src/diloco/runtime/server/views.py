@@ -37,8 +37,10 @@ class Views:
                     "wire_bytes_received": self._wire[w]["received"],
                 }
             )
-        # --max-inflight-pushes: its limit, the most received at once, how many waited (slots.py)
-        return {"workers": rows, "events": c.seq, "push_slots": self.push_slots.figures()}
+        # --max-inflight-pushes: its limit, the most received at once, how many waited (slots.py);
+        # --max-inflight-downloads: its limit, the most θ versions held at once (async)
+        slots = {"push_slots": self.push_slots.figures(), "downloads": dict(self.downloads)}
+        return {"workers": rows, "events": c.seq, **slots}
 
     def status(self) -> dict[str, Any]:
         """The run at a glance, for the status page (`/status`, `/`, `/metrics`)."""
@@ -94,6 +96,7 @@ class Views:
                 "unauthenticated": self.refusals.count,
                 "push_seconds": sorted(self._push_seconds),
                 "push_slots": self.push_slots.figures(),
+                "downloads": dict(self.downloads),
             }
 
     # -- checkpoints ---------------------------------------------------------------------------
