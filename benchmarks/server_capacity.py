@@ -31,7 +31,8 @@ fp4 rows push `--codec fp4` messages (0.52 bytes per value) and download θ in b
     python benchmarks/server_capacity.py --model 150m --codec fp32 --workers 16   # one row
 
 Writes benchmarks/results/server_capacity.json (rows merged by their key: model, codec, workers,
-storage and `--max-inflight-pushes`; so rows run one at a time accumulate; `--out` elsewhere).
+storage, `--max-inflight-pushes` and `--max-inflight-downloads`; so rows run one at a time
+accumulate; `--out` elsewhere).
 A row whose server dies (out of memory, say) is reported with its `error` and the server's last
 line.
 """
@@ -167,7 +168,14 @@ def _clients(workers: int, body) -> tuple[float, list]:
 
 
 def _diloco_row(
-    model: str, codec: str, workers: int, root: Path, pushes: int, message: bytes, inflight: int
+    model: str,
+    codec: str,
+    workers: int,
+    root: Path,
+    pushes: int,
+    message: bytes,
+    inflight: int,
+    downloads: int,
 ) -> dict:
     from diloco.runtime.server import diloco_pb2 as pb
     from diloco.runtime.server import diloco_pb2_grpc as rpc
@@ -187,6 +195,7 @@ def _diloco_row(
         "--no-dylu", "--grace-s", "0", "--model", model, *codec_flags, "--eval-every", str(steps),
         "--checkpoint-every", str(steps), "--http-port", "-1", "--no-progress",
         "--worker-timeout-s", "600", "--max-inflight-pushes", str(inflight),
+        "--max-inflight-downloads", str(downloads),
     ]  # fmt: skip
     log = open(run.parent / "server.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -323,14 +332,17 @@ def _raw_disk(workers: int, pushes: int, message: bytes, root: Path) -> float:
         subprocess.run(["rm", "-rf", str(where)], check=False)
 
 
-def row(model: str, codec: str, workers: int, storage: str, pushes: int, inflight: int = 0) -> dict:
+def row(
+    model: str, codec: str, workers: int, storage: str, pushes: int, inflight: int = 0, downloads: int = 0
+) -> dict:
     message, down_bytes = _message(model, codec)
     root = STORAGE[storage]
     out = {"model": model, "codec": codec, "workers": workers, "storage": storage}
     out |= {"message_bytes": len(message), "download_bytes": down_bytes, "pushes_per_worker": pushes}
     out["max_inflight_pushes"] = inflight  # 0: the server's default (from its memory)
+    out["max_inflight_downloads"] = downloads  # 0: the server's default (cores, memory)
     try:
-        out |= _diloco_row(model, codec, workers, root, pushes, message, inflight)
+        out |= _diloco_row(model, codec, workers, root, pushes, message, inflight, downloads)
     except (RuntimeError, grpc.RpcError) as e:
         out["error"] = str(e)[-500:]
         return out
@@ -355,6 +367,12 @@ def main() -> None:
         default=0,
         help="the server's --max-inflight-pushes (0: its default)",
     )
+    ap.add_argument(
+        "--max-inflight-downloads",
+        type=int,
+        default=0,
+        help="the server's --max-inflight-downloads (0: its default)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "server_capacity.json"))
     ap.add_argument("--raw-server", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--raw-bytes", type=int, help=argparse.SUPPRESS)
@@ -367,7 +385,7 @@ def main() -> None:
     torch.set_num_threads(1)
     out = Path(args.out)
     saved = json.loads(out.read_text()) if out.exists() else {"benchmark": "server_capacity", "rows": []}
-    key = ("model", "codec", "workers", "storage", "max_inflight_pushes")
+    key = ("model", "codec", "workers", "storage", "max_inflight_pushes", "max_inflight_downloads")
     for model in args.model.split(","):
         for codec in args.codec.split(","):
             for workers in (int(w) for w in args.workers.split(",")):
@@ -376,7 +394,8 @@ def main() -> None:
                     print(
                         f"[capacity] {model} {codec} x{workers} on {storage} ...", file=sys.stderr, flush=True
                     )
-                    r = row(model, codec, workers, storage, pushes, args.max_inflight_pushes)
+                    limits = (args.max_inflight_pushes, args.max_inflight_downloads)
+                    r = row(model, codec, workers, storage, pushes, *limits)
                     print(f"[capacity] {json.dumps(r)}", file=sys.stderr, flush=True)
                     saved["rows"] = [
                         x

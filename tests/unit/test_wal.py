@@ -97,3 +97,30 @@ def test_push_files_no_record_names_are_deleted_when_the_log_opens(tmp_path):
     log.close()
     wal.WriteAheadLog(path).close()
     assert sorted(p.name for p in (tmp_path / "pushes").iterdir()) == [kept.name]
+
+
+def _resident_kb(path) -> int:
+    """Resident kB of this process's mapping of `path` (/proc/self/smaps)."""
+    lines, kb, inside = open("/proc/self/smaps").read().splitlines(), 0, False
+    for line in lines:
+        if line[:1].isdigit() or line[:1] in "abcdef":
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            kb += int(line.split()[1])
+    return kb
+
+
+@pytest.mark.timeout(30)
+def test_released_pages_of_a_push_file_leave_the_process_and_read_back_the_same(tmp_path):
+    log = wal.WriteAheadLog(tmp_path / "wal.log")
+    spool = log.spool("big")
+    data = bytes(range(256)) * (8 << 12)  # 8 MB
+    spool.write(data)
+    buf = spool.finish()
+    assert bytes(buf) == data and _resident_kb(spool.path) >= 8 << 10  # read: resident
+    wal.release(buf, 0, 4 << 20)  # the first half, as a check does group by group
+    assert 4 << 10 <= _resident_kb(spool.path) < (4 << 10) + 8
+    wal.release(buf)
+    assert _resident_kb(spool.path) == 0
+    assert bytes(buf) == data  # read again from the page cache
+    log.close()

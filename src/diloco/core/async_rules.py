@@ -46,6 +46,10 @@ class AsyncRule:
         """Apply whatever the rule still holds back when training ends; True if θ changed."""
         return False
 
+    def prepare(self, params: Tensors) -> None:
+        """Allocate the rule's state now rather than at the first arrival (the parameter server
+        does, so its memory at rest is what it needs)."""
+
     def state_dict(self) -> dict:
         return {}
 
@@ -161,11 +165,14 @@ class DelayedNesterov(AsyncRule):
         self.m: Tensors | None = None
         self.delta: Tensors | None = None
 
+    def prepare(self, params: Tensors) -> None:
+        if self.m is None:
+            self.m = [torch.zeros_like(p) for p in params]
+            self.delta = [torch.zeros_like(p) for p in params]
+
     @torch.no_grad()
     def apply(self, params, grad, *, worker, staleness, pulled=None, group_end=True) -> bool:
-        if self.m is None:
-            self.m = [torch.zeros_like(g) for g in grad]
-            self.delta = [torch.zeros_like(g) for g in grad]
+        self.prepare(grad)
         lr, beta, n, c = self.lr, self.momentum, self.size, self.c
         # in place, one fused pass per line over every tensor (torch._foreach_*): no temporaries,
         # the server applies 600 MB models with this

@@ -16,6 +16,8 @@ from diloco.core.codec import Encoded
 from diloco.errors import UserError
 from diloco.runtime.server import wal
 
+RELEASE_BYTES = 64 << 20  # a check lets go of a mapped push file's pages this many bytes at a time
+
 
 def check_push(st, buf, head, refuse) -> tuple[Encoded, float | None]:
     """(the message in `buf`, its norm per √step, None when it says it is not finite); a push
@@ -37,8 +39,8 @@ def check_push(st, buf, head, refuse) -> tuple[Encoded, float | None]:
             grads = st.side.codec.decode(message)  # e.g. topk indices out of order or range
         except UserError as e:
             refuse("malformed", str(e).removesuffix(" resend it.").rstrip(";."))
-        # one fused pass: the norm is finite exactly when every value is (or it overflows)
-        total = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+        # the norm is finite exactly when every value is (or it overflows)
+        total = float(torch.linalg.vector_norm(torch.stack(_norms(grads, buf))))
         del grads
         if not math.isfinite(total):
             detail = f"job {jid}'s outer_grad has NaN or Inf values (or overflows) but says it is finite"
@@ -46,3 +48,22 @@ def check_push(st, buf, head, refuse) -> tuple[Encoded, float | None]:
         norm = total / math.sqrt(max(1, head.steps))  # the steps it took (checked by the caller)
     wal.release(buf)  # read again from the page cache when it is applied
     return message, norm
+
+
+def _norms(grads: list[torch.Tensor], buf) -> list[torch.Tensor]:
+    """Each tensor's norm, in fused passes over groups of about RELEASE_BYTES; the mapped pages
+    behind a group (tensors that view `buf`: fp32's) are let go once it is done, so a check
+    holds a group of a message in memory, not the message."""
+    base, size = (wal.address(buf), len(buf)) if len(buf) else (0, 0)
+    norms, group, held = [], [], 0
+    for i, g in enumerate(grads):
+        group.append(g)
+        held += g.numel() * g.element_size()
+        if held < RELEASE_BYTES and i < len(grads) - 1:
+            continue
+        norms += torch._foreach_norm(group)
+        spans = [(t.data_ptr() - base, t.numel() * t.element_size()) for t in group]
+        if all(0 <= s < size for s, _ in spans):  # views of the mapped file
+            wal.release(buf, min(s for s, _ in spans), max(s + n for s, n in spans))
+        group, held = [], 0
+    return norms

@@ -74,6 +74,8 @@ class ServerState(Views):
         self._push_seconds: deque = deque(maxlen=1000)  # receive-to-acknowledge time of recent pushes
         self.run = None  # run.loop.Run, for the metrics lines of refused pushes (attach_run)
         self.coord = Coordinator(cfg, side, shard_sizes)
+        if not self.coord.sync:
+            side.update.prepare(side.params)  # the rule's state now: the server at rest holds it
         # Streaming DiLoCo: each fragment's, and the fragments sent to workers (made once each)
         self._fragments = [_expected(side, [side.params[i] for i in g]) for g in self.coord.groups]
         self._fragment_blobs: dict[tuple[int, int], bytes] = {}

@@ -24,6 +24,7 @@ refused push, or one cut off by a crash).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -89,10 +90,25 @@ def map_file(path: Path) -> mmap.mmap | bytearray:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
 
 
-def release(buf: mmap.mmap | bytearray) -> None:
-    """The pages of a mapped push file out of this process's memory (`map_file`)."""
-    if isinstance(buf, mmap.mmap):
-        buf.madvise(mmap.MADV_DONTNEED)
+def release(buf: mmap.mmap | bytearray, start: int = 0, end: int | None = None) -> None:
+    """The pages of a mapped push file (`map_file`) between byte `start` and `end` (default:
+    all) out of this process's memory; they are read again from the page cache if used."""
+    if not isinstance(buf, mmap.mmap) or len(buf) == 0:
+        return
+    end = len(buf) if end is None else min(end, len(buf))
+    first = -(-max(0, start) // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the range
+    last = end if end == len(buf) else end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        buf.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def address(buf: mmap.mmap | bytearray) -> int:
+    """Where `buf`'s bytes start in memory (to find a tensor viewing them)."""
+    probe = ctypes.c_char.from_buffer(buf)
+    try:
+        return ctypes.addressof(probe)
+    finally:
+        del probe
 
 
 class Spool:
