@@ -195,7 +195,7 @@ def _diloco_row(
         "--no-dylu", "--grace-s", "0", "--model", model, *codec_flags, "--eval-every", str(steps),
         "--checkpoint-every", str(steps), "--http-port", "-1", "--no-progress",
         "--worker-timeout-s", "600", "--max-inflight-pushes", str(inflight),
-        "--max-inflight-downloads", str(downloads),
+        *(["--max-inflight-downloads", str(downloads)] if downloads else []),
     ]  # fmt: skip
     log = open(run.parent / "server.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -340,7 +340,7 @@ def row(
     out = {"model": model, "codec": codec, "workers": workers, "storage": storage}
     out |= {"message_bytes": len(message), "download_bytes": down_bytes, "pushes_per_worker": pushes}
     out["max_inflight_pushes"] = inflight  # 0: the server's default (from its memory)
-    out["max_inflight_downloads"] = downloads  # 0: the server's default (cores, memory)
+    out["max_inflight_downloads"] = downloads  # 0: the server's default (1)
     try:
         out |= _diloco_row(model, codec, workers, root, pushes, message, inflight, downloads)
     except (RuntimeError, grpc.RpcError) as e:

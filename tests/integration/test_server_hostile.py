@@ -327,12 +327,12 @@ def test_a_job_asked_for_again_after_its_parameters_went_out_is_given_back(serve
 
 @pytest.fixture
 def one_download_server(tmp_path):
-    yield from _serving(tmp_path, max_inflight_downloads=1)
+    yield from _serving(tmp_path, max_inflight_downloads=1)  # the default
 
 
 @pytest.mark.timeout(120)
 def test_a_job_waits_while_theta_is_held_for_as_many_downloads_as_allowed(one_download_server):
-    """--max-inflight-downloads 1: while worker b has not downloaded its version-0 θ, worker a's
+    """--max-inflight-downloads 1 (the default): while worker b has not downloaded its version-0 θ, worker a's
     next job (from version 1, a second copy of θ) is not handed out; once b's θ went out it is."""
     rt = one_download_server
     a, b = Client(rt.address).register(), Client(rt.address).register()
@@ -346,4 +346,5 @@ def test_a_job_waits_while_theta_is_held_for_as_many_downloads_as_allowed(one_do
     b.job()  # version 0 went out whole: let go
     assert a.job().version == 1
     with rt.cond:
-        assert rt.state.downloads == {"limit": 1, "most_held": 1}
+        assert rt.state.downloads["limit"] == 1 and rt.state.downloads["most_held"] == 1
+        assert rt.state.downloads["waited_s"] >= 0.3  # a's job waited for b's download

@@ -194,12 +194,12 @@ class TrainConfig:
         "0: as many as a quarter of the memory available at start holds",
     )
     max_inflight_downloads: int = setting(
-        0,
+        1,
         flag="--max-inflight-downloads",
         group="parameter_server",
         needs=ON_SERVER,
         help="async: θ versions held for downloads at once (a copy of θ each); a job waits for one; "
-        "0: one per CPU core, as many as a quarter of the memory available holds",
+        "raise it on slow links, where each worker's link, not the server, bounds its download",
     )
     max_update_norm_ratio: float = setting(
         0.0,

@@ -108,7 +108,7 @@ def validate(cfg: Any) -> None:
         settings.in_range(cfg, "worker_timeout_s", lo=0.0, lo_open=True)
         settings.in_range(cfg, "max_update_norm_ratio", lo=0.0)
         settings.in_range(cfg, "max_inflight_pushes", lo=0)
-        settings.in_range(cfg, "max_inflight_downloads", lo=0)
+        settings.in_range(cfg, "max_inflight_downloads", lo=1)
         settings.in_range(cfg, "max_staleness", lo=0)
         if cfg.max_staleness and cfg.method != "async":
             raise UserError(

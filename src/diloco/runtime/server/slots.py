@@ -7,7 +7,6 @@ control holds their senders back); none fails for it. docs/server.md, "Limits".
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,18 +33,6 @@ def resolve(setting: int, message_bytes: int) -> int:
         return setting
     free = available_bytes()
     return 64 if free is None else max(1, int(AUTO_SHARE * free) // max(1, message_bytes))
-
-
-def resolve_downloads(setting: int, theta_bytes: int) -> int:
-    """`--max-inflight-downloads`: `setting`, or for 0 one per CPU core this process may use (a
-    download is serialised by a core; more at once move no more bytes, they only hold more
-    copies of θ), at most as many θ copies as a quarter of the memory available holds (≥ 1)."""
-    if setting:
-        return setting
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    free = available_bytes()
-    fits = cores if free is None else int(AUTO_SHARE * free) // max(1, theta_bytes)
-    return max(1, min(cores, fits))
 
 
 class PushSlots:

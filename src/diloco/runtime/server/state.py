@@ -21,14 +21,12 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from diloco.config import TrainConfig
-from diloco.core.async_rules import DelayComp
 from diloco.core.codec import Encoded
 from diloco.core.outer_side import OuterSide
 from diloco.errors import UserError
@@ -37,8 +35,8 @@ from diloco.runtime.server.coordinator import Coordinator
 from diloco.runtime.server.jobs import Job
 from diloco.runtime.server.security import ServeOptions
 from diloco.runtime.server.slots import PushSlots
+from diloco.runtime.server.versions import Versions
 from diloco.runtime.server.views import Views
-from diloco.runtime.server.wire import message_stream
 
 MESSAGE_SLACK = 1 << 16  # a push may exceed the exact size of this model's message by this much
 
@@ -47,7 +45,7 @@ def log(text: str) -> None:
     print(f"diloco serve: {text}", file=sys.stderr, flush=True)
 
 
-class ServerState(Views):
+class ServerState(Views, Versions):
     """What the server's threads share (see the module docstring). Methods marked "lock held"
     expect the caller to hold `cond`; the others take it themselves or need no lock."""
 
@@ -67,9 +65,10 @@ class ServerState(Views):
         # what a pushed outer_grad must look like: this model's tensors through the run's codec
         self.expected_message, self.expected_meta, self.max_message_bytes = _expected(side, side.params)
         self.push_slots = PushSlots(slots.resolve(cfg.max_inflight_pushes, self.max_message_bytes))
-        # async: θ versions held for downloads at once (--max-inflight-downloads), the most held
-        self.downloads = {"limit": slots.resolve_downloads(cfg.max_inflight_downloads, side.pull_bytes)}
-        self.downloads["most_held"] = 0
+        # async: θ versions held for downloads at once (--max-inflight-downloads), the most held,
+        # and how long jobs waited to be handed out for it
+        self.downloads = {"limit": cfg.max_inflight_downloads, "most_held": 0, "waited_s": 0.0}
+        self._waiting_since: float | None = None
         self._recent_rejected: deque = deque(maxlen=20)  # for the status page
         self._push_seconds: deque = deque(maxlen=1000)  # receive-to-acknowledge time of recent pushes
         self.run = None  # run.loop.Run, for the metrics lines of refused pushes (attach_run)
@@ -261,70 +260,11 @@ class ServerState(Views):
         """A push was acknowledged `seconds` after it began to arrive."""
         self._push_seconds.append(seconds)
 
-    def params_stream(self, job: Job, pulled: list[torch.Tensor]) -> tuple[int, Iterator[bytes]]:
-        """θ of job's version (`pulled`: job.pulled, read under the lock) streamed from its
-        message's tensors (wire.message_stream), never joined into one blob. (its length, its
-        pieces)."""
-        return message_stream(self._version_message(job.version, pulled))
-
-    def downloaded(self, job: Job) -> None:
-        """Job's θ went out whole (or the worker had it): an async job lets it go, so θ is held
-        per version only while a download needs it, not for every job in flight (unless the rule
-        reads it when the push is applied: delaycomp). Asked for again, the job is given back
-        (`regive`)."""
-        c = self.coord
-        if c.sync or c.schedule is not None or isinstance(self.side.update, DelayComp):
-            return
-        with self.cond:
-            job.pulled = None
-            live = self._held()
-            self._messages = {v: m for v, m in self._messages.items() if v in live}
-            c.release_pulled(live)
-            self.cond.notify_all()  # the main thread may hand out a job now (`may_hand_out`)
-
-    def _held(self) -> set[int]:
-        """The versions of θ held for downloads (jobs whose θ has not gone out yet). Lock held."""
-        return {j.version for j in self.coord.jobs.values() if j.pulled is not None}
-
-    def may_hand_out(self) -> bool:
-        """Async: whether a job may be handed out now: the θ it starts from is held already, or
-        fewer versions than --max-inflight-downloads are (each a copy of θ). Lock held."""
-        held = self._held() | {self.coord.side.version}
-        if len(held) > self.downloads["limit"]:
-            return False
-        self.downloads["most_held"] = max(self.downloads["most_held"], len(held))
-        return True
-
     def regive(self, job: Job) -> None:
         """A job asked for again after its θ was let go (`downloaded`): given back; its worker
         gets a new one. Lock held."""
         self.record({"kind": "regive", "job": job.job, "worker": job.worker})
         log(f"worker {job.worker} asked again for job {job.job}, whose θ it was sent: it gets a new job")
-
-    def own_theta(self, job: Job, theta: str) -> bool:
-        """Whether job's θ is the one a worker built from the run's settings (`theta`: its digest,
-        WorkerRef.theta), so the job goes without it: the run's first version only (every worker
-        builds that one from the seed, or the same --init file); its digest is made once."""
-        pulled = job.pulled
-        if not theta or job.version != 0 or job.keep or (self._theta0 is None and pulled is None):
-            return False
-        if self._theta0 is None:
-            self._theta0 = self._version_message(0, pulled).digest()
-        return theta == self._theta0
-
-    def _version_message(self, version: int, pulled: list[torch.Tensor]) -> Encoded:
-        """θ of `version` (`pulled`) as the download codec sends it, made once per version and
-        shared by its jobs (fp32: θ's copy itself; bf16: its half-size encoding) while a job
-        needs it."""
-        with self.cond:
-            message = self._messages.get(version)
-        if message is None:
-            message = self.side.download.encode(pulled)  # bf16: exactly what was made
-            with self.cond:
-                live = {j.version for j in self.coord.jobs.values() if j.pulled is not None}
-                self._messages = {v: m for v, m in self._messages.items() if v in live}
-                self._messages[version] = message
-        return message
 
     def expected(self, p: int) -> tuple[list, dict, int]:
         """What a push must look like (payload shapes and dtypes, codec meta, most bytes): a whole
