@@ -274,3 +274,27 @@ def test_a_first_job_goes_without_theta_only_to_a_worker_that_built_the_same(tin
     assert not st.own_theta(job, "")  # a worker that built none (its --init-from file is elsewhere)
     assert not st.own_theta(dataclasses.replace(job, version=1), same)  # later versions: sent
     st.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_job_waits_while_theta_is_being_sent_for_as_many_downloads_as_allowed(tiny, tmp_path):
+    """--max-inflight-downloads 1: while worker 1's version-0 θ is being sent, no job from
+    version 1 (a second copy of θ) is handed out; once it went out, one is, and the wait counts."""
+    st = make(tiny, tmp_path / "run", method="async", max_inflight_downloads=1)
+    join(st, 0)
+    join(st, 1)
+    with st.cond:
+        for w in (0, 1):
+            st.record(st.coord.plan_dispatch(w, time.time()))
+        sent = st.coord.jobs[st.coord.workers[1]["job"]]
+        st.streaming.add(sent.job)  # what GetJob does while it sends θ
+        st.side.version += 1  # an update applied since
+        assert not st.may_hand_out()
+        held = [j.worker for j in st.coord.jobs.values() if j.pulled is not None]
+        assert held == [1]  # worker 0's job, whose download had not begun, let its θ go
+        st.streaming.discard(sent.job)  # GetJob's end ...
+    time.sleep(0.05)
+    st.downloaded(sent)  # ... and θ went out whole
+    with st.cond:
+        assert st.may_hand_out() and st.downloads["waited_s"] >= 0.05
+    st.close()

@@ -114,6 +114,7 @@ class Handlers(rpc.ParameterServerServicer):
                         st.regive(job)
                         continue
                     yield_header, pulled = None, job.pulled
+                    st.streaming.add(job.job)  # its θ is not let go while it is sent
                     break
                 if time.monotonic() >= limit:
                     yield_header, job = pb.JobChunk(status=pb.JobChunk.WAIT, retry_s=0.0), None
@@ -122,8 +123,16 @@ class Handlers(rpc.ParameterServerServicer):
         if job is None:
             yield yield_header
             return
+        try:
+            yield from self._send_job(st, job, pulled, request.theta, w)
+        finally:
+            with st.cond:
+                st.streaming.discard(job.job)
+
+    def _send_job(self, st, job, pulled, theta, w):
+        """A job's header, then its θ (unless the worker has it), then θ let go (`downloaded`)."""
         st.served(job.job)
-        own = st.own_theta(job, request.theta)  # the worker built this θ itself: not sent
+        own = st.own_theta(job, theta)  # the worker built this θ itself: not sent
         # keep: streaming, the worker goes on from its own θ
         total, pieces = (0, iter(())) if job.keep or own else st.params_stream(job, pulled)
         st.count_received(w, total)

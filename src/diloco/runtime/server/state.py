@@ -69,6 +69,7 @@ class ServerState(Views, Versions):
         # and how long jobs waited to be handed out for it
         self.downloads = {"limit": cfg.max_inflight_downloads, "most_held": 0, "waited_s": 0.0}
         self._waiting_since: float | None = None
+        self.streaming: set[int] = set()  # jobs whose θ is being sent now (handlers.GetJob)
         self._recent_rejected: deque = deque(maxlen=20)  # for the status page
         self._push_seconds: deque = deque(maxlen=1000)  # receive-to-acknowledge time of recent pushes
         self.run = None  # run.loop.Run, for the metrics lines of refused pushes (attach_run)

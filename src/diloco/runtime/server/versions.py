@@ -22,7 +22,8 @@ from diloco.runtime.server.wire import message_stream
 
 class Versions:
     """Methods of ServerState (state.py) about θ's versions; they use its lock, coordinator,
-    outer side, `_messages`, `_theta0`, `downloads` and `_waiting_since`."""
+    outer side, `_messages`, `_theta0`, `downloads`, `_waiting_since` and `streaming` (the jobs
+    whose θ is being sent now)."""
 
     def params_stream(self, job: Job, pulled: list[torch.Tensor]) -> tuple[int, Iterator[bytes]]:
         """θ of job's version (`pulled`: job.pulled, read under the lock) streamed from its
@@ -39,11 +40,16 @@ class Versions:
         if c.sync or c.schedule is not None or isinstance(self.side.update, DelayComp):
             return
         with self.cond:
-            job.pulled = None
-            live = self._held()
-            self._messages = {v: m for v, m in self._messages.items() if v in live}
-            c.release_pulled(live)
+            self._let_go([job])
             self.cond.notify_all()  # the main thread may hand out a job now (`may_hand_out`)
+
+    def _let_go(self, jobs: list[Job]) -> None:
+        """These jobs' θ is no longer held (asked for again, they are given back). Lock held."""
+        for job in jobs:
+            job.pulled = None
+        live = self._held()
+        self._messages = {v: m for v, m in self._messages.items() if v in live}
+        self.coord.release_pulled(live)
 
     def _held(self) -> set[int]:
         """The versions of θ held for downloads (jobs whose θ has not gone out yet). Lock held."""
@@ -51,8 +57,19 @@ class Versions:
 
     def may_hand_out(self) -> bool:
         """Async: whether a job may be handed out now: the θ it starts from is held already, or
-        fewer versions than --max-inflight-downloads are (each a copy of θ). Lock held."""
+        fewer versions than --max-inflight-downloads are (each a copy of θ). At the limit, jobs
+        whose download has not begun (a worker slow to ask, or gone until its lease runs out)
+        let their θ go first (they are given back when asked for: `regive`), so only downloads
+        in progress make a job wait. Lock held."""
+        if isinstance(self.side.update, DelayComp):  # every job keeps its θ for the rule: no limit
+            return True
         held, now = self._held() | {self.coord.side.version}, time.monotonic()
+        if len(held) > self.downloads["limit"]:
+            idle = [
+                j for j in self.coord.jobs.values() if j.pulled is not None and j.job not in self.streaming
+            ]
+            self._let_go(idle)
+            held = self._held() | {self.coord.side.version}
         if len(held) > self.downloads["limit"]:
             self._waiting_since = self._waiting_since or now
             return False
