@@ -169,10 +169,8 @@ class Coordinator(Plans, FragmentRounds):
     def _on_regive(self, e, _):
         """An async job asked for again after its θ went out whole (the server no longer holds
         that θ, state.py `downloaded`): given back, as a departed worker's, and its worker idle."""
-        job = self.jobs.pop(e["job"])
-        self.workers[job.worker]["job"] = None
-        self.dispatched -= job.steps
-        self.late.add(job.job)  # a push of it after all is answered "late", and not logged
+        self._give_back(e["job"])
+        self.late.add(e["job"])  # a push of it after all is answered "late", and not logged
 
     def _on_begin(self, e, _):
         members = list(e["members"])
@@ -319,11 +317,15 @@ class Coordinator(Plans, FragmentRounds):
     def _on_reject(self, e, _):
         self.rejected[e["reason"]] = self.rejected.get(e["reason"], 0) + 1
         if e["abandon"]:
-            job = self.jobs.pop(e["job"])
-            self.workers[job.worker]["job"] = None
-            self.workers[job.worker]["holds"] = False  # streaming: it stopped mid-job; θ is sent again
-            if not self.sync:
-                self.dispatched -= job.steps  # re-offered, as a departed worker's
+            self._give_back(e["job"])
+
+    def _give_back(self, jid: int) -> None:
+        """Job `jid` is not going to be pushed: its worker is idle, its steps are re-offered."""
+        job = self.jobs.pop(jid)
+        self.workers[job.worker]["job"] = None
+        self.workers[job.worker]["holds"] = False  # streaming: it stopped mid-job; θ is sent again
+        if not self.sync:
+            self.dispatched -= job.steps  # re-offered, as a departed worker's
 
     def _on_late(self, e, _):
         self.late.add(e["job"])

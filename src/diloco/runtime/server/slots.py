@@ -1,8 +1,8 @@
-"""How many pushes the server receives and checks at once (`--max-inflight-pushes`): each goes
-to its own file as it arrives (wal.Spool), but its check reads it in place, a message's worth of
-mapped pages (let go afterwards), so a model of hundreds of MB from many workers at once would
-otherwise map (workers × message). The rest wait their turn (gRPC's flow
-control holds their senders back); none fails for it. docs/server.md, "Limits".
+"""How many pushes the server receives and checks at once (`--max-inflight-pushes`). A push
+costs little memory now (it goes to its own file as it arrives, wal.Spool; its check maps it 64
+MB at a time and at most one per core decodes, checks.py), so the limit mostly bounds open
+files and gRPC threads busy with pushes. The rest wait their turn (gRPC's flow control holds
+their senders back); none fails for it. docs/server.md, "Limits".
 """
 
 from __future__ import annotations

@@ -36,12 +36,17 @@ class Versions:
         per version only while a download needs it, not for every job in flight (unless the rule
         reads it when the push is applied: delaycomp). Asked for again, the job is given back
         (`regive`)."""
-        c = self.coord
-        if c.sync or c.schedule is not None or isinstance(self.side.update, DelayComp):
+        if self._keeps_theta():
             return
         with self.cond:
             self._let_go([job])
             self.cond.notify_all()  # the main thread may hand out a job now (`may_hand_out`)
+
+    def _keeps_theta(self) -> bool:
+        """Whether every job keeps its θ until it is pushed: sync rounds (one θ shared by the
+        round), Streaming DiLoCo, and delaycomp (its rule reads the θ a job pulled)."""
+        c = self.coord
+        return c.sync or c.schedule is not None or isinstance(self.side.update, DelayComp)
 
     def _let_go(self, jobs: list[Job]) -> None:
         """These jobs' θ is no longer held (asked for again, they are given back). Lock held."""
@@ -61,7 +66,7 @@ class Versions:
         whose download has not begun (a worker slow to ask, or gone until its lease runs out)
         let their θ go first (they are given back when asked for: `regive`), so only downloads
         in progress make a job wait. Lock held."""
-        if isinstance(self.side.update, DelayComp):  # every job keeps its θ for the rule: no limit
+        if self._keeps_theta():  # no limit: each job holds its θ to the end
             return True
         held, now = self._held() | {self.coord.side.version}, time.monotonic()
         if len(held) > self.downloads["limit"]:
@@ -99,7 +104,7 @@ class Versions:
         if message is None:
             message = self.side.download.encode(pulled)  # bf16: exactly what was made
             with self.cond:
-                live = {j.version for j in self.coord.jobs.values() if j.pulled is not None}
+                live = self._held()
                 self._messages = {v: m for v, m in self._messages.items() if v in live}
                 self._messages[version] = message
         return message
