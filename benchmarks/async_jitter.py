@@ -16,10 +16,13 @@ together (`--dylu-by time`, async's default).
 Each method's outer lr is the best of {0.1, 0.3, 0.5, 0.7, 1.0} on seed 100 (not among the
 reported seeds) at jitter 0.1 from scratch (`--sweep`), and is used at every jitter level and in
 both scenarios. The grid stops rising once a method diverges and widens past an edge that wins
-(halving below 0.1, ×1.4 above 1.0) until the best lies inside it. Every run directory is kept
-under `--out`/async_jitter_runs and reused when its summary.json exists, so the benchmark can be
-stopped and continued (hours on 2 cores: each run takes about 1.7 minutes alone; about 50 sweep
-runs, then 15 per method and scenario).
+(halving below 0.1, ×1.4 above 1.0) until the best lies inside it. Each finished run adds one
+line to the ledger `--out`/async_jitter_ledger.jsonl (its final loss, outer updates, mean
+staleness and subset-loss curve over simulated time) and is never run again, so the benchmark
+can be stopped and continued across machines by committing the ledger. Every run takes one
+thread (about 2.5 minutes on this machine's cores; about 50 sweep runs, then 15 per method and
+scenario: hours, so it runs across sessions). Run
+directories go under `--out`/async_jitter_runs (not kept in git).
 
     python benchmarks/async_jitter.py --sweep                  # the outer-lr sweep (seed 100)
     python benchmarks/async_jitter.py                          # every cell; cached runs reused
@@ -40,11 +43,12 @@ import json
 import shutil
 import statistics
 import time
+from datetime import datetime
 from pathlib import Path
 
-from async_vs_sync import SPEEDS, final_subset_loss, time_to_loss
+from async_vs_sync import SPEEDS, subset_curve, time_on_curve
 
-from diloco.cli.plots import plot_runs
+from diloco.cli.plots import plot_curves
 from diloco.config import AsyncConfig, DyluConfig, OuterConfig, SimConfig, TrainConfig
 from diloco.run.train import train
 from diloco.rundir.metrics import read_metrics
@@ -80,9 +84,13 @@ RESULTS = Path(__file__).parent / "results"
 FIGURES = Path(__file__).parent.parent / "docs" / "figures"
 
 
+THREADS = 1  # every run on one core: the same bits on any machine; it may run beside other work
+
+
 def config(name: str, seed: int, jitter: float, out: Path, lr: float, init: str = "") -> TrainConfig:
     method, rule, dylu = METHODS[name]
     return TrainConfig(
+        threads=THREADS,
         method=method,
         num_workers=K,
         inner_steps=H,
@@ -98,31 +106,61 @@ def config(name: str, seed: int, jitter: float, out: Path, lr: float, init: str 
     )
 
 
-def run(cfg: TrainConfig, label: str) -> dict:
-    """The run's summary: from its directory when it finished before, else trained now (a
-    directory left by a run stopped midway is started over)."""
-    summary = Path(cfg.out) / "summary.json"
-    if summary.is_file():
-        return json.loads(summary.read_text())
-    shutil.rmtree(cfg.out, ignore_errors=True)
-    started = time.perf_counter()
-    result = train(cfg, progress=False)
-    print(
-        f"{label:44s} val_loss {result['val_loss']:.4f}  ({time.perf_counter() - started:.0f} s)", flush=True
-    )
-    return result
+class Ledger:
+    """One JSON line per finished run, keyed by its path under the runs folder; a key already in
+    the ledger is not run again (its settings must match, or the ledger is stale: say so)."""
+
+    def __init__(self, path: Path, runs: Path):
+        self.path, self.runs = path, runs
+        lines = path.read_text().splitlines() if path.is_file() else []
+        self.records = {r["run"]: r for r in map(json.loads, filter(None, lines))}
+
+    def run(self, cfg: TrainConfig, label: str) -> dict:
+        key = Path(cfg.out).relative_to(self.runs).as_posix()
+        settings = {
+            "outer_lr": cfg.outer.lr,
+            "seed": cfg.seed,
+            "speed_jitter": cfg.sim.speed_jitter,
+            "threads": cfg.threads,
+        }
+        if key in self.records:
+            record = self.records[key]
+            if record["settings"] != settings:
+                raise SystemExit(
+                    f"{self.path} holds {key} with {record['settings']}, not {settings}: "
+                    "delete its line (or the ledger) to run it again with these settings."
+                )
+            return record
+        shutil.rmtree(cfg.out, ignore_errors=True)  # a run stopped midway is started over
+        started = time.perf_counter()
+        summary = train(cfg, progress=False)
+        elapsed = time.perf_counter() - started
+        print(f"{label:44s} val_loss {summary['val_loss']:.4f}  ({elapsed:.0f} s)", flush=True)
+        record = {
+            "run": key,
+            "settings": settings,
+            "val_loss": summary["val_loss"],
+            "outer_updates": summary["outer_updates"],
+            "mean_staleness": staleness(Path(cfg.out)),
+            "curve": [[round(t, 3), round(loss, 5)] for t, loss in subset_curve(Path(cfg.out))],
+            "elapsed_s": round(elapsed, 1),
+            "recorded": datetime.now().isoformat(timespec="seconds"),
+        }
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.records[key] = record
+        return record
 
 
-def sweep_one(runs: Path, name: str) -> dict[str, float]:
+def sweep_one(ledger: Ledger, name: str) -> dict[str, float]:
     """One method's final loss per outer lr: the grid in ascending order, stopped once a loss is
     20% above the best so far (it diverged; larger lrs would too), and widened past an edge that
     wins (halved below the smallest, ×1.4 above the largest) until the best is inside the grid."""
 
     def loss(lr: float) -> float:
-        d = runs / "sweep" / f"{name}-lr{lr}"
-        return round(
-            run(config(name, SWEEP_SEED, SWEEP_JITTER, d, lr), f"sweep {name} lr {lr:g}")["val_loss"], 5
-        )
+        d = ledger.runs / "sweep" / f"{name}-lr{lr}"
+        cfg = config(name, SWEEP_SEED, SWEEP_JITTER, d, lr)
+        return round(ledger.run(cfg, f"sweep {name} lr {lr:g}")["val_loss"], 5)
 
     table: dict[float, float] = {}
     for lr in SWEEP_LRS:
@@ -139,12 +177,12 @@ def sweep_one(runs: Path, name: str) -> dict[str, float]:
             return {f"{lr:g}": table[lr] for lr in sorted(table)}
 
 
-def sweep(runs: Path, methods: list[str], lr_file: Path) -> dict:
+def sweep(ledger: Ledger, methods: list[str], lr_file: Path) -> dict:
     """The sweep of `methods`, added to the table of an earlier sweep in `lr_file` (if any), which
     is rewritten after each method (other benchmarks read it: server_async_vs_sync.py)."""
     table = json.loads(lr_file.read_text())["final_val_loss"] if lr_file.is_file() else {}
     for name in methods:
-        table[name] = sweep_one(runs, name)
+        table[name] = sweep_one(ledger, name)
         result = {
             "benchmark": "async_jitter_outer_lr",
             "seed": SWEEP_SEED,
@@ -162,25 +200,23 @@ def staleness(run_dir: Path) -> float | None:
     return round(statistics.fmean(stale), 3) if stale else None
 
 
-def cell(runs: Path, methods: list[str], seeds: list[int]) -> dict:
-    """Every figure of one jitter level and scenario, from the runs' summary.json and metrics."""
+def cell(records: dict[str, dict], methods: list[str], seeds: list[int]) -> dict:
+    """Every figure of one jitter level and scenario, from its runs' ledger records by name."""
     per: dict[str, dict[str, list]] = {
         m: {"loss": [], "pct": [], "speedup": [], "updates": [], "stale": []} for m in methods
     }
     for seed in seeds:
-        sync_dir = runs / f"sync-s{seed}"
-        sync_loss = json.loads((sync_dir / "summary.json").read_text())["val_loss"]
-        target = final_subset_loss(sync_dir)
-        sync_t = time_to_loss(sync_dir, target)
+        sync = records[f"sync-s{seed}"]
+        target = sync["curve"][-1][1]  # sync's final subset loss
+        sync_t = time_on_curve(sync["curve"], target)
         for name in methods:
-            d = runs / f"{name}-s{seed}"
-            s = json.loads((d / "summary.json").read_text())
+            r = records[f"{name}-s{seed}"]
             p = per[name]
-            p["loss"].append(s["val_loss"])
-            p["pct"].append(100 * (s["val_loss"] / sync_loss - 1))
-            p["updates"].append(s["outer_updates"])
-            p["stale"].append(staleness(d))
-            t = time_to_loss(d, target)
+            p["loss"].append(r["val_loss"])
+            p["pct"].append(100 * (r["val_loss"] / sync["val_loss"] - 1))
+            p["updates"].append(r["outer_updates"])
+            p["stale"].append(r["mean_staleness"])
+            t = time_on_curve(r["curve"], target)
             p["speedup"].append(round(sync_t / t, 3) if t else None)
     out = {}
     for name, p in per.items():
@@ -202,16 +238,22 @@ def cell(runs: Path, methods: list[str], seeds: list[int]) -> dict:
     return out
 
 
-def compare(args, lrs: dict[str, float]) -> dict:
-    runs = args.out / "async_jitter_runs"
+def warm_start(pretrain: Path) -> None:
+    """The warm start (one worker, 400 steps, seed 1000): deterministic, so made again on a
+    machine that lacks it."""
+    if (pretrain / "summary.json").is_file():
+        return
+    shutil.rmtree(pretrain, ignore_errors=True)
+    single = TrainConfig(
+        method="single", inner_steps=H, rounds=ROUNDS, seed=PRETRAIN_SEED, out=str(pretrain), threads=THREADS
+    )
+    train(single, progress=False)
+
+
+def compare(args, ledger: Ledger, lrs: dict[str, float]) -> dict:
     seeds = list(range(args.seeds))
     methods = args.methods.split(",")
-    pretrain = runs / "pretrain"
-    if "warm" in args.scenarios:
-        single = TrainConfig(
-            method="single", inner_steps=H, rounds=ROUNDS, seed=PRETRAIN_SEED, out=str(pretrain)
-        )
-        run(single, f"pretrain (single worker, seed {PRETRAIN_SEED})")
+    pretrain = ledger.runs / "pretrain"
     result: dict = {
         "benchmark": "async_jitter",
         "speeds_s_per_step": SPEEDS,
@@ -227,12 +269,16 @@ def compare(args, lrs: dict[str, float]) -> dict:
     for scenario in args.scenarios:
         init = str(pretrain) if scenario == "warm" else ""
         for j in args.jitters:
-            where = runs / scenario / f"j{j:g}"
+            where = ledger.runs / scenario / f"j{j:g}"
+            records = {}
             for seed in seeds:
                 for name in methods:
                     cfg = config(name, seed, j, where / f"{name}-s{seed}", lrs[name], init)
-                    run(cfg, f"{scenario} j{j:g} seed {seed} {name}")
-            table = cell(where, methods, seeds)
+                    key = Path(cfg.out).relative_to(ledger.runs).as_posix()
+                    if init and key not in ledger.records:
+                        warm_start(pretrain)
+                    records[f"{name}-s{seed}"] = ledger.run(cfg, f"{scenario} j{j:g} seed {seed} {name}")
+            table = cell(records, methods, seeds)
             prefix = "" if scenario == "scratch" else "warm_"
             result[f"{prefix}j{j:g}"] = table
             asyn = [m for m in methods if METHODS[m][0] == "async"]
@@ -244,12 +290,12 @@ def compare(args, lrs: dict[str, float]) -> dict:
                 result[f"{prefix}sync_dylu_vs_sync_pct_j{j:g}"] = table["sync_dylu"]["vs_sync_pct"]
                 result[f"{prefix}sync_dylu_min_speedup_j{j:g}"] = table["sync_dylu"]["min_speedup"]
             if scenario == "scratch" and args.figures is not None:
-                dirs = [where / f"{m}-s0" for m in methods if m != "naive"]  # naive diverges off the axis
-                plot_runs(
-                    dirs,
-                    x="sim_time_s",
+                shown = [m for m in methods if m != "naive"]  # naive diverges off the axis
+                plot_curves(
+                    [tuple(zip(*records[f"{m}-s0"]["curve"], strict=True)) for m in shown],
+                    shown,
+                    axis_label="simulated time (s)",
                     out=args.figures / f"async_jitter_j{j:g}.png",
-                    labels=[m for m in methods if m != "naive"],
                     title=f"speed jitter {j:g}, seed 0: validation loss against simulated time",
                 )
     return result
@@ -267,14 +313,15 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     lr_file = args.out / "async_jitter_outer_lr.json"
+    ledger = Ledger(args.out / "async_jitter_ledger.jsonl", args.out / "async_jitter_runs")
     if args.sweep:
-        result = sweep(args.out / "async_jitter_runs", args.methods.split(","), lr_file)
+        result = sweep(ledger, args.methods.split(","), lr_file)
         name = lr_file.name
     else:
         if not lr_file.is_file():
             raise SystemExit(f"no outer-lr sweep at {lr_file}: run with --sweep first")
         lrs = json.loads(lr_file.read_text())["best_outer_lr"]
-        result = compare(args, lrs)
+        result = compare(args, ledger, lrs)
         name = "async_jitter.json"
     (args.out / name).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -78,21 +78,29 @@ RESULTS = Path(__file__).parent / "results"
 FIGURES = Path(__file__).parent.parent / "docs" / "figures"
 
 
-def time_to_loss(run_dir: Path, target: float) -> float | None:
-    """Simulated time at which the subset validation loss first reaches `target` (interpolated)."""
+def subset_curve(run_dir: Path) -> list[tuple[float, float]]:
+    """The run's subset evaluations as (simulated time, validation loss)."""
     evals = [m for m in read_metrics(run_dir) if m["kind"] == "eval" and m["split"] == "subset"]
-    for prev, cur in zip(evals, evals[1:], strict=False):
-        if cur["val_loss"] <= target:
-            if prev["val_loss"] <= target:
-                return prev["sim_time_s"]
-            frac = (prev["val_loss"] - target) / (prev["val_loss"] - cur["val_loss"])
-            return prev["sim_time_s"] + frac * (cur["sim_time_s"] - prev["sim_time_s"])
+    return [(m["sim_time_s"], m["val_loss"]) for m in evals]
+
+
+def time_on_curve(curve: list[tuple[float, float]], target: float) -> float | None:
+    """Simulated time at which a (time, loss) curve first reaches `target` (interpolated)."""
+    for (t0, l0), (t1, l1) in zip(curve, curve[1:], strict=False):
+        if l1 <= target:
+            if l0 <= target:
+                return t0
+            return t0 + (l0 - target) / (l0 - l1) * (t1 - t0)
     return None
 
 
+def time_to_loss(run_dir: Path, target: float) -> float | None:
+    """Simulated time at which the subset validation loss first reaches `target` (interpolated)."""
+    return time_on_curve(subset_curve(run_dir), target)
+
+
 def final_subset_loss(run_dir: Path) -> float:
-    evals = [m for m in read_metrics(run_dir) if m["kind"] == "eval" and m["split"] == "subset"]
-    return evals[-1]["val_loss"]
+    return subset_curve(run_dir)[-1][1]
 
 
 def _mean_spread(values: list[float]) -> dict:

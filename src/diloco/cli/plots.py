@@ -106,6 +106,19 @@ def plot_runs(
         raise UserError(f"--labels gives {len(labels)} labels for {len(run_dirs)} runs; give one per run.")
     curves = [curve(run_dir, x) for run_dir in run_dirs]
     labels = labels or run_labels([load_json(run_dir / "config.json") for run_dir in run_dirs])
+    return plot_curves(curves, labels, axis_label=X_AXES[x][1], out=out, title=title, ymax=ymax)
+
+
+def plot_curves(
+    curves: list[tuple[list[float], list[float]]],
+    labels: list[str],
+    *,
+    axis_label: str,
+    out: Path,
+    title: str | None = None,
+    ymax: float | None = None,
+) -> Path:
+    """Draw each (x values, validation losses) curve with its label; write `out` (PNG, PDF, SVG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,7 +129,6 @@ def plot_runs(
     if kind and kind not in FigureCanvasBase.get_supported_filetypes():
         raise UserError(f"--out {out}: a plot cannot be written as .{kind}; name a .png, .pdf or .svg file.")
 
-    axis_label = X_AXES[x][1]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     lowest = float("inf")
     for (xs, ys), label in zip(curves, labels, strict=True):
