@@ -267,6 +267,7 @@ def test_every_hostile_push_is_refused_with_its_reason_and_changes_nothing(serve
     rejects = [e for e in _events(rt) if e["kind"] == "reject"]
     foreign = [e["abandon"] for e in rejects if e["reason"] in ("not_yours", "replay", "unknown_job")]
     assert foreign == [False] * 3  # nobody else's job was given back
+    rt.run.writer.flush()  # its lines are written by the writer's thread
     lines = [m for m in read_metrics(rt.run_dir) if m["kind"] == "rejected"]
     counts: dict[str, int] = {}
     for m in lines:

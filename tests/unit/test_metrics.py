@@ -3,6 +3,7 @@
 import json
 import math
 import signal
+import threading
 
 import pytest
 
@@ -45,6 +46,43 @@ def test_metrics_jsonl_is_strict_json_with_non_finite_values(tmp_path):
     assert lines[1]["train_loss"] is None and lines[1]["grad_norm"] == [1.0, None]
     assert lines[2]["train_loss"] == 2.5
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+
+
+@pytest.mark.timeout(60)
+def test_lines_logged_from_several_threads_are_written_in_order_by_the_writers_thread(tmp_path):
+    writer = MetricsWriter(tmp_path)
+
+    def log(w: int) -> None:
+        for i in range(200):
+            writer.log("inner", inner_step=i, train_loss=float(i), worker=w)
+
+    threads = [threading.Thread(target=log, args=(w,)) for w in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    size = writer.offset()  # every line logged is in the file, and counted
+    assert size == (tmp_path / "metrics.jsonl").stat().st_size
+    lines = read_metrics(tmp_path)
+    assert len(lines) == 600
+    for w in range(3):
+        assert [m["inner_step"] for m in lines if m["worker"] == w] == list(range(200))
+    writer.log("eval", inner_step=200, val_loss=1.0)
+    writer.close()  # writes what is queued
+    assert read_metrics(tmp_path)[-1] == {"kind": "eval", "inner_step": 200, "val_loss": 1.0}
+
+
+@pytest.mark.timeout(60)
+def test_a_write_that_fails_in_the_writers_thread_is_raised_to_the_caller(tmp_path):
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC, as on a full disk
+    writer = MetricsWriter(tmp_path)
+    writer.log("eval", inner_step=1, val_loss=1.0)
+    with pytest.raises(OSError, match="No space"):
+        writer.flush()
+    with pytest.raises(OSError, match="No space"):
+        writer.log("eval", inner_step=2, val_loss=1.0)
+    with pytest.raises(OSError):
+        writer.close()
 
 
 @pytest.mark.timeout(10)

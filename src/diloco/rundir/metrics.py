@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from diloco.rundir.background import Background
+
 
 def json_safe(obj: Any) -> Any:
     """`obj` with every non-finite float (NaN, ±Inf) replaced by None, recursively through dicts,
@@ -61,7 +63,10 @@ def perplexity(loss: float | None) -> float | None:
 
 
 class MetricsWriter:
-    """Appends metric lines to run_dir/metrics.jsonl and scalars to TensorBoard.
+    """Appends metric lines to run_dir/metrics.jsonl and scalars to TensorBoard, from a thread of
+    its own: `log` only queues the line, so the thread that trains or applies updates (the
+    server's main thread) never waits on the file or on TensorBoard. Lines are written in the
+    order they were logged (from any thread); `flush` waits until they are all in the file.
 
     On resume, `truncate_to` cuts metrics.jsonl back to its size when the checkpoint was saved
     and `purge_step` makes TensorBoard drop the events after it, so no line appears twice.
@@ -77,28 +82,42 @@ class MetricsWriter:
         from torch.utils.tensorboard import SummaryWriter  # imported late: it is slow to load
 
         self._tb = SummaryWriter(str(run_dir), purge_step=purge_step)
+        self._writer = Background("metrics")  # writes the lines (and TensorBoard's scalars) in order
+
+    def log(self, kind: str, **fields: Any) -> None:
+        """Queue one line (written by the writer's thread, in order)."""
+        self._writer.submit(self._write, {"kind": kind, **fields})
+
+    def flush(self) -> None:
+        """Wait until every line logged so far is in metrics.jsonl and handed to TensorBoard."""
+        self._writer.join()
 
     def offset(self) -> int:
-        """Bytes written so far; stored in checkpoints for `truncate_to`."""
-        self._file.flush()
+        """Bytes written so far (every line logged); stored in checkpoints for `truncate_to`."""
+        self.flush()
         os.fsync(self._file.fileno())  # a durable checkpoint must not point past the file's end
         return os.path.getsize(self.path)
 
-    def log(self, kind: str, **fields: Any) -> None:
-        line = {"kind": kind, **fields}
+    def close(self) -> None:
+        """Write what is queued, then close the file and TensorBoard's writer."""
+        try:
+            self._writer.close()
+        finally:
+            try:
+                self._file.close()
+            finally:
+                with interrupts_deferred():
+                    self._tb.close()
+
+    def _write(self, line: dict[str, Any]) -> None:
         self._file.write(to_json(line) + "\n")
         self._file.flush()
-        step = fields.get("inner_step", 0)
-        suffix = f"/worker{fields['worker']}" if "worker" in fields else ""
-        with interrupts_deferred():
-            for key, value in fields.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "worker":
-                    self._tb.add_scalar(f"{kind}/{key}{suffix}", value, step)
-
-    def close(self) -> None:
-        self._file.close()
-        with interrupts_deferred():
-            self._tb.close()
+        step = line.get("inner_step", 0)
+        suffix = f"/worker{line['worker']}" if "worker" in line else ""
+        kind = line["kind"]
+        for key, value in line.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "worker":
+                self._tb.add_scalar(f"{kind}/{key}{suffix}", value, step)
 
 
 @contextlib.contextmanager
@@ -139,6 +158,9 @@ class NullWriter:
     """Writes nothing: what the ranks other than 0 log to under torchrun."""
 
     def log(self, kind: str, **fields: Any) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
     def offset(self) -> int:

@@ -6,6 +6,9 @@ and the status page (status.py) all go through a `ServerState`'s methods.
 Every event goes through `record`: appended to the write-ahead log and made durable, written to
 events.jsonl, then applied, all under `cond` (whose lock the caller holds), so the log's order is
 the order of the state's changes. A push is acknowledged only once its record is durable.
+events.jsonl is written in place (to the page cache, never synced there: a checkpoint syncs it),
+so whoever hears a reply finds its events in the file; metrics lines and TensorBoard's scalars,
+which cost more, are written by a thread of their own (rundir/metrics.py).
 
     state = ServerState(cfg, side, shard_sizes, run_dir, ServeOptions())
     with state.cond:
