@@ -212,6 +212,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow  # the suite's 10 minutes: topk in test_every_codec... is gathered too, by 2 ranks
 @pytest.mark.timeout(120)
 def test_messages_that_cannot_be_summed_are_gathered_and_reduced_like_the_simulator(tiny, tmp_path):
     script = tmp_path / "gathered.py"
@@ -304,6 +305,7 @@ def test_a_nan_after_the_last_send_of_a_round_stops_streaming_before_its_checkpo
     assert path.name == "round-000001" and state["round"] == 1
 
 
+@pytest.mark.slow  # the suite's 10 minutes: the server's test of the same runs by default
 @pytest.mark.timeout(120)
 def test_user_data_bpe_and_a_hugging_face_model_equal_the_simulator(tmp_path, monkeypatch):
     """Both ranks read the same files, share one tokenisation through the cache, and train a

@@ -102,6 +102,7 @@ def _torchrun_dylu(tmp_path, name, *flags):
     return _params(tmp_path / name), [m for m in read_metrics(tmp_path / name) if m["kind"] == "inner"]
 
 
+@pytest.mark.slow  # the suite's 10 minutes: the slower-device test below checks this runtime too
 @pytest.mark.timeout(120)
 def test_under_torchrun_equal_emulated_speeds_give_plain_sync_diloco_bit_for_bit(tiny, tmp_path):
     # Both ranks' steps padded to 50 ms (--speeds under torchrun): equal measured speeds, every
@@ -147,6 +148,7 @@ def _server_dylu(tmp_path, inner_steps, step_s):
     return _params(tmp_path / "run"), [m["steps"] for m in inner], (by_slot[0], by_slot[1])
 
 
+@pytest.mark.slow  # the suite's 10 minutes: the slower-device test below checks this runtime too
 @pytest.mark.timeout(180)
 def test_on_the_server_equal_emulated_speeds_give_plain_sync_diloco_bit_for_bit(tiny, tmp_path):
     real, steps, _ = _server_dylu(tmp_path, 4, (0.05, 0.05))
