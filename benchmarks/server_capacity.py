@@ -32,7 +32,8 @@ fp4 rows push `--codec fp4` messages (0.52 bytes per value) and download θ in b
 
 Writes benchmarks/results/server_capacity.json (rows merged by their key: model, codec, workers,
 storage, `--max-inflight-pushes` and `--max-inflight-downloads`; so rows run one at a time
-accumulate; `--out` elsewhere).
+accumulate, and a row run again keeps its place; `--out` elsewhere), and the capacity table of
+docs/server.md computed from its rows (`capacity`; `--capacity` recomputes it alone and prints it).
 A row whose server dies (out of memory, say) is reported with its `error` and the server's last
 line.
 """
@@ -354,6 +355,108 @@ def row(
     return out
 
 
+# The capacity table (docs/server.md, "Capacity"): from the measured rows, per-parameter costs
+CAPACITY_PARAMS = {"150M": 150e6, "1B": 1e9, "10B": 10e9}
+CAPACITY_LINKS_GBIT = (0.1, 1.0, 10.0)
+CAPACITY_H = (100, 500)
+CAPACITY_STEP_S = 1.0  # a worker's seconds per inner step (an assumption: scale k with it)
+CAPACITY_CORES = 2  # the cores the measured server had (this machine)
+# the rows the costs come from: the largest message of each codec, 16 workers, run dir on disk
+CAPACITY_FROM = {"fp32": ("150m", 16), "fp4": ("20m", 16)}
+DOWNLOAD_BYTES_PER_PARAM = {"fp32": 4, "fp4": 2}  # fp4 rows download θ in bf16
+
+
+def capacity(rows: list[dict]) -> dict:
+    """How many workers one server sustains, per (model size, codec, link speed): the pushes per
+    second each resource allows, from per-parameter costs measured in `rows` (server CPU
+    seconds, bytes up and down, the disk's write + fsync speed, memory at rest), and the
+    resource that runs out first. A push comes with one download of θ."""
+
+    def find(model: str, codec: str, workers: int) -> dict:
+        return next(
+            r
+            for r in rows
+            if (r["model"], r["codec"], r["workers"], r["storage"]) == (model, codec, workers, "disk")
+            and not r.get("max_inflight_pushes")
+            and not r.get("max_inflight_downloads")
+            and "error" not in r
+        )
+
+    costs = {}
+    for codec, (model, workers) in CAPACITY_FROM.items():
+        r = find(model, codec, workers)
+        params = r["download_bytes"] / DOWNLOAD_BYTES_PER_PARAM[codec]
+        costs[codec] = {
+            "from_row": f"{model} {codec} x{workers} disk",
+            "cpu_s_per_gparam": round(r["cpu_s_per_push"] / params * 1e9, 2),  # per 10^9 parameters
+            "up_bytes_per_param": round(r["message_bytes"] / params, 4),
+            "down_bytes_per_param": DOWNLOAD_BYTES_PER_PARAM[codec],
+        }
+    big, small = find("150m", "fp32", 16), find("nano", "fp32", 16)
+    per_param = (
+        (big["idle_rss_mb"] - small["idle_rss_mb"])
+        * 1e6
+        / ((big["message_bytes"] - small["message_bytes"]) / 4)
+    )
+    disk_mb_per_s = big["raw_disk_mb_per_s"]
+    table = []
+    for name, n in CAPACITY_PARAMS.items():
+        for codec, c in costs.items():
+            for gbit in CAPACITY_LINKS_GBIT:
+                limits = {
+                    "link": gbit * 1e9 / 8 / ((c["up_bytes_per_param"] + c["down_bytes_per_param"]) * n),
+                    "disk": disk_mb_per_s * 1e6 / (c["up_bytes_per_param"] * n),
+                    "cpu": CAPACITY_CORES / (c["cpu_s_per_gparam"] * n / 1e9),
+                }
+                first = min(limits, key=limits.get)
+                table.append(
+                    {
+                        "model": name,
+                        "codec": codec,
+                        "link_gbit_s": gbit,
+                        "pushes_per_s": {k: round(v, 4) for k, v in limits.items()},
+                        "runs_out_first": first,
+                        "server_pushes_per_s": round(limits[first], 4),
+                        **{
+                            f"workers_H{h}": _workers(limits[first] * h * CAPACITY_STEP_S) for h in CAPACITY_H
+                        },
+                        "memory_at_rest_gb": round(per_param * n / 1e9, 1),
+                    }
+                )
+    return {
+        "step_s": CAPACITY_STEP_S,
+        "cores": CAPACITY_CORES,
+        "disk_mb_per_s": disk_mb_per_s,
+        "memory_at_rest_bytes_per_param": round(per_param, 1),
+        "costs": costs,
+        "table": table,
+    }
+
+
+def _workers(k: float) -> float:
+    """Workers a push rate sustains, rounded down: whole ones from 10 up, tenths below (0.3: the
+    server keeps up with a third of one worker)."""
+    return float(int(k)) if k >= 10 else int(k * 10) / 10
+
+
+def capacity_markdown(cap: dict) -> str:
+    """The table of docs/server.md's "Capacity" section (tests/unit/test_capacity_table.py keeps
+    the two equal)."""
+    head = ["model", "codec", "link", "pushes/s: link / disk / CPU", "runs out first"]
+    head += [f"workers at H = {h}" for h in CAPACITY_H] + ["server memory at rest"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t in cap["table"]:
+        p = t["pushes_per_s"]
+        link = (
+            f"{t['link_gbit_s'] * 1000:g} Mbit/s" if t["link_gbit_s"] < 1 else f"{t['link_gbit_s']:g} Gbit/s"
+        )
+        cells = [t["model"], t["codec"], link, f"{p['link']:.3g} / {p['disk']:.3g} / {p['cpu']:.3g}"]
+        cells += [f"**{t['runs_out_first']}**"] + [f"{t[f'workers_H{h}']:g}" for h in CAPACITY_H]
+        cells += [f"{t['memory_at_rest_gb']:g} GB"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="nano,micro,20m", help="presets, comma-separated (150m: 692 MB fp32)")
@@ -374,6 +477,11 @@ def main() -> None:
         help="the server's --max-inflight-downloads (0: its default)",
     )
     ap.add_argument("--out", default=str(RESULTS / "server_capacity.json"))
+    ap.add_argument(
+        "--capacity",
+        action="store_true",
+        help="only recompute the capacity table from the saved rows (and print it as markdown)",
+    )
     ap.add_argument("--raw-server", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--raw-bytes", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--raw-threads", type=int, default=4, help=argparse.SUPPRESS)
@@ -386,7 +494,7 @@ def main() -> None:
     out = Path(args.out)
     saved = json.loads(out.read_text()) if out.exists() else {"benchmark": "server_capacity", "rows": []}
     key = ("model", "codec", "workers", "storage", "max_inflight_pushes", "max_inflight_downloads")
-    for model in args.model.split(","):
+    for model in [] if args.capacity else args.model.split(","):
         for codec in args.codec.split(","):
             for workers in (int(w) for w in args.workers.split(",")):
                 for storage in args.storage.split(","):
@@ -397,14 +505,25 @@ def main() -> None:
                     limits = (args.max_inflight_pushes, args.max_inflight_downloads)
                     r = row(model, codec, workers, storage, pushes, *limits)
                     print(f"[capacity] {json.dumps(r)}", file=sys.stderr, flush=True)
-                    saved["rows"] = [
-                        x
-                        for x in saved["rows"]
-                        if tuple(x.get(k, 0) for k in key) != tuple(r[k] for k in key)
+                    same = [
+                        i
+                        for i, x in enumerate(saved["rows"])
+                        if tuple(x.get(k, 0) for k in key) == tuple(r[k] for k in key)
                     ]
-                    saved["rows"].append(r)
+                    if same:  # a row run again keeps its place (docs cite rows by index)
+                        saved["rows"][same[0]] = r
+                    else:
+                        saved["rows"].append(r)
                     out.parent.mkdir(parents=True, exist_ok=True)
                     out.write_text(json.dumps(saved, indent=2) + "\n")
+    try:
+        saved["capacity"] = capacity(saved["rows"])
+    except StopIteration:
+        print("[capacity] no table: it needs the rows 150m fp32 x16, nano fp32 x16, 20m fp4 x16 on disk")
+    out.write_text(json.dumps(saved, indent=2) + "\n")
+    if args.capacity:
+        print(capacity_markdown(saved["capacity"]))
+        return
     print(json.dumps(saved, indent=2))
 
 

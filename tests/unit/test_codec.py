@@ -73,6 +73,27 @@ def test_int8_scales_each_block_by_its_absmax_by_hand():
 
 
 @pytest.mark.timeout(10)
+def test_every_fp4_byte_decodes_to_its_two_values_by_hand():
+    # any byte a message may hold (a sign on a zero too: -0.0), in a block whose absmax is 3
+    codec, scale = build_codec("fp4"), 3.0
+
+    def unit(code: int) -> float:
+        m = code & 7
+        magnitude = 0.0 if m == 0 else 2.0 ** (m - 7)
+        return -magnitude if code >= 8 else magnitude
+
+    packed = torch.arange(128, dtype=torch.uint8)  # one block: 256 values
+    for half in (packed, packed + 128):
+        message = Encoded("fp4", [half, torch.tensor([scale])], 128 + 4, {"shapes": [[256]]})
+        (decoded,) = codec.decode(message)
+        want = [
+            unit(b & 15) * scale if i == 0 else unit(b >> 4) * scale for b in half.tolist() for i in (0, 1)
+        ]
+        assert [math.copysign(1, v) for v in decoded.tolist()] == [math.copysign(1, v) for v in want]
+        assert decoded.tolist() == want
+
+
+@pytest.mark.timeout(10)
 def test_fp4_is_sign_and_three_exponent_bits_by_hand():
     x = torch.tensor([1.0, 0.5, 0.74, 0.76, 0.01, 0.005, -0.25, 0.0, -1e-3])
     for scale in (1.0, 2.0**-100, 2.0**100):  # tiny and huge blocks give the same codes

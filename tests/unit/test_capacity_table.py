@@ -1,0 +1,43 @@
+"""docs/server.md's capacity table is the one benchmarks/server_capacity.py computes from its
+measured rows (results/server_capacity.json), and the JSON's `capacity` is what its rows give."""
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location(
+        "server_capacity", ROOT / "benchmarks" / "server_capacity.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(30)
+def test_the_docs_capacity_table_is_the_one_the_measured_rows_give():
+    bench = _bench()
+    saved = json.loads((ROOT / "benchmarks" / "results" / "server_capacity.json").read_text())
+    cap = bench.capacity(saved["rows"])
+    assert cap == saved["capacity"]  # recomputed from the rows: the JSON's table is theirs
+    doc = (ROOT / "docs" / "server.md").read_text()
+    block = re.search(r"<!-- capacity table:[^\n]*-->\n(.*?)\n<!-- end of capacity table -->", doc, re.S)
+    assert block is not None, "docs/server.md has no capacity table block"
+    assert block.group(1) == bench.capacity_markdown(cap)
+
+
+@pytest.mark.timeout(30)
+def test_a_resource_that_runs_out_first_is_the_smallest_rate_and_workers_grow_with_h():
+    bench = _bench()
+    rows = json.loads((ROOT / "benchmarks" / "results" / "server_capacity.json").read_text())["rows"]
+    for t in bench.capacity(rows)["table"]:
+        rates = t["pushes_per_s"]
+        assert t["runs_out_first"] == min(rates, key=rates.get)
+        assert t["server_pushes_per_s"] == rates[t["runs_out_first"]]
+        assert t["workers_H500"] >= 5 * t["workers_H100"] - 5 * 0.1  # rounded down each
