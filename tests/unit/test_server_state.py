@@ -117,7 +117,7 @@ def test_a_log_that_cannot_be_written_stops_the_run_with_a_sentence(tiny, tmp_pa
     run_dir = tmp_path / "run"
     st = make(tiny, run_dir)
 
-    def full(header, payload=b"", spool=None):
+    def full(header, payload=b"", spool=None, *, sync=True):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(st.wal, "append", full)
@@ -131,6 +131,28 @@ def test_a_log_that_cannot_be_written_stops_the_run_with_a_sentence(tiny, tmp_pa
     assert st.coord.seq == 0 and not (run_dir / "events.jsonl").read_text()  # nothing applied
     with pytest.raises(UserError, match=f"continue with: diloco serve --resume {run_dir}"):
         st.raise_failure()
+    st.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_log_that_cannot_be_made_durable_after_the_lock_stops_the_run(tiny, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    st = make(tiny, run_dir)
+    with st.cond:  # a push's record: written under the lock, made durable after it
+        st.record({"kind": "join", "worker": 0, "name": "w0", "device": "cpu", "nonce": ""}, sync=False)
+    end = st.logged_to
+
+    def failing(to):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(st.wal, "sync_to", failing)
+    with pytest.raises(
+        UserError, match=r"cannot write the write-ahead log \S+wal.log \(Input/output error\)"
+    ):
+        st.make_durable(end)  # the push is not acknowledged; the run stops
+    with pytest.raises(UserError, match="continue with: diloco serve --resume"):
+        st.raise_failure()
+    monkeypatch.undo()
     st.close()
 
 

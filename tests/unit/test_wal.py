@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 
 from diloco.runtime.server import wal
@@ -124,3 +127,48 @@ def test_released_pages_of_a_push_file_leave_the_process_and_read_back_the_same(
     assert _resident_kb(spool.path) == 0
     assert bytes(buf) == data  # read again from the page cache
     log.close()
+
+
+@pytest.mark.timeout(30)
+def test_records_appended_together_share_one_fdatasync(tmp_path, monkeypatch):
+    log = wal.WriteAheadLog(tmp_path / "wal.log")
+    synced, real = [], os.fdatasync
+    monkeypatch.setattr(wal.os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
+    first = log.append({"seq": 1, "kind": "push"}, sync=False)
+    second = log.append({"seq": 2, "kind": "apply"}, sync=False)
+    assert synced == [] and first < second
+    log.sync_to(first)  # one fdatasync covers every record written so far
+    log.sync_to(second)
+    assert len(synced) == 1
+    log.append({"seq": 3, "kind": "dispatch"})  # synced at once
+    assert len(synced) == 2
+    log.truncate(1)  # rewritten and fsynced whole: an end from before it needs nothing more
+    log.sync_to(second)
+    log.append({"seq": 4, "kind": "apply"}, sync=False)
+    log.close()  # what is written is made durable before the file closes
+    assert len(synced) == 3
+    assert [h["seq"] for h, _ in wal.read(tmp_path / "wal.log")] == [2, 3, 4]
+
+
+@pytest.mark.timeout(30)
+def test_threads_syncing_at_once_share_fdatasyncs_and_each_returns_durable(tmp_path, monkeypatch):
+    log = wal.WriteAheadLog(tmp_path / "wal.log")
+    synced, real, lock = [], os.fdatasync, threading.Lock()
+    monkeypatch.setattr(wal.os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
+    ends = []
+
+    def push(i: int) -> None:
+        with lock:  # the server's lock: records are appended one at a time, in order
+            end = log.append({"seq": i, "kind": "push"}, b"x" * 1000, sync=False)
+        log.sync_to(end)  # outside it, as a push handler does
+        ends.append(end)
+
+    threads = [threading.Thread(target=push, args=(i,)) for i in range(1, 17)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(ends) == 16 and 1 <= len(synced) <= 16
+    assert log._synced >= max(ends)  # every caller's record is durable once it returned
+    log.close()
+    assert sorted(h["seq"] for h, _ in wal.read(tmp_path / "wal.log")) == list(range(1, 17))

@@ -285,9 +285,11 @@ class Handlers(rpc.ParameterServerServicer):
                 "norm": norm if p < 0 else None,  # the bound compares whole outer_grads
                 **({"fragment": p} if p >= 0 else {}),
             }
-            st.record(event, message=message, spool=spool)
+            st.record(event, message=message, spool=spool, sync=False)
             st.count_sent(w, spool.size)
-            st.push_took(time.perf_counter() - t0)
+            logged_to = st.logged_to
+        st.make_durable(logged_to)  # outside the lock: pushes landing together share the fdatasync
+        st.push_took(time.perf_counter() - t0)
         return pb.PushReply(status=pb.PushReply.ACCEPTED)
 
     def _refuse(

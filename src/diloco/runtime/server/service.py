@@ -149,7 +149,8 @@ class ServerRuntime(SideView):
             while True:
                 if self._group:
                     job = self._group.pop(0)  # group_end: the last of its grace group (DN's momentum step)
-                    return st.record({"kind": "apply", "job": job, "group_end": not self._group})
+                    # durable with the next job's dispatch, which is synced before it goes out
+                    return st.record({"kind": "apply", "job": job, "group_end": not self._group}, sync=False)
                 if c.finished:
                     return None
                 st.reap()

@@ -86,6 +86,7 @@ class ServerState(Views, Versions):
         self.run_id = uuid.uuid4().hex
         self.wal = wal.WriteAheadLog(run_dir / "wal.log")  # cuts off a torn tail left by a crash
         self._events = open(run_dir / "events.jsonl", "a")
+        self.logged_to = 0  # the log's end after the last record (make_durable)
         self._last_seen: dict[int, float] = {}
         self._told_done: set[int] = set()  # registrations (tokens) told that the run is over
         self._may_call: set[int] = set()  # registrations that may still call (not left on their own)
@@ -100,21 +101,46 @@ class ServerState(Views, Versions):
         self._steps_at_start = 0  # inner steps done then
 
     # -- events --------------------------------------------------------------------------------
-    def record(self, event: dict[str, Any], message: Encoded | None = None, spool: wal.Spool | None = None):
-        """Log the event durably (numbered and timed), then apply it; what the coordinator
-        returns for it. `spool`: the pushed `message`'s file, which the record names. Lock held."""
+    def record(
+        self,
+        event: dict[str, Any],
+        message: Encoded | None = None,
+        spool: wal.Spool | None = None,
+        *,
+        sync: bool = True,
+    ):
+        """Log the event (numbered and timed), durably, then apply it; what the coordinator
+        returns for it. `spool`: the pushed `message`'s file, which the record names. Lock held.
+
+        `sync=False` (group commit) for events nobody outside hears of before a later synced
+        record or `make_durable(self.logged_to)`: a push (its handler makes it durable after
+        letting go of the lock, so pushes landing together share one fdatasync, then
+        acknowledges it) and an apply (the next job's dispatch record, synced before the job
+        goes out, or the next checkpoint, makes it durable)."""
         event = {**event, "seq": self.coord.seq + 1, "t": time.time()}
         try:
-            self.wal.append(event, spool=spool)  # durable before anyone acts on it
+            self.logged_to = self.wal.append(event, spool=spool, sync=sync)
         except OSError as e:
-            self.fail(
-                UserError(
-                    f"cannot write the write-ahead log {self.wal.path} ({e.strerror}); free the disk and "
-                    f"continue with: diloco serve --resume {self.run_dir}"
-                )
-            )
-            raise self.failure from None
+            self._log_failed(e)
         return self._apply(event, message)
+
+    def make_durable(self, end: int) -> None:
+        """The log durable up to byte `end` (`logged_to` after a `record(..., sync=False)`);
+        called without the lock, so concurrent callers share one fdatasync."""
+        try:
+            self.wal.sync_to(end)
+        except OSError as e:
+            with self.cond:
+                self._log_failed(e)
+
+    def _log_failed(self, e: OSError) -> None:
+        self.fail(
+            UserError(
+                f"cannot write the write-ahead log {self.wal.path} ({e.strerror}); free the disk and "
+                f"continue with: diloco serve --resume {self.run_dir}"
+            )
+        )
+        raise self.failure from None
 
     def _apply(self, event: dict[str, Any], message: Encoded | None):
         """A logged event: into events.jsonl, then applied to the state."""
@@ -291,6 +317,7 @@ class ServerState(Views, Versions):
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint's "server" entry; the log keeps the events after it. Lock held."""
+        self.wal.sync_to(self.logged_to)  # no checkpoint ahead of the durable log
         self._saved_seqs = [*self._saved_seqs[-1:], self.coord.seq]
         offset = self.sync_events()
         return {

@@ -6,11 +6,13 @@ framed as
 
     [u32 header length][u64 payload length][header][payload][u32 crc32 of header + payload]
 
-and written with one `writev` and `fdatasync`. A pushed outer_grad is not in the record: it is
-written to a file of its own in `pushes/` next to the log as its chunks arrive (`Spool`, so the
-server never holds a whole push in memory), made durable (fdatasync, outside the server's lock,
-so pushes arriving together flush together), and its record names it (`file`, `bytes`). `read`
-gives such a record's payload as the file's `Path`; `map_file` reads it in place.
+and written with one `writev`, made durable with `fdatasync`: at once (`append`), or later by
+`sync_to` (group commit: one fdatasync for every record written before it, whoever wrote them).
+A pushed outer_grad is not in the record: it is written to a file of its own in `pushes/` next
+to the log as its chunks arrive (`Spool`, so the server never holds a whole push in memory),
+made durable (fdatasync, outside the server's lock, so pushes arriving together flush
+together), and its record names it (`file`, `bytes`). `read` gives such a record's payload as
+the file's `Path`; `map_file` reads it in place.
 
 A server killed in the middle of a write leaves a torn last record: `read` stops at the first
 record that is incomplete or fails its checksum (that event was never acknowledged) and
@@ -29,6 +31,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -167,14 +170,20 @@ class WriteAheadLog:
             if orphan.name not in named:
                 orphan.unlink()
         self._file = open(path, "ab", buffering=0)
+        self._written = self._synced = os.fstat(self._file.fileno()).st_size  # bytes written, durable
+        self._sync_lock = threading.Lock()
 
     def spool(self, stem: str) -> Spool:
         """A new push file in `pushes/` (named `stem`-random.msg), for `append(..., spool=)`."""
         return Spool(self.spool_dir, stem)
 
-    def append(self, header: dict[str, Any], payload: bytes = b"", spool: Spool | None = None) -> None:
-        """Write one record and make it durable (fdatasync) before returning. `spool`: a push
-        file made durable (`Spool.finish`), which the record names instead of a payload."""
+    def append(
+        self, header: dict[str, Any], payload: bytes = b"", spool: Spool | None = None, *, sync: bool = True
+    ) -> int:
+        """Write one record; with `sync`, make it (and every record before it) durable before
+        returning. Without, the caller makes it durable before anyone outside hears of it
+        (`sync_to` the returned end, outside the server's lock, or a later synced record).
+        `spool`: a push file made durable (`Spool.finish`), which the record names."""
         if spool is not None:
             header = {**header, "file": spool.name, "bytes": spool.size}
         fd, parts = self._file.fileno(), _parts(header, payload)
@@ -185,15 +194,34 @@ class WriteAheadLog:
                 rest = memoryview(b"".join(parts))[written:]
                 while rest:
                     rest = rest[os.write(fd, rest) :]
-            os.fdatasync(fd)
         except OSError:
             os.ftruncate(fd, start)  # no torn record in the middle of the log (a full disk, ...)
             raise
+        end = start + sum(len(p) for p in parts)
+        self._written = end
         if spool is not None:
             spool.kept = True
+        if sync:
+            self.sync_to(end)
+        return end
+
+    def sync_to(self, end: int) -> None:
+        """Make the log durable up to byte `end` (group commit): one fdatasync covers every
+        record written before it, so records appended together, by any thread, share it; a
+        caller whose record an earlier fdatasync already covered returns at once."""
+        with self._sync_lock:
+            if self._synced >= end:
+                return
+            target = self._written
+            os.fdatasync(self._file.fileno())
+            self._synced = target
 
     def truncate(self, seq: int) -> None:
         """Drop the records with `seq` ≤ `seq` (a checkpoint now holds them), and their files."""
+        with self._sync_lock:  # no fdatasync of the file being replaced (sync_to waits)
+            self._truncate(seq)
+
+    def _truncate(self, seq: int) -> None:
         self._file.close()
         records = [(h, p) for h, p, _ in _records(self.path.read_bytes())]
         tmp = self.path.with_name(self.path.name + ".tmp")
@@ -203,12 +231,16 @@ class WriteAheadLog:
                     f.write(b"".join(_parts(h, p)))
             f.flush()
             os.fsync(f.fileno())
+            tmp_size = f.tell()
         os.replace(tmp, self.path)
         _fsync_dir(self.path.parent)
+        self._written = self._synced = tmp_size
         for h, _ in records:  # once no log names them
             if h["seq"] <= seq and "file" in h:
                 (self.spool_dir / h["file"]).unlink(missing_ok=True)
         self._file = open(self.path, "ab", buffering=0)
 
     def close(self) -> None:
+        """Every record written made durable, then the file closed."""
+        self.sync_to(self._written)
         self._file.close()
