@@ -362,7 +362,7 @@ CAPACITY_H = (100, 500)
 CAPACITY_STEP_S = 1.0  # a worker's seconds per inner step (an assumption: scale k with it)
 CAPACITY_CORES = 2  # the cores the measured server had (this machine)
 # the rows the costs come from: the largest message of each codec, 16 workers, run dir on disk
-CAPACITY_FROM = {"fp32": ("150m", 16), "fp4": ("20m", 16)}
+CAPACITY_FROM = {"fp32": ("150m", 16), "fp4": ("150m", 16)}
 DOWNLOAD_BYTES_PER_PARAM = {"fp32": 4, "fp4": 2}  # fp4 rows download θ in bf16
 
 
