@@ -148,7 +148,9 @@ def test_pushes_beyond_the_inflight_limit_wait_their_turn(tmp_path):
 @pytest.mark.parametrize(
     "codec",
     [
-        ["--codec", "fp4", "--error-feedback", "--download-codec", "bf16"],
+        pytest.param(  # the suite's 10 minutes: test_server_streaming.py runs these flags by default
+            ["--codec", "fp4", "--error-feedback", "--download-codec", "bf16"], marks=pytest.mark.slow
+        ),
         ["--method", "async", "--codec", "topk", "--topk-fraction", "0.2", "--error-feedback"],
     ],
     ids=["sync-fp4-bf16-download", "async-topk"],
@@ -336,9 +338,9 @@ def test_a_worker_mid_job_hears_that_the_run_is_over(tmp_path):
     """The run ends while a worker is inside a job far longer than the server lingers for its
     stragglers (10 s at most): its heartbeat hears that the run is over, it drops the job and
     exits 0, instead of pushing to a server that is gone and giving up with exit 2."""
-    # rounds of 3 s: the slow worker, which builds its model after it registers, fetches its job
+    # rounds of 2 s: the slow worker, which builds its model after it registers, fetches its job
     # within the first (with rounds of 1 s, a loaded machine had the run over before it asked)
-    run = ["--workers", "2", "--inner-steps", "4", "--rounds", "2", "--round-timeout-s", "3"]
+    run = ["--workers", "2", "--inner-steps", "4", "--rounds", "2", "--round-timeout-s", "2"]
     srv = serve(tmp_path, *run, "--worker-timeout-s", "4")  # a heartbeat each second
     run_dir = tmp_path / "run"
     addr = address(run_dir)
