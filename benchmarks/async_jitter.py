@@ -115,8 +115,12 @@ class Ledger:
         lines = path.read_text().splitlines() if path.is_file() else []
         self.records = {r["run"]: r for r in map(json.loads, filter(None, lines))}
 
+    def key(self, cfg: TrainConfig) -> str:
+        """The run's name in the ledger: its directory under the runs folder."""
+        return Path(cfg.out).relative_to(self.runs).as_posix()
+
     def run(self, cfg: TrainConfig, label: str) -> dict:
-        key = Path(cfg.out).relative_to(self.runs).as_posix()
+        key = self.key(cfg)
         settings = {
             "outer_lr": cfg.outer.lr,
             "seed": cfg.seed,
@@ -274,8 +278,7 @@ def compare(args, ledger: Ledger, lrs: dict[str, float]) -> dict:
             for seed in seeds:
                 for name in methods:
                     cfg = config(name, seed, j, where / f"{name}-s{seed}", lrs[name], init)
-                    key = Path(cfg.out).relative_to(ledger.runs).as_posix()
-                    if init and key not in ledger.records:
+                    if init and ledger.key(cfg) not in ledger.records:
                         warm_start(pretrain)
                     records[f"{name}-s{seed}"] = ledger.run(cfg, f"{scenario} j{j:g} seed {seed} {name}")
             table = cell(records, methods, seeds)

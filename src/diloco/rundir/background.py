@@ -1,6 +1,6 @@
 """Work handed to a thread of its own, done in the order it was handed over: how the thread that
-trains or applies updates writes metrics.jsonl, TensorBoard and the server's events.jsonl
-without waiting on them (rundir/metrics.py, runtime/server/state.py).
+trains or applies updates writes metrics.jsonl and TensorBoard without waiting on them
+(rundir/metrics.py).
 
     bg = Background("metrics")
     bg.submit(write_line, line)   # returns at once

@@ -126,7 +126,7 @@ class ServerState(Views, Versions):
 
     def make_durable(self, end: int) -> None:
         """The log durable up to byte `end` (`logged_to` after a `record(..., sync=False)`);
-        called without the lock, so concurrent callers share one fdatasync."""
+        a push's handler calls it without the lock, so concurrent callers share one fdatasync."""
         try:
             self.wal.sync_to(end)
         except OSError as e:
@@ -317,7 +317,7 @@ class ServerState(Views, Versions):
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint's "server" entry; the log keeps the events after it. Lock held."""
-        self.wal.sync_to(self.logged_to)  # no checkpoint ahead of the durable log
+        self.make_durable(self.logged_to)  # no checkpoint ahead of the durable log
         self._saved_seqs = [*self._saved_seqs[-1:], self.coord.seq]
         offset = self.sync_events()
         return {
