@@ -5,10 +5,13 @@ One client does what a worker does with no inner steps: get a job (the global pa
 (a) a real `diloco serve` (async, one worker slot, DN with N = 1: every push is logged durably
     in the write-ahead log, applied, and the next job, from the new θ, is logged and handed out);
 (b) a raw gRPC server in its own process that streams the same bytes down and takes the same
-    bytes up, in the same chunks, and does nothing else.
-Blocks of cycles alternate between the two. Reported: `throughput_ratio` (diloco's cycles/s ÷
-raw's; target ≥ 0.8), MB/s of both, and the push latency through diloco (`push_latency_ms_p50`,
-`push_latency_ms_p99`) next to raw's, with the difference as the server's added latency.
+    bytes up, in the same chunks, and does nothing else;
+(c) the same raw server that also appends each upload to a file on the same disk and
+    fdatasyncs it before replying (`raw_durable`: what a durable acknowledgment costs alone).
+Blocks of cycles alternate between them. Reported: `throughput_ratio` (diloco's cycles/s ÷
+raw's; target ≥ 0.8), `durable_throughput_ratio` (÷ raw_durable's), MB/s, and the push latency
+through diloco (`push_latency_ms_p50`, `push_latency_ms_p99`) next to raw's, with the
+difference as the server's added latency.
 
     python benchmarks/server_transport.py            # ~1 minute; --model micro for 11 MB messages
 """
@@ -33,16 +36,25 @@ CHUNK = 1 << 20
 _RAW = "/raw.Raw/"
 
 
-def _raw_server(port: int, nbytes: int) -> None:
-    """The baseline: stream `nbytes` down, take a stream up; nothing else."""
+def _raw_server(port: int, nbytes: int, sync_dir: str | None = None) -> None:
+    """The baseline: stream `nbytes` down, take a stream up; nothing else, or (`sync_dir`) also
+    append what came up to a file there and fdatasync it before replying, as a durable
+    acknowledgment must (the floor of any server that logs a push before acknowledging it)."""
     blob = os.urandom(nbytes)
+    log = os.open(Path(sync_dir) / "raw.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if sync_dir else None
 
     def down(request, ctx):
         for at in range(0, len(blob), CHUNK):
             yield blob[at : at + CHUNK]
 
     def up(chunks, ctx):
-        return len(b"".join(chunks)).to_bytes(8, "little")
+        if log is None:
+            return len(b"".join(chunks)).to_bytes(8, "little")
+        n = 0
+        for c in chunks:
+            n += os.write(log, c)
+        os.fdatasync(log)
+        return n.to_bytes(8, "little")
 
     handlers = {
         "Down": grpc.unary_stream_rpc_method_handler(down),
@@ -73,9 +85,10 @@ def main() -> None:
     )
     ap.add_argument("--raw-server", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--raw-bytes", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--raw-sync", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.raw_server is not None:
-        return _raw_server(args.raw_server, args.raw_bytes)
+        return _raw_server(args.raw_server, args.raw_bytes, args.raw_sync)
 
     import torch
 
@@ -116,16 +129,21 @@ def main() -> None:
         reg = stub.Register(request, timeout=60, metadata=meta)
         return proc, stub, pb.WorkerRef(worker=reg.worker, run_id=reg.run_id, token=reg.token)
 
-    with socket_port() as raw_port:
-        pass
-    raw = subprocess.Popen(
-        [sys.executable, __file__, "--raw-server", str(raw_port), "--raw-bytes", str(len(message))],
-        env=env, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert raw.stdout.readline().strip() == "ready"
-    raw_channel = grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=opts)
-    raw_down = raw_channel.unary_stream(_RAW + "Down")
-    raw_up = raw_channel.stream_unary(_RAW + "Up")
+    def start_raw(*sync: str):
+        with socket_port() as port:
+            pass
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--raw-server", str(port), "--raw-bytes", str(len(message)), *sync],
+            env=env, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert proc.stdout.readline().strip() == "ready"
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=opts)
+        return proc, channel.unary_stream(_RAW + "Down"), channel.stream_unary(_RAW + "Up")
+
+    raws = {
+        "raw": start_raw(),
+        "raw_durable": start_raw("--raw-sync", tempfile.mkdtemp(prefix="diloco-raw-")),
+    }
     servers = {"diloco": start_server(Path(tempfile.gettempdir()))}
     if args.tmpfs and Path(args.tmpfs).is_dir():
         servers["diloco_tmpfs"] = start_server(Path(args.tmpfs))
@@ -145,14 +163,15 @@ def main() -> None:
         assert reply.status == pb.PushReply.ACCEPTED, reply
         return t1 - t0, time.perf_counter() - t1, down + len(message)
 
-    def raw_cycle(name: str = "raw") -> tuple[float, float, int]:
+    def raw_cycle(name: str) -> tuple[float, float, int]:
+        _, raw_down, raw_up = raws[name]
         t0 = time.perf_counter()
         down = len(b"".join(raw_down(b"", timeout=60)))
         t1 = time.perf_counter()
         raw_up(iter([message[at : at + CHUNK] for at in range(0, len(message), CHUNK)]), timeout=60)
         return t1 - t0, time.perf_counter() - t1, down + len(message)
 
-    cycles = {name: diloco_cycle for name in servers} | {"raw": raw_cycle}
+    cycles = {name: diloco_cycle for name in servers} | dict.fromkeys(raws, raw_cycle)
     for name, cycle in cycles.items():  # warm up
         for _ in range(3):
             cycle(name)
@@ -166,8 +185,7 @@ def main() -> None:
             timed[name] += [cycle(name) for _ in range(n)]
             wall[name] += time.perf_counter() - t0
         done += n
-    raw.kill()
-    for proc, _, _ in servers.values():
+    for proc, _, _ in [*raws.values(), *servers.values()]:
         proc.kill()
         proc.communicate()
 
@@ -196,6 +214,10 @@ def main() -> None:
         "diloco": d,
         "raw": r,
     }
+    # against raw gRPC + a durable acknowledgment (write + fdatasync on the same disk): how much
+    # of the gap to raw gRPC is the disk's, which no server that logs before acknowledging avoids
+    result["durable_throughput_ratio"] = d["cycles_per_s"] / stats("raw_durable")["cycles_per_s"]
+    result["raw_durable"] = stats("raw_durable")
     if "diloco_tmpfs" in servers:  # the same server, its write-ahead log in memory: what durability costs
         t = stats("diloco_tmpfs")
         result["tmpfs_throughput_ratio"] = t["cycles_per_s"] / r["cycles_per_s"]

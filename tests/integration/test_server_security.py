@@ -204,7 +204,9 @@ def test_stale_pushes_are_refused_counted_and_replayed(tmp_path):
     run_dir = tmp_path / "run"
     run = ["--method", "async", "--workers", "2", "--inner-steps", "4", "--rounds", "8"]
     srv = serve(tmp_path, *run, "--no-dylu", "--grace-s", "0", "--max-staleness", "2")
-    fast, slow = worker(address(run_dir)), worker(address(run_dir), "--slowdown", "6")
+    slow = worker(address(run_dir), "--slowdown", "6")  # in first: under load a late start hid its staleness
+    wait_for(lambda: any(e["kind"] == "join" for e in events(run_dir)), what="the slow worker")
+    fast = worker(address(run_dir))
     (rc_srv, err_srv), (rc_fast, _), (rc_slow, err_slow) = finish(srv, fast, slow)
     assert (rc_srv, rc_fast) == (0, 0) and rc_slow in (0, 2), (err_srv, err_slow)
     assert "stale: job" in err_slow and "Going on with the next job" in err_slow

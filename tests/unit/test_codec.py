@@ -187,6 +187,23 @@ def test_damaged_messages_are_refused_with_a_sentence():
         int8.decode(fp4.encode(x))
 
 
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("name", ("int8", "fp4", "topk"))
+def test_decode_each_makes_one_tensor_at_a_time(name):
+    """The server's checks hold one decoded tensor, not the message: the first tensor comes out
+    before the second is decoded, so a damaged second tensor is refused only when reached."""
+    codec = build_codec(name, topk_fraction=0.5)
+    x = [torch.randn(300), torch.randn(40, 7)]
+    m = codec.encode(x)
+    whole = codec.decode(m)
+    torch.testing.assert_close(list(codec.decode_each(m)), whole, rtol=0, atol=0)
+    m.payload[3] = m.payload[3][:-1]  # the second tensor's scales (topk: indices) one short
+    each = codec.decode_each(m)
+    torch.testing.assert_close(next(each), whole[0], rtol=0, atol=0)
+    with pytest.raises(UserError, match="does not decode"):
+        next(each)
+
+
 @pytest.mark.timeout(20)
 @pytest.mark.parametrize("name", LOSSY)
 def test_error_feedback_conserves_the_sum_over_rounds(name):

@@ -46,3 +46,22 @@ def test_attention_is_causal():
     for block in model.blocks:
         a, b = block(a), block(b)
     torch.testing.assert_close(a[:, :10], b[:, :10])
+
+
+@pytest.mark.timeout(30)
+def test_evaluation_batches_keep_logits_bounded_and_give_the_same_loss(monkeypatch):
+    """64 windows of the 20m preset's logits were 2.1 GB (twice that with cross-entropy's copy):
+    the 32k-vocabulary presets evaluate 8 windows at a time, the byte-level ones 64 as before; a
+    smaller budget changes batches, not the loss (beyond float rounding)."""
+    from diloco.model import evaluate as ev
+
+    with torch.device("meta"):
+        big = GPT(MODEL_PRESETS["150m"])
+    assert ev.eval_batch(big, 256) == 8 and ev.eval_batch(GPT(MODEL_PRESETS["nano"]), 128) == 64
+    assert 4 * 8 * 256 * 32_000 <= ev.EVAL_LOGITS_BYTES
+    model = GPT(MODEL_PRESETS["nano"])
+    windows = torch.randint(0, 256, (70, 129), generator=torch.Generator().manual_seed(0))
+    whole = ev.evaluate(model, windows)
+    monkeypatch.setattr(ev, "EVAL_LOGITS_BYTES", 3 * 4 * 128 * 256)  # 3 windows a batch
+    assert ev.eval_batch(model, 128) == 3
+    assert ev.evaluate(model, windows) == pytest.approx(whole, rel=1e-6)

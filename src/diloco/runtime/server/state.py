@@ -92,6 +92,7 @@ class ServerState(Views, Versions):
         self._may_call: set[int] = set()  # registrations that may still call (not left on their own)
         self._wire = [{"sent": 0, "received": 0} for _ in range(cfg.num_workers)]  # real message bytes
         self._messages: dict[int, Encoded] = {}  # version -> θ as a message, while a job needs it
+        self._making = threading.Lock()  # one thread makes a version's message; the rest wait for it
         self._theta0: str | None = None  # the digest of the first version's θ as it is sent
         self._served: dict[int, float] = {}  # sync: job -> when it first went to its worker
         self._pending: deque = deque()  # the log's records after the checkpoint, to apply on resume

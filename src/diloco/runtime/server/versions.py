@@ -98,13 +98,15 @@ class Versions:
     def _version_message(self, version: int, pulled: list[torch.Tensor]) -> Encoded:
         """θ of `version` (`pulled`) as the download codec sends it, made once per version and
         shared by its jobs (fp32: θ's copy itself; bf16: its half-size encoding) while a job
-        needs it."""
-        with self.cond:
-            message = self._messages.get(version)
-        if message is None:
-            message = self.side.download.encode(pulled)  # bf16: exactly what was made
+        needs it. One thread makes it while the others asking wait (each making its own took
+        16 × 0.5 GB at once when 16 workers of a 150m model asked for a new version together)."""
+        with self._making:
             with self.cond:
-                live = self._held()
-                self._messages = {v: m for v, m in self._messages.items() if v in live}
-                self._messages[version] = message
+                message = self._messages.get(version)
+            if message is None:
+                message = self.side.download.encode(pulled)  # bf16: exactly what was made
+                with self.cond:
+                    live = self._held()
+                    self._messages = {v: m for v, m in self._messages.items() if v in live}
+                    self._messages[version] = message
         return message
