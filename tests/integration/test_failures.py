@@ -63,7 +63,10 @@ def _strict_json_lines(path: Path) -> list[dict]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     "launch",
-    [("--standalone",), pytest.param(("--nnodes", "1", "--master-port", "29617"), marks=pytest.mark.slow)],
+    [  # both slow for suite time (12-19 s each); the run-directory lock is tested in test_rundir
+        pytest.param(("--standalone",), marks=pytest.mark.slow),
+        pytest.param(("--nnodes", "1", "--master-port", "29617"), marks=pytest.mark.slow),
+    ],
 )
 def test_a_torchrun_restart_never_takes_over_another_run(tmp_path, launch):
     # torchrun's own run id is "none" for every launch without --standalone: it cannot tell them apart

@@ -365,6 +365,7 @@ def test_a_worker_whose_server_is_gone_gives_up_with_one_sentence(tmp_path):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # suite time; user data and HF models vs the simulator: test_collective, test_hf
 @pytest.mark.timeout(180)
 def test_user_data_bpe_and_a_hugging_face_model_through_the_server_equal_the_simulator(tmp_path):
     """The model config travels inside the run's settings; each worker reads the same --data
@@ -436,7 +437,8 @@ def test_async_deadline_jobs_on_the_server_replay_bit_for_bit(tmp_path):
     dispatched = {e["job"]: e for e in log if e["kind"] == "dispatch"}
     pushed = [e for e in log if e["kind"] == "push"]
     deadlines = [d for d in dispatched.values() if d["seconds"] is not None]
-    assert len(deadlines) >= 4 and all(0.06 <= d["seconds"] < 0.2 for d in deadlines)
+    # 6 x the measured s/step: 0.12 s on an idle machine; a loaded one (CI) measures steps slower
+    assert len(deadlines) >= 4 and all(0.06 <= d["seconds"] < 0.6 for d in deadlines)
     for p in pushed:
         d = dispatched[p["job"]]
         assert 1 <= p["steps"] <= (2 * d["steps"] if d["seconds"] is not None else d["steps"])
