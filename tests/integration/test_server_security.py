@@ -202,11 +202,11 @@ def test_stale_pushes_are_refused_counted_and_replayed(tmp_path):
     each; its job is given back), and it goes on with its next job, or stops with one sentence
     after 3 refusals in a row. The run ends and replays bit for bit, refused jobs included."""
     run_dir = tmp_path / "run"
-    run = ["--method", "async", "--workers", "2", "--inner-steps", "4", "--rounds", "8"]
+    run = ["--method", "async", "--workers", "2", "--inner-steps", "4", "--rounds", "16"]
     srv = serve(tmp_path, *run, "--no-dylu", "--grace-s", "0", "--max-staleness", "2")
-    slow = worker(address(run_dir), "--slowdown", "6")  # in first: under load a late start hid its staleness
-    wait_for(lambda: any(e["kind"] == "join" for e in events(run_dir)), what="the slow worker")
-    fast = worker(address(run_dir))
+    # 16 rounds: under load one worker starts seconds after the other, and the slow one must still
+    # push while the fast one is running (with 8 the run once ended after its first, fresh, push)
+    fast, slow = worker(address(run_dir)), worker(address(run_dir), "--slowdown", "6")
     (rc_srv, err_srv), (rc_fast, _), (rc_slow, err_slow) = finish(srv, fast, slow)
     assert (rc_srv, rc_fast) == (0, 0) and rc_slow in (0, 2), (err_srv, err_slow)
     assert "stale: job" in err_slow and "Going on with the next job" in err_slow
