@@ -162,7 +162,7 @@ class Codec:
 
     def decode_each(self, message: Encoded) -> Iterator[torch.Tensor]:
         """`decode`'s tensors one at a time, so a caller can hold one tensor instead of the whole
-        decoded message (the server's checks: 16 fp4 pushes of 150m at once would be 16 × 600 MB)."""
+        decoded message (the server's checks: a decoded fp4 push of 150m is 693 MB)."""
         self.check(message)
         try:
             yield from self._decode(message)

@@ -60,7 +60,7 @@ def _norms(grads: Iterable[torch.Tensor], buf) -> list[torch.Tensor]:
     """Each tensor's norm, decoded one at a time and measured in fused passes over groups of
     about RELEASE_BYTES; the mapped pages behind a group (tensors that view `buf`: fp32's) are
     let go once it is done, so a check holds a group of a message in memory, not the message
-    (decoded fp4 of 150m is 600 MB; 16 of them at once took 7.8 GB)."""
+    (decoded, an fp4 push of 150m is 693 MB)."""
     base, size = (wal.address(buf), len(buf)) if len(buf) else (0, 0)
     norms, group, held = [], [], 0
 
