@@ -19,9 +19,11 @@ difference as the server's added latency.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -110,8 +112,15 @@ def main() -> None:
     jobs = args.cycles + 5
     opts = [("grpc.max_receive_message_length", 4 * CHUNK)]
 
+    def temp_dir(prefix: str, root: Path | None = None) -> str:
+        """A temporary folder removed when the benchmark exits, however it exits (the logs of a
+        few hundred cycles are GBs)."""
+        folder = tempfile.mkdtemp(prefix=prefix, dir=root)
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        return folder
+
     def start_server(root: Path):
-        run = Path(tempfile.mkdtemp(prefix="diloco-transport-", dir=root)) / "run"
+        run = Path(temp_dir("diloco-transport-", root)) / "run"
         proc = subprocess.Popen(
             [sys.executable, "-m", "diloco", "serve", "--out", str(run), "--port", "0", "--threads", "1",
              "--method", "async", "--workers", "1", "--inner-steps", "1", "--rounds", str(jobs),
@@ -142,7 +151,7 @@ def main() -> None:
 
     raws = {
         "raw": start_raw(),
-        "raw_durable": start_raw("--raw-sync", tempfile.mkdtemp(prefix="diloco-raw-")),
+        "raw_durable": start_raw("--raw-sync", temp_dir("diloco-raw-")),
     }
     servers = {"diloco": start_server(Path(tempfile.gettempdir()))}
     if args.tmpfs and Path(args.tmpfs).is_dir():

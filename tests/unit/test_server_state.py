@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -319,4 +321,40 @@ def test_a_job_waits_while_theta_is_being_sent_for_as_many_downloads_as_allowed(
     st.downloaded(sent)  # ... and θ went out whole
     with st.cond:
         assert st.may_hand_out() and st.downloads["waited_s"] >= 0.05
+    st.close()
+
+
+@pytest.mark.timeout(60)
+def test_workers_asking_for_a_version_together_share_one_encoding(tiny, tmp_path):
+    """Eight GetJobs of the same new version at once: θ is encoded for download once, and all
+    eight stream that one message (each encoding its own held 16 × 0.5 GB at once at 150m). The
+    encoder is the real one, slowed so that without the lock the eight would overlap."""
+    st = make(tiny, tmp_path / "run", method="async", k=8)
+    for w in range(8):
+        join(st, w)
+    with st.cond:
+        for w in range(8):
+            st.record(st.coord.plan_dispatch(w, time.time()))
+        jobs = [(job, job.pulled) for job in st.coord.jobs.values()]
+    assert {job.version for job, _ in jobs} == {0}
+    encode, made = st.side.download.encode, []
+
+    def slow_encode(tensors):
+        made.append(threading.get_ident())
+        time.sleep(0.2)
+        return encode(tensors)
+
+    st.side.download.encode = slow_encode
+    barrier = threading.Barrier(len(jobs))
+
+    def ask(job, pulled):
+        barrier.wait()
+        return st._version_message(job.version, pulled)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        messages = list(pool.map(lambda jp: ask(*jp), jobs))
+    assert len(made) == 1
+    assert all(m is messages[0] for m in messages)
+    length, pieces = st.params_stream(jobs[0][0], jobs[0][1])  # a later job of it: no new encoding
+    assert len(made) == 1 and length == sum(len(p) for p in pieces)
     st.close()

@@ -220,7 +220,11 @@ class Coordinator(Plans, FragmentRounds):
         so it copies each time)."""
         version = self.side.version
         if self.schedule is not None or self._pulled is None or self._pulled[0] != version:
-            self._pulled = (version, [p.detach().clone() for p in self.side.downloaded()])
+            theta = self.side.downloaded()
+            # a lossy download's decode(encode(θ)) is already a copy of its own, made for this
+            # version and never written to: shared, not copied again (693 MB at 150m)
+            own = self.side.download.lossy and self.schedule is None
+            self._pulled = (version, list(theta) if own else [p.detach().clone() for p in theta])
         return self._pulled[1]
 
     def release_pulled(self, held: set[int]) -> None:

@@ -23,6 +23,7 @@ from diloco.config import TrainConfig
 from diloco.core.outer_side import OuterSide
 from diloco.errors import UserError
 from diloco.runtime import SideView
+from diloco.runtime.server import heap
 from diloco.runtime.server.endpoint import Endpoint
 from diloco.runtime.server.jobs import Job
 from diloco.runtime.server.security import ServeOptions
@@ -53,6 +54,7 @@ class ServerRuntime(SideView):
         self._lock = rundir.lock(run_dir)  # one server per run directory, before anything is written
         self._fresh = not (run_dir / "checkpoints").exists()  # a new run, not a resumed one
         self._discard = False  # a new run that could not start serving leaves no run directory
+        heap.limit_arenas()  # before the gRPC threads start (runtime/server/heap.py)
         self.state = ServerState(cfg, side, shard_sizes, run_dir, opts, shard_plan)
         st = self.state
         self.coord, self.cond, self.refusals = st.coord, st.cond, st.refusals
@@ -254,6 +256,7 @@ class ServerRuntime(SideView):
         if self.endpoint.server is not None:
             return
         self._discard = self._fresh  # until it serves: see close()
+        heap.give_back()  # what the start's evaluation freed (32k-vocabulary logits: GBs at 150m)
         self.state.begin_serving()
         self.endpoint.start()
         self._discard = False
