@@ -35,7 +35,8 @@ storage, `--max-inflight-pushes` and `--max-inflight-downloads`; so rows run one
 accumulate, and a row run again keeps its place; `--out` elsewhere), and the capacity table of
 docs/server.md computed from its rows (`capacity`; `--capacity` recomputes it alone and prints it).
 A row whose server dies (out of memory, say) is reported with its `error` and the server's last
-line.
+line; a row whose push files would not fit its storage (they are kept to the run's end: 150m
+fp32 x 16 is 22 GB, memory on tmpfs) is not run, and says so in its `error`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -342,6 +344,10 @@ def row(
     out |= {"message_bytes": len(message), "download_bytes": down_bytes, "pushes_per_worker": pushes}
     out["max_inflight_pushes"] = inflight  # 0: the server's default (from its memory)
     out["max_inflight_downloads"] = downloads  # 0: the server's default (1)
+    if problem := no_room(root, workers * pushes * len(message)):
+        print(f"[capacity] skipped: {problem}", file=sys.stderr, flush=True)
+        out["error"] = problem
+        return out
     try:
         out |= _diloco_row(model, codec, workers, root, pushes, message, inflight, downloads)
     except (RuntimeError, grpc.RpcError) as e:
@@ -353,6 +359,20 @@ def row(
     out["limit"] = "grpc" if out["raw_grpc_mb_per_s"] <= out["raw_disk_mb_per_s"] else "disk"
     out["throughput_ratio"] = round(out["mb_per_s"] / slower, 4)
     return out
+
+
+def no_room(root: Path, push_bytes: int) -> str | None:
+    """Why a row's run cannot fit `root` (None if it can): the server keeps every push's file
+    until its next checkpoint, which this benchmark puts at the run's end, so the pushes must
+    fit beside what is there (on tmpfs they are memory: 150m fp32 x 16 is 22 GB, and the
+    kernel killed the server)."""
+    free = shutil.disk_usage(root).free
+    if push_bytes <= 0.9 * free:
+        return None
+    return (
+        f"the run's push files ({push_bytes / 1e9:.1f} GB, kept until its end) do not fit {root} "
+        f"({free / 1e9:.1f} GB free); run this row with --storage disk or fewer --pushes"
+    )
 
 
 # The capacity table (docs/server.md, "Capacity"): from the measured rows, per-parameter costs

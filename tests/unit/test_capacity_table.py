@@ -41,3 +41,14 @@ def test_a_resource_that_runs_out_first_is_the_smallest_rate_and_workers_grow_wi
         assert t["runs_out_first"] == min(rates, key=rates.get)
         assert t["server_pushes_per_s"] == rates[t["runs_out_first"]]
         assert t["workers_H500"] >= 5 * t["workers_H100"] - 5 * 0.1  # rounded down each
+
+
+@pytest.mark.timeout(30)
+def test_a_row_whose_push_files_do_not_fit_its_storage_is_refused_with_a_sentence(tmp_path):
+    import shutil
+
+    bench = _bench()
+    free = shutil.disk_usage(tmp_path).free
+    assert bench.no_room(tmp_path, 1 << 20) is None
+    problem = bench.no_room(tmp_path, free + (1 << 30))
+    assert problem.startswith("the run's push files") and "--storage disk" in problem
