@@ -95,7 +95,7 @@ class ServerRuntime(SideView):
                 members = sorted(c.workers)
                 st.record({"kind": "begin", "round": self.side.rounds_done + 1, "members": members})
                 for w in members:
-                    st.record(c.plan_dispatch(w, time.time()))
+                    st.dispatch(c.plan_dispatch(w, time.time()))
             t0, ids = c.round_t, list(c.jobs)
             timeout = self.cfg.round_timeout_s or float("inf")
             if c.schedule is None:
@@ -151,7 +151,7 @@ class ServerRuntime(SideView):
             while True:
                 if self._group:
                     job = self._group.pop(0)  # group_end: the last of its grace group (DN's momentum step)
-                    # durable with the next job's dispatch, which is synced before it goes out
+                    # durable with the next job's dispatch, which GetJob syncs before it goes out
                     return st.record({"kind": "apply", "job": job, "group_end": not self._group}, sync=False)
                 if c.finished:
                     return None
@@ -162,7 +162,7 @@ class ServerRuntime(SideView):
                     event = c.plan_dispatch(w, time.time())
                     if event is None:
                         break
-                    st.record(event)
+                    st.dispatch(event)  # durable before it goes out: GetJob syncs the log to it
                 if c.arrived:
                     self._group = self._grace_group()
                 elif c.dispatched >= c.step_budget and not c.jobs:  # deadline jobs may overshoot
