@@ -115,7 +115,7 @@ class Handlers(rpc.ParameterServerServicer):
                         continue
                     yield_header, pulled = None, job.pulled
                     st.streaming.add(job.job)  # its θ is not let go while it is sent
-                    durable_to = st.dispatch_end(job.job)
+                    durable_to = st.logged_to  # past its dispatch record (state.dispatch)
                     break
                 if time.monotonic() >= limit:
                     yield_header, job = pb.JobChunk(status=pb.JobChunk.WAIT, retry_s=0.0), None
@@ -125,7 +125,7 @@ class Handlers(rpc.ParameterServerServicer):
             yield yield_header
             return
         try:
-            st.make_durable(durable_to)  # its dispatch record (logged without waiting: state.dispatch)
+            st.make_durable(durable_to)  # the job's record, logged without waiting for it
             yield from self._send_job(st, job, pulled, request.theta, w)
         finally:
             with st.cond:

@@ -97,7 +97,6 @@ class ServerState(Views, Versions):
         self._served: dict[int, float] = {}  # sync: job -> when it first went to its worker
         self._pending: deque = deque()  # the log's records after the checkpoint, to apply on resume
         self._saved_seqs = [0]  # the events the last checkpoints hold (the log keeps the rest)
-        self._dispatch_end: dict[int, int] = {}  # job -> the log's end after its dispatch record
         self.failure: Exception | None = None  # set by a handler: the main thread raises it
         self.t0 = time.time()  # when it started serving (after a resume's replay), for the ETA
         self._steps_at_start = 0  # inner steps done then
@@ -126,22 +125,12 @@ class ServerState(Views, Versions):
             self._log_failed(e)
         return self._apply(event, message)
 
-    def dispatch(self, event: dict[str, Any] | None):
-        """Log a job's dispatch (`plan_dispatch`'s event; None: nothing to dispatch) without
-        waiting for its fdatasync: the main thread goes on applying, and GetJob makes the log
-        durable up to it (`dispatch_end`) before the job goes out, sharing one fdatasync with
+    def dispatch(self, event: dict[str, Any]):
+        """Log a job's dispatch (`plan_dispatch`'s event) without waiting for its fdatasync: the
+        main thread goes on applying, and GetJob makes the log durable up to `logged_to` (read
+        under the lock, so past this record) before the job goes out, sharing one fdatasync with
         the pushes landing then. A dispatch lost in a crash was never heard of. Lock held."""
-        if event is None:
-            return None
-        out = self.record(event, sync=False)
-        live = self.coord.jobs  # a job pushed, given back or abandoned needs no entry
-        self._dispatch_end = {j: end for j, end in self._dispatch_end.items() if j in live}
-        self._dispatch_end[event["job"]] = self.logged_to
-        return out
-
-    def dispatch_end(self, job: int) -> int:
-        """Where the log must be durable to before `job` goes out (its dispatch record). Lock held."""
-        return self._dispatch_end.get(job, 0)
+        return self.record(event, sync=False)
 
     def make_durable(self, end: int) -> None:
         """The log durable up to byte `end` (`logged_to` after a `record(..., sync=False)`);
