@@ -340,14 +340,14 @@ def test_with_deadline_jobs_dn_steps_its_momentum_at_each_groups_end(tiny, tmp_p
     # The jitter profile again: every group holds all 4 workers, so DN (N = 4) is told the 4th
     # arrival of each is its group's last, and steps its momentum there (nothing left in Δ).
     seen = []
-    apply = DelayedNesterov.apply
+    apply = DelayedNesterov.apply_parts  # what OuterSide.apply_async calls
 
-    def recording(self, params, grad, **kw):
-        changed = apply(self, params, grad, **kw)
+    def recording(self, params, parts, **kw):
+        changed = apply(self, params, parts, **kw)
         seen.append((kw["staleness"], kw["group_end"], self.at_group_end, self.count))
         return changed
 
-    monkeypatch.setattr(DelayedNesterov, "apply", recording)
+    monkeypatch.setattr(DelayedNesterov, "apply_parts", recording)
     _jitter_run(tiny, tmp_path / "run", DyluConfig())
     whole = len(seen) // 4 * 4
     assert whole >= 12 and all(grouped for *_, grouped, _ in seen)

@@ -151,9 +151,10 @@ def test_pushes_beyond_the_inflight_limit_wait_their_turn(tmp_path):
         pytest.param(  # the suite's 10 minutes: test_server_streaming.py runs these flags by default
             ["--codec", "fp4", "--error-feedback", "--download-codec", "bf16"], marks=pytest.mark.slow
         ),
-        ["--method", "async", "--codec", "topk", "--topk-fraction", "0.2", "--error-feedback"],
+        ["--method", "async", "--codec", "topk", "--topk-fraction", "0.2", "--error-feedback"]
+        + ["--download-codec", "bf16"],  # the server keeps θ per version as bf16; replay decodes it
     ],
-    ids=["sync-fp4-bf16-download", "async-topk"],
+    ids=["sync-fp4-bf16-download", "async-topk-bf16-download"],
 )
 def test_compressed_messages_through_the_server_equal_the_simulator_and_replay(tmp_path, codec):
     """Workers push encoded outer_grads (with their own error feedback) and download θ through

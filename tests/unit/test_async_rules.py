@@ -130,3 +130,22 @@ def test_buffer_flush_applies_the_last_few_arrivals():
 
     sync.step(ref, weighted_average([_t(1), _t(2)], [0.5, 0.5]))
     assert torch.equal(theta[0], ref[0])
+
+
+@pytest.mark.parametrize("at_group_end", [False, True])
+def test_dn_applied_group_by_group_is_apply_bit_for_bit(at_group_end):
+    # the server decodes a large push a group of tensors at a time (OuterSide.apply_async)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 4), (5,), (2, 2), (7,)]
+    whole = [torch.randn(s, generator=g) for s in shapes]
+    parts = [t.clone() for t in whole]
+    rules = [DelayedNesterov(0.7, 0.9, size=3, c=0.2, at_group_end=at_group_end) for _ in range(2)]
+    for i in range(9):
+        grad = [torch.randn(s, generator=g) for s in shapes]
+        end = i % 4 != 1
+        rules[0].apply(whole, grad, worker=i % 3, staleness=1, group_end=end)
+        rules[1].apply_parts(parts, [grad[:2], grad[2:3], grad[3:]], worker=i % 3, staleness=1, group_end=end)
+    assert all(torch.equal(a, b) for a, b in zip(whole, parts, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(rules[0].m, rules[1].m, strict=True))
+    with pytest.raises(ValueError, match="3 tensors for 4 parameters"):
+        rules[1].apply_parts(parts, [grad[:3]], worker=0, staleness=0)

@@ -1,6 +1,11 @@
 """The outer side against trusted references: outer.py's weighted average and Nesterov step,
 byte counts by hand, drops and non-finite outer_grads, its state, and codec messages."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -152,3 +157,22 @@ def test_a_message_becomes_bytes_and_back_exactly():
         Encoded.from_bytes(b"\x05\x00garbage")
     with pytest.raises(UserError, match="encoded with codec 'int8'"):
         Fp32Codec().decode(Encoded("int8", tensors, 1))
+
+
+def _added_peak_mb(what: str, k: int = 2) -> float:
+    script = Path(__file__).with_name("_outer_memory.py")
+    # every allocation of 1 MB or more its own mapping, returned when freed: the peak counts what
+    # the code holds at once, not what glibc's heap kept from earlier frees
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    out = subprocess.run([sys.executable, str(script), what, str(k)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    return float(out.stdout.split()[-1])
+
+
+@pytest.mark.timeout(60)
+def test_a_round_and_an_async_apply_hold_one_decoded_tensor_not_whole_messages():
+    # a 64 MB model (8 tensors of 8 MB): the server's memory at 150m x 16 depends on this
+    one, eight = _added_peak_mb("reduce", 1), _added_peak_mb("reduce", 8)
+    assert eight < one + 24, (one, eight)  # k decoded contributions at once would add 7 x 64 MB
+    parts, whole = _added_peak_mb("parts"), _added_peak_mb("whole")
+    assert parts < 40 < 56 < whole, (parts, whole)  # decoded whole: the 64 MB model in float32

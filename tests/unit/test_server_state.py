@@ -15,7 +15,7 @@ import torch
 
 from diloco.config import AsyncConfig, SimConfig
 from diloco.core.async_rules import build_async_rule
-from diloco.core.codec import Encoded
+from diloco.core.codec import Bf16Codec, Encoded
 from diloco.core.outer import Nesterov
 from diloco.core.outer_side import OuterSide
 from diloco.errors import UserError
@@ -357,4 +357,25 @@ def test_workers_asking_for_a_version_together_share_one_encoding(tiny, tmp_path
     assert all(m is messages[0] for m in messages)
     length, pieces = st.params_stream(jobs[0][0], jobs[0][1])  # a later job of it: no new encoding
     assert len(made) == 1 and length == sum(len(p) for p in pieces)
+    st.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_bf16_download_keeps_theta_as_its_message_and_reads_older_checkpoints(tiny, tmp_path):
+    """Through a lossy download codec a job's θ is held as the message workers receive (half of
+    θ), decoded only where float32 is needed; a checkpoint from before, which holds that θ in
+    float32, is encoded again to the same payload."""
+    st = make(tiny, tmp_path / "run", method="async")
+    st.side.download = Bf16Codec()
+    join(st, 0)
+    with st.cond:
+        st.record(st.coord.plan_dispatch(0))
+    (job,) = st.coord.jobs.values()
+    want = Bf16Codec().encode(st.side.params)
+    assert [p.dtype for p in job.pulled] == [torch.bfloat16] * len(st.side.params)
+    assert st.coord.download_message(job.pulled).digest() == want.digest()
+    received = st.side.through_download(st.side.params)  # what the worker decodes
+    assert all(torch.equal(a, b) for a, b in zip(st.coord.theta_of(job.pulled), received, strict=True))
+    stored = st.coord.stored_pulls(received)
+    assert all(torch.equal(a, b) for a, b in zip(stored, want.payload, strict=True))
     st.close()

@@ -18,6 +18,7 @@ Every rule works in place on the server's parameters and returns whether they ch
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -41,6 +42,12 @@ class AsyncRule:
     ) -> bool:
         """Apply `grad`; `group_end`: whether it is the last of a grace group (or stands alone)."""
         raise NotImplementedError
+
+    def apply_parts(self, params: Tensors, parts: Iterable[Tensors], **kwargs) -> bool:
+        """`apply` with the outer_grad given as consecutive groups of its tensors, so a caller
+        need not hold all of it decoded. Rules that use it whole join the parts; `dn` (the
+        default) applies each group as it comes, the same bits as `apply`."""
+        return self.apply(params, [t for part in parts for t in part], **kwargs)
 
     def flush(self, params: Tensors) -> bool:
         """Apply whatever the rule still holds back when training ends; True if θ changed."""
@@ -170,31 +177,40 @@ class DelayedNesterov(AsyncRule):
             self.m = [torch.zeros_like(p) for p in params]
             self.delta = [torch.zeros_like(p) for p in params]
 
-    @torch.no_grad()
     def apply(self, params, grad, *, worker, staleness, pulled=None, group_end=True) -> bool:
-        self.prepare(grad)
+        return self.apply_parts(params, [grad], group_end=group_end)
+
+    @torch.no_grad()
+    def apply_parts(self, params, parts, *, group_end=True, **_) -> bool:
+        self.prepare(params)
         lr, beta, n, c = self.lr, self.momentum, self.size, self.c
-        # in place, one fused pass per line over every tensor (torch._foreach_*): no temporaries,
-        # the server applies 600 MB models with this
         self.count += 1
-        step_now = (group_end and self.count >= n) if self.at_group_end else (self.t + 1) % n == 0
-        if step_now and self.count == 1:  # Δ held nothing: Δ/1 is g exactly, skip Δ
-            torch._foreach_mul_(self.m, beta)
-            torch._foreach_add_(self.m, grad)
-        else:
-            torch._foreach_add_(self.delta, grad)
-            if step_now:
-                torch._foreach_mul_(self.m, beta)
-                torch._foreach_add_(self.m, self.delta, alpha=1.0 / self.count)
-                torch._foreach_zero_(self.delta)
+        count = self.count
+        step_now = (group_end and count >= n) if self.at_group_end else (self.t + 1) % n == 0
+        coef = (1 - c * n + c) * beta if step_now else c * beta
+        start = 0
+        for grad in parts:  # every op is per tensor: group by group gives the same bits as whole
+            at = slice(start, start + len(grad))
+            start += len(grad)
+            p, m, delta = params[at], self.m[at], self.delta[at]
+            # in place, one fused pass per line over every tensor (torch._foreach_*): no
+            # temporaries, the server applies 600 MB models with this
+            if step_now and count == 1:  # Δ held nothing: Δ/1 is g exactly, skip Δ
+                torch._foreach_mul_(m, beta)
+                torch._foreach_add_(m, grad)
+            else:
+                torch._foreach_add_(delta, grad)
+                if step_now:
+                    torch._foreach_mul_(m, beta)
+                    torch._foreach_add_(m, delta, alpha=1.0 / count)
+                    torch._foreach_zero_(delta)
+            torch._foreach_add_(p, grad, alpha=-lr / n)
+            if coef:
+                torch._foreach_add_(p, m, alpha=-lr * coef)
+        if start != len(params):
+            raise ValueError(f"an outer_grad of {start} tensors for {len(params)} parameters")
         if step_now:
             self.count = 0
-            coef = (1 - c * n + c) * beta
-        else:
-            coef = c * beta
-        torch._foreach_add_(params, grad, alpha=-lr / n)
-        if coef:
-            torch._foreach_add_(params, self.m, alpha=-lr * coef)
         self.t += 1
         return True
 

@@ -14,6 +14,8 @@ that applies the same Δ gets bit-identical parameters.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 
 Tensors = list[torch.Tensor]
@@ -39,6 +41,33 @@ def kept_weights(weights: list[float], kept: list[bool]) -> list[float]:
         return list(weights)
     total = sum(w for w, k in zip(weights, kept, strict=False) if k)
     return [w / total for w, k in zip(weights, kept, strict=False) if k]
+
+
+def sum_in_order(parts: Iterable[Iterable[torch.Tensor]], like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Σ parts in the given (worker) order, on the first part, each part consumed tensor by
+    tensor; zeros like `like` for none."""
+    total: list[torch.Tensor] | None = None
+    for part in parts:
+        if total is None:
+            total = list(part)
+            continue
+        for acc, t in zip(total, part, strict=True):
+            acc.add_(t)
+    return total if total is not None else [torch.zeros_like(t) for t in like]
+
+
+def in_groups(tensors: Iterable[torch.Tensor], nbytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive groups of `tensors` of about `nbytes` each (a larger tensor alone)."""
+    group: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        group.append(t)
+        size += t.numel() * t.element_size()
+        if size >= nbytes:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
 
 
 class OuterOpt:

@@ -24,7 +24,7 @@ outer_grad arrives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -33,9 +33,10 @@ import torch.nn as nn
 from diloco.core.async_rules import AsyncRule
 from diloco.core.codec import Codec, Encoded, Fp32Codec, tensor_bytes
 from diloco.core.membership import outer_grad_dropped
-from diloco.core.outer import Nesterov, OuterOpt, kept_weights
+from diloco.core.outer import Nesterov, OuterOpt, in_groups, kept_weights, sum_in_order
 from diloco.errors import RESUME_OR, NonFinite
 
+PART_BYTES = 64 << 20  # an async apply decodes the outer_grad this many bytes at a time
 ON_NONFINITE = ("stop", "drop")  # --on-nonfinite: what a non-finite outer_grad does to the run
 AFTER_DROP = ("own", "global")  # --after-drop: where the worker of a dropped outer_grad goes on from
 
@@ -129,8 +130,12 @@ class OuterSide:
 
     def pull(self, w: int) -> list[torch.Tensor]:
         """Worker w downloads the global parameters (counted); the caller must copy them."""
-        self.bytes_received[w] += self.pull_bytes
+        self.count_pull(w)
         return self.downloaded()
+
+    def count_pull(self, w: int) -> None:
+        """Count worker w's download of the global parameters (the server makes its own)."""
+        self.bytes_received[w] += self.pull_bytes
 
     # -- a synchronous round -------------------------------------------------------------------
     def begin_round(
@@ -216,25 +221,34 @@ class OuterSide:
         zeros if it does not count (dropped, or not active this round). Summing contributions in
         worker order or by an all-reduce (summable codecs) gives the same numbers bit for bit with
         two workers (a + b in any order), within float rounding with more."""
-        weight = self.round_weights()[w]
-        if message is None or weight == 0.0:
-            return [torch.zeros_like(p) for p in self.params]
-        return self._weighted(message, weight, range(len(self.params)))
+        return list(self._contribution_each(w, message, self.round_weights()[w]))
 
-    def _weighted(self, message: Encoded, weight: float, indices) -> list[torch.Tensor]:
-        """weight × decode(message) in float32, for the parameters at `indices`."""
-        decoded = self.codec.decode(message)
-        if len(decoded) != len(indices):
-            raise ValueError(f"a message of {len(decoded)} tensors for {len(indices)} parameters")
-        return [
-            torch.zeros_like(self.params[i]).add_(t, alpha=weight)
-            for i, t in zip(indices, decoded, strict=True)
-        ]
+    def _contribution_each(self, w: int, message: Encoded | None, weight: float) -> Iterator[torch.Tensor]:
+        if message is None or weight == 0.0:
+            return (torch.zeros_like(p) for p in self.params)
+        return self._weighted_each(message, weight, range(len(self.params)))
+
+    def _weighted_each(
+        self, message: Encoded, weight: float, indices: Sequence[int]
+    ) -> Iterator[torch.Tensor]:
+        """weight × decode(message) in float32 for the parameters at `indices`, one tensor at a
+        time (decoded as it goes: a caller never holds a whole decoded message)."""
+        decoded = self.codec.decode_each(message)
+        for i in indices:
+            t = next(decoded, None)
+            if t is None:
+                raise ValueError(f"a message of fewer tensors than its {len(indices)} parameters")
+            yield torch.zeros_like(self.params[i]).add_(t, alpha=weight)
+        if next(decoded, None) is not None:
+            raise ValueError(f"a message of more tensors than its {len(indices)} parameters")
 
     def reduce(self, messages: Sequence[Encoded | None]) -> list[torch.Tensor]:
         """The sum of every active worker's contribution in worker order (the simulator's
-        all-reduce)."""
-        return _sum_in_order([self.contribution(w, m) for w, m in enumerate(messages)], self.params)
+        all-reduce). Worker by worker and tensor by tensor: it holds the sum and one tensor of
+        one contribution, never k decoded messages (the server's memory at 150m × 16)."""
+        weights = self.round_weights()
+        parts = (self._contribution_each(w, m, weights[w]) for w, m in enumerate(messages))
+        return sum_in_order(parts, self.params)
 
     def end_round(self, summed: list[torch.Tensor], inner_steps: int) -> bool:
         """Apply the outer step on the summed contributions (if any outer_grad counted); every
@@ -257,7 +271,7 @@ class OuterSide:
     # -- Streaming DiLoCo (streaming.py): one fragment at a time, every worker, no drops --------
     def fragment_contribution(self, w: int, message: Encoded, group: list[int]) -> list[torch.Tensor]:
         """Worker w's weighted share of fragment `group`'s sum (float32), as `contribution`."""
-        return self._weighted(message, self.weights[w], group)
+        return list(self._weighted_each(message, self.weights[w], group))
 
     def reduce_fragment(
         self, messages: Sequence[Encoded | None], group: list[int]
@@ -269,8 +283,8 @@ class OuterSide:
         if not any(kept):
             return None
         weights = iter(kept_weights(self.weights, kept))
-        parts = [self._weighted(m, next(weights), group) for m in messages if m is not None]
-        return _sum_in_order(parts, [self.params[i] for i in group])
+        parts = (self._weighted_each(m, next(weights), group) for m in messages if m is not None)
+        return sum_in_order(parts, [self.params[i] for i in group])
 
     def sent_fragment(self, w: int, nbytes: int, finite: bool) -> None:
         """Worker w sent a fragment's outer_grad of `nbytes`; a non-finite one stops the run."""
@@ -323,7 +337,8 @@ class OuterSide:
         group_end: bool = True,
     ) -> bool:
         """Apply worker w's outer_grad at once with the async rule; returns whether θ changed.
-        `group_end`: it is the last of its grace group (or stands alone)."""
+        `group_end`: it is the last of its grace group (or stands alone). Decoded PART_BYTES at
+        a time (`dn` applies each part as it comes: a 150m fp4 push is never 600 MB of float32)."""
         self.bytes_sent[w] += message.nbytes
         self.total_steps += steps
         self.worker_steps[w] += steps
@@ -336,9 +351,9 @@ class OuterSide:
                 )
             self.nonfinite_dropped += 1
             return False
-        changed = self.update.apply(
+        changed = self.update.apply_parts(
             self.params,
-            self.codec.decode(message),
+            in_groups(self.codec.decode_each(message), PART_BYTES),
             worker=w,
             staleness=staleness,
             pulled=pulled,
@@ -383,14 +398,3 @@ class OuterSide:
         self.bytes_received = [int(b) for b in state["bytes_received"]]
         # checkpoints from before worker_steps: every worker's share of the steps
         self.worker_steps = [int(n) for n in state.get("worker_steps", [self.total_steps // k] * k)]
-
-
-def _sum_in_order(parts: list[list[torch.Tensor]], like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Σ parts in the given (worker) order, on the first part; zeros like `like` for none."""
-    if not parts:
-        return [torch.zeros_like(t) for t in like]
-    total = parts[0]
-    for part in parts[1:]:
-        for acc, t in zip(total, part, strict=True):
-            acc.add_(t)
-    return total

@@ -114,7 +114,7 @@ def replay(run_dir: Path, *, progress: bool | None = None) -> dict[str, Any]:
                 kwargs = {"lr_step": job.lr_step, "shard": job.shard, "position": job.position}
                 handed[job.job] = (
                     workers[job.worker],
-                    job.pulled,
+                    coord.theta_of(job.pulled),
                     job,
                     {**kwargs, "lr_stride": job.lr_stride},
                 )

@@ -52,7 +52,7 @@ from diloco.core.async_policy import (
     SpeedEstimator,
 )
 from diloco.core.async_rules import DelayComp
-from diloco.core.codec import Encoded
+from diloco.core.codec import Encoded, tensor_bytes
 from diloco.core.dylu import RoundPlan, RoundPlanner
 from diloco.core.outer_side import OuterSide
 from diloco.runtime import Arrival, RoundStats
@@ -191,7 +191,7 @@ class Coordinator(Plans, FragmentRounds):
             raise ValueError(f"dispatch of job {job} does not fit the state it follows")
         keep = e.get("keep", False)  # streaming: the worker goes on from its own θ
         if not self.sync or (self.schedule is not None and not keep):
-            self.side.pull(w)  # counts the download (sync: counted by begin)
+            self.side.count_pull(w)  # (sync: counted by begin)
         pulled = [] if keep else self._pulled_now()
         self.jobs[job] = Job(
             job,
@@ -217,15 +217,38 @@ class Coordinator(Plans, FragmentRounds):
     def _pulled_now(self) -> list[torch.Tensor]:
         """θ as workers receive it now, one copy shared by the jobs of this version (a sync
         round's k jobs hold one θ, not k; Streaming DiLoCo's fragments change θ within a version,
-        so it copies each time)."""
+        so it copies each time). Through a lossy download codec (bf16) it is kept as that codec's
+        payload, exactly what workers receive, at its size (half of θ) and never decoded here:
+        `theta_of` gives its float32 values where they are needed."""
         version = self.side.version
         if self.schedule is not None or self._pulled is None or self._pulled[0] != version:
-            theta = self.side.downloaded()
-            # a lossy download's decode(encode(θ)) is already a copy of its own, made for this
-            # version and never written to: shared, not copied again (693 MB at 150m)
-            own = self.side.download.lossy and self.schedule is None
-            self._pulled = (version, list(theta) if own else [p.detach().clone() for p in theta])
+            if self._encoded_pulls:
+                pulled = self.side.download.encode(self.side.params).payload
+            else:
+                pulled = [p.detach().clone() for p in self.side.downloaded()]
+            self._pulled = (version, pulled)
         return self._pulled[1]
+
+    @property
+    def _encoded_pulls(self) -> bool:
+        return self.side.download.lossy and self.schedule is None
+
+    def theta_of(self, pulled: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The float32 θ a job's worker starts from, given its `pulled`."""
+        return self.side.download.decode(self.download_message(pulled)) if self._encoded_pulls else pulled
+
+    def download_message(self, pulled: list[torch.Tensor]) -> Encoded:
+        """A job's θ (`pulled`) as the download codec sends it."""
+        if self._encoded_pulls:  # the payload itself (download codecs carry no meta)
+            return Encoded(self.side.download.name, list(pulled), tensor_bytes(pulled))
+        return self.side.download.encode(pulled)
+
+    def stored_pulls(self, pulled: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A checkpoint's `pulled` as this coordinator keeps it (checkpoints before encoded
+        pulls hold θ through a lossy download in float32: encoded again, the same payload)."""
+        if self._encoded_pulls and pulled and pulled[0].dtype == torch.float32:
+            return self.side.download.encode(pulled).payload
+        return pulled
 
     def release_pulled(self, held: set[int]) -> None:
         """Let go of the θ copy kept for the next job of its version unless `held` needs it."""
@@ -307,7 +330,7 @@ class Coordinator(Plans, FragmentRounds):
         i = next(i for i, (push, _, _) in enumerate(self.arrived) if push["job"] == e["job"])
         push, message, job = self.arrived.pop(i)
         staleness = self.side.version - job.version
-        pulled = job.pulled if isinstance(self.side.update, DelayComp) else None
+        pulled = self.theta_of(job.pulled) if isinstance(self.side.update, DelayComp) else None
         flags = {"finite": push["finite"], "pulled": pulled, "group_end": e.get("group_end", True)}
         changed = self.side.apply_async(job.worker, message, steps=job.steps, staleness=staleness, **flags)
         self.applied += job.steps

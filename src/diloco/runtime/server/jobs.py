@@ -26,8 +26,9 @@ class Job:
     position: int  # where in the shard its batches start: the shard's step count at dispatch
     version: int  # the global parameters' version it starts from
     t: float  # when it was handed out (server time, seconds since the epoch)
-    pulled: list[torch.Tensor] | None  # those parameters (what the worker downloads; async: let
-    # go once they went out whole, unless the rule needs them: ServerState.downloaded)
+    pulled: list[torch.Tensor] | None  # those parameters (what the worker downloads; a lossy
+    # download codec's payload, Coordinator.theta_of; async: let go once they went out whole,
+    # unless the rule needs them: ServerState.downloaded)
     lr_stride: float = 1.0  # step j uses the lr of lr_step + ⌊j · lr_stride⌋ (sync DiLoCo with DyLU)
     seconds: float | None = None  # a deadline job (--dylu-by time): `steps` are those it reserves
     cap: int | None = None  # a deadline job's most steps (None: DEADLINE_CAP × steps; see `most`)

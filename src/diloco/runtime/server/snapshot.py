@@ -45,7 +45,7 @@ def save(self: Any) -> dict[str, Any]:
 
 
 def load(self: Any, s: dict[str, Any]) -> None:
-    pulled = {int(v): list(p) for v, p in s["pulled"].items()}
+    pulled = {int(v): self.stored_pulls(list(p)) for v, p in s["pulled"].items()}
 
     def job(state):
         state = {"position": state["lr_step"], **state}  # checkpoints of protocol 2: one number

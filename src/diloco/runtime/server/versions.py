@@ -104,7 +104,7 @@ class Versions:
             with self.cond:
                 message = self._messages.get(version)
             if message is None:
-                message = self.side.download.encode(pulled)  # bf16: exactly what was made
+                message = self.coord.download_message(pulled)
                 with self.cond:
                     live = self._held()
                     self._messages = {v: m for v, m in self._messages.items() if v in live}
