@@ -1,13 +1,15 @@
 """Run by test_outer_side.py in a fresh process: the peak RSS an outer step adds (MB)."""
 
 import sys
+from pathlib import Path
 
 import torch
 
 from diloco.core import outer_side
 from diloco.core.async_rules import DelayedNesterov
-from diloco.core.codec import Fp4Codec
+from diloco.core.codec import Encoded, Fp4Codec
 from diloco.core.outer_side import OuterSide
+from diloco.runtime.server import wal
 
 torch.set_num_threads(1)
 MB = 1 << 20
@@ -37,6 +39,18 @@ def main(what: str, k: int) -> None:
             side.report(w, messages[w].nbytes, True)
         before = now_mb()
         side.reduce(messages)
+    elif what.startswith("mapped"):  # an fp32 push read in place from its mapped file (the server)
+        outer_side.PART_BYTES = 8 * MB
+        side = OuterSide(model, 2, update=DelayedNesterov(0.7, 0.9, size=2))
+        side.update.prepare(side.params)
+        if what == "mapped":  # as ServerState sets it
+            side.after_read = wal.release_read
+        path = Path(sys.argv[3]) / "push"
+        path.write_bytes(side.codec.encode(grads).to_bytes())
+        message = Encoded.from_bytes(wal.map_file(path))
+        del grads
+        before = now_mb()
+        side.apply_async(0, message, steps=1, staleness=0)
     else:  # an async apply of a 64 MB model's fp4 push (8 MB), a part at a time or whole
         outer_side.PART_BYTES = 8 * MB if what == "parts" else 1 << 40
         side = OuterSide(model, 2, update=DelayedNesterov(0.7, 0.9, size=2), codec=Fp4Codec())

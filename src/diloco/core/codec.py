@@ -17,8 +17,7 @@ A codec:
 
 The codecs (docs/communication.md has their bytes per value and what they cost in loss):
 
-- `fp32`: as is, 4 bytes per value.
-- `bf16`: bfloat16 values (round to nearest even), 2 bytes.
+- `fp32`: as is, 4 bytes per value. `bf16`: bfloat16 values (round to nearest even), 2 bytes.
 - `int8`: symmetric absmax scaling per block of 256 consecutive values of each tensor:
   q = round(x × 127 / absmax) in [-127, 127], one float32 scale (absmax / 127) per block:
   1 + 4/256 bytes. Blocks rather than one scale per tensor, so that one outlier costs precision
@@ -32,7 +31,6 @@ The codecs (docs/communication.md has their bytes per value and what they cost i
 
 Lossy codecs refuse NaN and Inf (a worker never encodes a non-finite outer_grad: it reports it).
 Everything is vectorised torch on the tensors' own device (CPU or GPU).
-
     python -c "import torch; from diloco.core.codec import build_codec; \
 print(build_codec('fp4').encode([torch.ones(1000)]).nbytes)"
 """
@@ -77,6 +75,7 @@ class Encoded:
     payload: list[torch.Tensor]
     nbytes: int
     meta: dict[str, Any] = field(default_factory=dict)  # small JSON-able extras a codec needs
+    source: Any = field(default=None, repr=False, compare=False)  # the buffer it was read in place from
 
     def to_bytes(self) -> bytes:
         tensors = {f"{i:05d}": t.detach().cpu().contiguous() for i, t in enumerate(self.payload)}
@@ -101,6 +100,7 @@ class Encoded:
                 [tensors[k] for k in sorted(tensors)],
                 int(header["nbytes"]),
                 json.loads(header["meta"]),
+                blob if isinstance(blob, (bytearray, mmap.mmap)) else None,
             )
         except Exception as e:  # safetensors raises its own error types; any of them means the same
             raise UserError(

@@ -14,7 +14,7 @@ that applies the same Δ gets bit-identical parameters.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -68,6 +68,13 @@ def in_groups(tensors: Iterable[torch.Tensor], nbytes: int) -> Iterator[list[tor
             group, size = [], 0
     if group:
         yield group
+
+
+def after_each(items: Iterable, done: Callable) -> Iterator:
+    """`items`, calling done(item) once the consumer asks for the next (it is done with it)."""
+    for item in items:
+        yield item
+        done(item)
 
 
 class OuterOpt:

@@ -3,8 +3,8 @@
 `OuterSide` holds the global parameters, the outer optimizer (sync) or async rule, `version`,
 the round count, which workers start from their own parameters (their last outer_grad was
 dropped), the byte counters, and decodes outer_grad messages through the codec. It knows
-nothing of processes, sockets or clocks: the simulator keeps one, every rank of the collective
-runtime keeps one (each applies the same summed update), and the parameter server will keep one.
+nothing of processes, sockets or clocks: the simulator, every rank of the collective runtime
+(each applies the same summed update) and the parameter server keep one each.
 Runtimes move encoded messages to it and parameters from it, and `state_dict` is the one layout
 every runtime checkpoints, so a run can stop in one runtime and resume in another.
 
@@ -16,15 +16,15 @@ A synchronous round, as every runtime drives it:
     summed = Σ_w side.contribution(w, message) # in worker order, or by an all-reduce
     side.end_round(summed, inner_steps=H)      # the outer step on the weighted average
 
-Asynchronous: `side.pull(w)` when a job starts, `side.apply_async(w, message, ...)` when its
-outer_grad arrives.
+Asynchronous: `side.pull(w)` when a job starts, `side.apply_async(w, message, ...)` on arrival.
 
     python -m pytest tests/unit/test_outer_side.py
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ import torch.nn as nn
 from diloco.core.async_rules import AsyncRule
 from diloco.core.codec import Codec, Encoded, Fp32Codec, tensor_bytes
 from diloco.core.membership import outer_grad_dropped
-from diloco.core.outer import Nesterov, OuterOpt, in_groups, kept_weights, sum_in_order
+from diloco.core.outer import Nesterov, OuterOpt, after_each, in_groups, kept_weights, sum_in_order
 from diloco.errors import RESUME_OR, NonFinite
 
 PART_BYTES = 64 << 20  # an async apply decodes the outer_grad this many bytes at a time
@@ -100,6 +100,8 @@ class OuterSide:
         self._kept: dict[int, bool] = {}  # reported so far: whose outer_grad counts
         self._arrived: list[int] = []  # workers whose outer_grad of this round arrived (their steps count)
         self._steps: list[int] | None = None  # this round's inner steps per worker (DyLU), by id
+        # told of each group of a message's decoded tensors once used (the server: wal.release_read)
+        self.after_read: Callable[[Encoded, list[torch.Tensor]], None] = lambda message, tensors: None
 
     @property
     def num_workers(self) -> int:
@@ -110,8 +112,7 @@ class OuterSide:
         return tensor_bytes(self.params)
 
     @property
-    def pull_bytes(self) -> int:
-        """Size of one download of the global parameters through the download codec."""
+    def pull_bytes(self) -> int:  # one download of the global parameters, through its codec
         return self.download.message_bytes(self.params)
 
     # -- pulls ---------------------------------------------------------------------------------
@@ -133,8 +134,7 @@ class OuterSide:
         self.count_pull(w)
         return self.downloaded()
 
-    def count_pull(self, w: int) -> None:
-        """Count worker w's download of the global parameters (the server makes its own)."""
+    def count_pull(self, w: int) -> None:  # the server makes its own download
         self.bytes_received[w] += self.pull_bytes
 
     # -- a synchronous round -------------------------------------------------------------------
@@ -217,10 +217,9 @@ class OuterSide:
         return [next(it) if c else 0.0 for c in kept]
 
     def contribution(self, w: int, message: Encoded | None) -> list[torch.Tensor]:
-        """Worker w's weighted share of the round's sum, w_i × decode(message) in float32;
-        zeros if it does not count (dropped, or not active this round). Summing contributions in
-        worker order or by an all-reduce (summable codecs) gives the same numbers bit for bit with
-        two workers (a + b in any order), within float rounding with more."""
+        """Worker w's weighted share of the round's sum, w_i × decode(message) in float32; zeros
+        if it does not count (dropped, or not active this round). Summed in worker order or by an
+        all-reduce: the same bits with two workers, within float rounding with more."""
         return list(self._contribution_each(w, message, self.round_weights()[w]))
 
     def _contribution_each(self, w: int, message: Encoded | None, weight: float) -> Iterator[torch.Tensor]:
@@ -231,21 +230,21 @@ class OuterSide:
     def _weighted_each(
         self, message: Encoded, weight: float, indices: Sequence[int]
     ) -> Iterator[torch.Tensor]:
-        """weight × decode(message) in float32 for the parameters at `indices`, one tensor at a
-        time (decoded as it goes: a caller never holds a whole decoded message)."""
+        """weight × decode(message) in float32 for the parameters at `indices`, one at a time."""
         decoded = self.codec.decode_each(message)
         for i in indices:
             t = next(decoded, None)
             if t is None:
                 raise ValueError(f"a message of fewer tensors than its {len(indices)} parameters")
-            yield torch.zeros_like(self.params[i]).add_(t, alpha=weight)
+            out = torch.zeros_like(self.params[i]).add_(t, alpha=weight)
+            self.after_read(message, [t])
+            yield out
         if next(decoded, None) is not None:
             raise ValueError(f"a message of more tensors than its {len(indices)} parameters")
 
     def reduce(self, messages: Sequence[Encoded | None]) -> list[torch.Tensor]:
         """The sum of every active worker's contribution in worker order (the simulator's
-        all-reduce). Worker by worker and tensor by tensor: it holds the sum and one tensor of
-        one contribution, never k decoded messages (the server's memory at 150m × 16)."""
+        all-reduce), worker by worker and tensor by tensor: never k decoded messages at once."""
         weights = self.round_weights()
         parts = (self._contribution_each(w, m, weights[w]) for w, m in enumerate(messages))
         return sum_in_order(parts, self.params)
@@ -351,9 +350,10 @@ class OuterSide:
                 )
             self.nonfinite_dropped += 1
             return False
+        parts = in_groups(self.codec.decode_each(message), PART_BYTES)
         changed = self.update.apply_parts(
             self.params,
-            in_groups(self.codec.decode_each(message), PART_BYTES),
+            after_each(parts, partial(self.after_read, message)),
             worker=w,
             staleness=staleness,
             pulled=pulled,

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import torch
 
 from diloco.core.codec import Encoded
+from diloco.core.outer import in_groups
 from diloco.errors import UserError
 from diloco.runtime.server import wal
 
@@ -43,7 +44,7 @@ def check_push(st, buf, head, refuse) -> tuple[Encoded, float | None]:
     if head.finite:  # an outer_grad flagged non-finite is dropped by the rule (--on-nonfinite drop)
         with CHECKING:  # decoding takes a core, and memory: a group of tensors at a time
             try:  # e.g. topk indices out of order or range
-                norms = _norms(st.side.codec.decode_each(message), buf)
+                norms = _norms(st.side.codec.decode_each(message), message)
             except UserError as e:
                 refuse("malformed", str(e).removesuffix(" resend it.").rstrip(";."))
             # the norm is finite exactly when every value is (or it overflows)
@@ -56,27 +57,13 @@ def check_push(st, buf, head, refuse) -> tuple[Encoded, float | None]:
     return message, norm
 
 
-def _norms(grads: Iterable[torch.Tensor], buf) -> list[torch.Tensor]:
+def _norms(grads: Iterable[torch.Tensor], message: Encoded) -> list[torch.Tensor]:
     """Each tensor's norm, decoded one at a time and measured in fused passes over groups of
-    about RELEASE_BYTES; the mapped pages behind a group (tensors that view `buf`: fp32's) are
-    let go once it is done, so a check holds a group of a message in memory, not the message
-    (decoded, an fp4 push of 150m is 693 MB)."""
-    base, size = (wal.address(buf), len(buf)) if len(buf) else (0, 0)
-    norms, group, held = [], [], 0
-
-    def measure():
+    about RELEASE_BYTES; the mapped pages behind a group (tensors that view the push file:
+    fp32's) are let go once it is done, so a check holds a group of a message in memory, not
+    the message (decoded, an fp4 push of 150m is 693 MB)."""
+    norms = []
+    for group in in_groups(grads, RELEASE_BYTES):
         norms.extend(torch._foreach_norm(group))
-        spans = [(t.data_ptr() - base, t.numel() * t.element_size()) for t in group]
-        if all(0 <= s < size for s, _ in spans):  # views of the mapped file
-            wal.release(buf, min(s for s, _ in spans), max(s + n for s, n in spans))
-        group.clear()
-
-    for g in grads:
-        group.append(g)
-        held += g.numel() * g.element_size()
-        if held >= RELEASE_BYTES:
-            measure()
-            held = 0
-    if group:
-        measure()
+        wal.release_read(message, group)
     return norms

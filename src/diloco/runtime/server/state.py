@@ -62,6 +62,7 @@ class ServerState(Views, Versions):
         shard_plan: str = "",
     ):
         self.cfg, self.side, self.run_dir, self.opts = cfg, side, run_dir, opts
+        side.after_read = wal.release_read  # a push file's pages go once the outer step read them
         self.shard_plan = shard_plan  # RUN_DIR/shards.json, sent to every worker that registers
         self.token = security.server_token(opts, run_dir)  # None: --insecure-no-token
         self.refusals = security.Refusals(log)

@@ -105,6 +105,18 @@ def release(buf: mmap.mmap | bytearray, start: int = 0, end: int | None = None) 
         buf.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
+def release_read(message, tensors: list) -> None:
+    """The pages behind `tensors` out of memory once they were read, when they view the mapped
+    push file `message` was read from (fp32's do; decoded tensors of other codecs do not)."""
+    buf = message.source
+    if not isinstance(buf, mmap.mmap) or not len(buf) or not tensors:
+        return
+    base, size = address(buf), len(buf)
+    spans = [(t.data_ptr() - base, t.numel() * t.element_size()) for t in tensors]
+    if all(0 <= s < size for s, _ in spans):
+        release(buf, min(s for s, _ in spans), max(s + n for s, n in spans))
+
+
 def address(buf: mmap.mmap | bytearray) -> int:
     """Where `buf`'s bytes start in memory (to find a tensor viewing them)."""
     probe = ctypes.c_char.from_buffer(buf)
