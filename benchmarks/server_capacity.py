@@ -364,15 +364,44 @@ def row(
 def no_room(root: Path, push_bytes: int) -> str | None:
     """Why a row's run cannot fit `root` (None if it can): the server keeps every push's file
     until its next checkpoint, which this benchmark puts at the run's end, so the pushes must
-    fit beside what is there (on tmpfs they are memory: 150m fp32 x 16 is 22 GB, and the
-    kernel killed the server)."""
+    fit beside what is there. On tmpfs they are memory, and the server and the load generator
+    need memory too: they may take half of what is available (150m fp32 x 16 is 22 GB, and the
+    kernel killed the server; free space on a 24 GB tmpfs did not say so)."""
     free = shutil.disk_usage(root).free
-    if push_bytes <= 0.9 * free:
+    if not memory_backed(root):
+        if push_bytes <= 0.9 * free:
+            return None
+        return (
+            f"the run's push files ({push_bytes / 1e9:.1f} GB, kept until its end) do not fit {root} "
+            f"({free / 1e9:.1f} GB free); run this row with --storage disk or fewer --pushes"
+        )
+    room = min(free, mem_available())
+    if push_bytes <= 0.5 * room:
         return None
     return (
-        f"the run's push files ({push_bytes / 1e9:.1f} GB, kept until its end) do not fit {root} "
-        f"({free / 1e9:.1f} GB free); run this row with --storage disk or fewer --pushes"
+        f"the run's push files ({push_bytes / 1e9:.1f} GB, kept until its end) would take more than "
+        f"half of the memory left ({room / 1e9:.1f} GB), since {root} is memory; run this row with "
+        "--storage disk or fewer --pushes"
     )
+
+
+def memory_backed(root: Path) -> bool:
+    """Whether `root` is on a tmpfs (or ramfs): its files are memory."""
+    where, fstype = "", ""
+    for line in Path("/proc/mounts").read_text().splitlines() if Path("/proc/mounts").exists() else []:
+        point, kind = line.split()[1], line.split()[2]
+        if str(root.resolve()).startswith(point.rstrip("/") + "/") or str(root.resolve()) == point:
+            if len(point) > len(where):
+                where, fstype = point, kind
+    return fstype in ("tmpfs", "ramfs")
+
+
+def mem_available() -> int:
+    """The kernel's estimate of memory available to new work (bytes)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 # The capacity table (docs/server.md, "Capacity"): from the measured rows, per-parameter costs

@@ -52,3 +52,16 @@ def test_a_row_whose_push_files_do_not_fit_its_storage_is_refused_with_a_sentenc
     assert bench.no_room(tmp_path, 1 << 20) is None
     problem = bench.no_room(tmp_path, free + (1 << 30))
     assert problem.startswith("the run's push files") and "--storage disk" in problem
+
+
+@pytest.mark.timeout(30)
+def test_a_tmpfs_row_is_refused_when_its_push_files_would_take_half_the_memory():
+    bench = _bench()
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not bench.memory_backed(shm):
+        pytest.skip("no tmpfs at /dev/shm")
+    available = bench.mem_available()
+    assert available > 0 and not bench.memory_backed(Path(__file__).parent)
+    assert bench.no_room(shm, 1 << 20) is None
+    problem = bench.no_room(shm, int(0.6 * available))  # fits the tmpfs, not the memory
+    assert "half of the memory left" in problem and "--storage disk" in problem
