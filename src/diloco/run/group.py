@@ -21,6 +21,7 @@ A worker started without torchrun is a group of one, and every call here is a pl
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -175,5 +176,13 @@ class Group:
             ) from None
 
     def close(self) -> None:
+        """Leave the process group; after a run that ended well, every rank together (a rank
+        whose peer tore gloo's connections down first could abort at exit: SIGABRT,
+        "terminate called without an active exception", in test_server_groups.py)."""
         if self.torchrun and dist.is_initialized():
+            if self.size > 1 and sys.exc_info()[0] is None:
+                try:
+                    dist.monitored_barrier(timeout=timedelta(seconds=30))
+                except (RuntimeError, dist.DistError):
+                    pass  # a peer that is gone leaves all the same
             dist.destroy_process_group()
