@@ -15,12 +15,12 @@ from collections.abc import Iterable
 
 import torch
 
+from diloco.core import outer_side
 from diloco.core.codec import Encoded
 from diloco.core.outer import in_groups
 from diloco.errors import UserError
 from diloco.runtime.server import wal
 
-RELEASE_BYTES = 64 << 20  # a check lets go of a mapped push file's pages this many bytes at a time
 # pushes decoded and measured at once: one per core this process may use (the work is a core's;
 # more at once only hold more decoded outer_grads: 16 fp4 pushes of a 20m model took 5.4 GB)
 CHECKING = threading.BoundedSemaphore(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
@@ -59,11 +59,11 @@ def check_push(st, buf, head, refuse) -> tuple[Encoded, float | None]:
 
 def _norms(grads: Iterable[torch.Tensor], message: Encoded) -> list[torch.Tensor]:
     """Each tensor's norm, decoded one at a time and measured in fused passes over groups of
-    about RELEASE_BYTES; the mapped pages behind a group (tensors that view the push file:
-    fp32's) are let go once it is done, so a check holds a group of a message in memory, not
-    the message (decoded, an fp4 push of 150m is 693 MB)."""
+    about PART_BYTES (as the outer step reads it); the mapped pages behind a group (tensors that
+    view the push file: fp32's) are let go once it is done, so a check holds a group of a message
+    in memory, not the message (decoded, an fp4 push of 150m is 693 MB)."""
     norms = []
-    for group in in_groups(grads, RELEASE_BYTES):
+    for group in in_groups(grads, outer_side.PART_BYTES):
         norms.extend(torch._foreach_norm(group))
         wal.release_read(message, group)
     return norms
