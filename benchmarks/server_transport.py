@@ -9,9 +9,10 @@ One client does what a worker does with no inner steps: get a job (the global pa
 (c) the same raw server that also appends each upload to a file on the same disk and
     fdatasyncs it before replying (`raw_durable`: what a durable acknowledgment costs alone).
 Blocks of cycles alternate between them. Reported: `throughput_ratio` (diloco's cycles/s ÷
-raw's; target ≥ 0.8), `durable_throughput_ratio` (÷ raw_durable's), MB/s, and the push latency
+raw's; target ≥ 0.8), `durable_throughput_ratio` (÷ raw_durable's), MB/s, the push latency
 through diloco (`push_latency_ms_p50`, `push_latency_ms_p99`) next to raw's, with the
-difference as the server's added latency.
+difference as the server's added latency, and the CPU each cycle costs the server's process and
+the client's (`server_cpu_ms_per_cycle`, `client_cpu_ms_per_cycle`; from /proc: Linux).
 
     python benchmarks/server_transport.py            # ~1 minute; --model micro for 11 MB messages
 """
@@ -68,6 +69,15 @@ def _raw_server(port: int, nbytes: int, sync_dir: str | None = None) -> None:
     server.start()
     print("ready", flush=True)
     server.wait_for_termination()
+
+
+def _cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system, every thread) of process `pid`, or of this one."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -185,14 +195,18 @@ def main() -> None:
         for _ in range(3):
             cycle(name)
     timed = {name: [] for name in cycles}
+    cpu = {name: [0.0, 0.0] for name in cycles}  # CPU seconds of the server's process, the client's
     wall = dict.fromkeys(cycles, 0.0)
     done = 0
     while done < args.cycles:
         n = min(args.block, args.cycles - done)
         for name, cycle in cycles.items():
-            t0 = time.perf_counter()
+            server = (servers.get(name) or raws[name])[0].pid
+            t0, s0, c0 = time.perf_counter(), _cpu_s(server), _cpu_s()
             timed[name] += [cycle(name) for _ in range(n)]
             wall[name] += time.perf_counter() - t0
+            cpu[name][0] += _cpu_s(server) - s0
+            cpu[name][1] += _cpu_s() - c0
         done += n
     for proc, _, _ in [*raws.values(), *servers.values()]:
         proc.kill()
@@ -207,6 +221,8 @@ def main() -> None:
             "push_latency_ms_p50": statistics.median(pushes),
             "push_latency_ms_p99": _percentile(pushes, 0.99),
             "get_job_ms_p50": statistics.median(r[0] * 1e3 for r in rows),
+            "server_cpu_ms_per_cycle": 1e3 * cpu[name][0] / len(rows),
+            "client_cpu_ms_per_cycle": 1e3 * cpu[name][1] / len(rows),
         }
 
     d, r = stats("diloco"), stats("raw")
@@ -220,6 +236,8 @@ def main() -> None:
         "push_latency_ms_p50": d["push_latency_ms_p50"],
         "push_latency_ms_p99": d["push_latency_ms_p99"],
         "added_push_latency_ms_p50": d["push_latency_ms_p50"] - r["push_latency_ms_p50"],
+        "server_cpu_ms_per_cycle": d["server_cpu_ms_per_cycle"],
+        "raw_server_cpu_ms_per_cycle": r["server_cpu_ms_per_cycle"],
         "diloco": d,
         "raw": r,
     }
