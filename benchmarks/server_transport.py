@@ -135,7 +135,8 @@ def main() -> None:
             [sys.executable, "-m", "diloco", "serve", "--out", str(run), "--port", "0", "--threads", "1",
              "--method", "async", "--workers", "1", "--inner-steps", "1", "--rounds", str(jobs),
              "--no-dylu", "--grace-s", "0", "--model", args.model, "--eval-every", str(jobs),
-             "--checkpoint-every", str(jobs), "--no-progress"],
+             "--checkpoint-every", str(jobs), "--no-progress",
+             "--worker-timeout-s", "3600"],  # no heartbeats while the other servers have their turn
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         while not (run / "server.json").exists():

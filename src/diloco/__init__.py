@@ -12,6 +12,7 @@ Compressed outer_grads and Streaming DiLoCo (docs/communication.md): pass
 `codec=build_codec("fp4", error_feedback=True)` and `fragments=4, overlap_steps=5` to DiLoCo.
 """
 
+from diloco import _before_torch  # noqa: F401  (first: it may set what PyTorch reads once)
 from diloco.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, TrainConfig
 from diloco.core.async_rules import AsyncRule, DelayedNesterov, build_async_rule
 from diloco.core.codec import Codec, Fp32Codec, build_codec

@@ -17,7 +17,7 @@ SRC = Path(diloco.__file__).parent
 
 # Bottom to top; the longest matching prefix names a module's room.
 LAYERS = [
-    ("base", ("diloco.errors", "diloco.settings")),
+    ("base", ("diloco.errors", "diloco.settings", "diloco._before_torch")),
     ("core", ("diloco.core",)),
     ("config", ("diloco.config",)),
     ("data", ("diloco.data",)),

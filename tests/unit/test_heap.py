@@ -1,6 +1,7 @@
 """runtime/server/heap.py against glibc itself, in a fresh process each: the arena limit is what
-malloc_stats reports after many threads allocated, and give_back returns the holes that freed
-tensors left in the heap (RSS from /proc)."""
+malloc_stats reports after many threads allocated, give_back returns the holes that freed
+tensors left in the heap, and with map_large a freed tensor of 4 MB goes back at once (RSS from
+/proc)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,22 @@ print((before - rss()) / 1e6)
 """
 
 
+FREED = """
+import torch
+from diloco.runtime.server import heap
+if {on}:
+    heap.map_large()
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+big = torch.ones(4 << 20)
+del big  # a 16 MB block freed: glibc serves blocks up to 16 MB from the heap from now on
+blocks = [torch.ones(1 << 20) for _ in range(100)]  # 100 x 4 MB, touched
+before = rss()
+del blocks[::2]  # every other one freed: 200 MB
+print((before - rss()) / 1e6)
+"""
+
+
 def _run(code: str) -> subprocess.CompletedProcess:
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
@@ -62,3 +79,36 @@ def test_give_back_returns_the_holes_freed_tensors_left():
     out = _run(HOLES)
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) > 150  # of the 200 MB of holes
+
+
+@pytest.mark.timeout(120)
+def test_with_map_large_a_freed_4_mb_tensor_goes_back_at_once():
+    default, mapped = _run(FREED.format(on=False)), _run(FREED.format(on=True))
+    assert default.returncode == 0 and mapped.returncode == 0, mapped.stderr
+    assert float(default.stdout) < 50  # glibc alone keeps the holes between live blocks
+    assert float(mapped.stdout) > 150  # of the 200 MB freed
+
+
+HUGE = """
+import sys
+sys.argv = {argv!r}  # as the package's first import sees them under `python -m diloco ...`
+import diloco, torch
+x = torch.ones(16 << 20)  # 64 MB, touched
+print(sum(int(line.split()[1]) for line in open("/proc/self/smaps") if line.startswith("AnonHugePages")))
+"""
+
+
+def _thp() -> str:
+    try:
+        return open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "[never]"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif("[never]" in _thp(), reason="transparent huge pages are off in this kernel")
+def test_diloco_serve_puts_large_tensors_in_huge_pages_and_nothing_else_does():
+    serve, train = _run(HUGE.format(argv=["-m", "serve"])), _run(HUGE.format(argv=["-m", "train"]))
+    assert serve.returncode == 0 and train.returncode == 0, serve.stderr
+    assert int(serve.stdout) >= 32 << 10  # kB: most of the 64 MB in 2 MB pages
+    assert int(train.stdout) == 0 or "[always]" in _thp()  # with "always" the kernel does it anyway

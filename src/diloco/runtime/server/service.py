@@ -55,6 +55,7 @@ class ServerRuntime(SideView):
         self._fresh = not (run_dir / "checkpoints").exists()  # a new run, not a resumed one
         self._discard = False  # a new run that could not start serving leaves no run directory
         heap.limit_arenas()  # before the gRPC threads start (runtime/server/heap.py)
+        heap.map_large()
         self.state = ServerState(cfg, side, shard_sizes, run_dir, opts, shard_plan)
         st = self.state
         self.coord, self.cond, self.refusals = st.coord, st.cond, st.refusals
