@@ -64,6 +64,10 @@ def message_stream(message: Encoded) -> tuple[int, Iterator[bytes]]:
                 continue
             view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
             while view:
+                if not buffer and len(view) >= CHUNK_BYTES:  # a whole chunk of this tensor: one copy
+                    yield bytes(view[:CHUNK_BYTES])
+                    view = view[CHUNK_BYTES:]
+                    continue
                 take = CHUNK_BYTES - len(buffer)
                 buffer += view[:take]
                 view = view[take:]
