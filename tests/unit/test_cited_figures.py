@@ -1,6 +1,7 @@
 """Figures the docs cite from a benchmark's JSON equal the JSON: every "`field` **value**
 (results/FILE.json)" in docs/ is checked against benchmarks/results/FILE.json, at the precision
-the doc gives (a field may be a path: `j0.1.sync.vs_sync_pct`, `wall_speedup_by_seed.2`)."""
+the doc gives (a field may be a path: `j0.1.sync.vs_sync_pct`, `wall_speedup_by_seed.2`), also
+where a line break falls inside the citation."""
 
 import json
 import re
@@ -9,14 +10,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CITED = re.compile(r"`([\w.\-]+)` \*\*(-?[\d.]+)\*\* \(results/([\w\-]+\.json)\)")
+CITED = re.compile(r"`([\w.\-]+)`\s+\*\*(-?[\d.]+)\*\*\s+\(results/([\w\-]+\.json)\)")
 
 
 def _cited():
     for doc in sorted((ROOT / "docs").glob("*.md")):
-        for n, line in enumerate(doc.read_text().splitlines(), 1):
-            for field, value, name in CITED.findall(line):
-                yield pytest.param(field, value, name, id=f"{doc.name}:{n}:{field}")
+        text = doc.read_text()
+        for m in CITED.finditer(text):
+            n = text.count("\n", 0, m.start()) + 1
+            yield pytest.param(*m.groups(), id=f"{doc.name}:{n}:{m.group(1)}")
 
 
 def _lookup(data, field):
