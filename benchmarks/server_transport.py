@@ -34,6 +34,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+from server_capacity import _proc_stat
 
 CHUNK = 1 << 20
 _RAW = "/raw.Raw/"
@@ -72,12 +73,12 @@ def _raw_server(port: int, nbytes: int, sync_dir: str | None = None) -> None:
 
 
 def _cpu_s(pid: int | None = None) -> float:
-    """CPU seconds (user + system, every thread) of process `pid`, or of this one."""
+    """CPU seconds (user + system, every thread) of process `pid` (server_capacity's reader of
+    /proc), or of this one."""
     if pid is None:
         t = os.times()
         return t.user + t.system
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return _proc_stat(pid)[0]
 
 
 def _percentile(xs: list[float], q: float) -> float:

@@ -29,34 +29,19 @@ threads = [threading.Thread(target=work) for _ in range(8)]
 ctypes.CDLL("libc.so.6").malloc_stats()  # one "Arena i:" block per arena, on stderr
 """
 
-HOLES = """
+HEAP = """
 import torch
 from diloco.runtime.server import heap
-def rss():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096
-big = torch.ones(4 << 20)
-del big  # a 16 MB block freed: glibc serves blocks up to 16 MB from the heap from now on
-blocks = [torch.ones(1 << 20) for _ in range(100)]  # 100 x 4 MB, touched
-del blocks[::2]  # every other one freed: 200 MB of holes between live blocks
-before = rss()
-heap.give_back()
-print((before - rss()) / 1e6)
-"""
-
-
-FREED = """
-import torch
-from diloco.runtime.server import heap
-if {on}:
-    heap.map_large()
+{setup}
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 big = torch.ones(4 << 20)
 del big  # a 16 MB block freed: glibc serves blocks up to 16 MB from the heap from now on
 blocks = [torch.ones(1 << 20) for _ in range(100)]  # 100 x 4 MB, touched
 before = rss()
-del blocks[::2]  # every other one freed: 200 MB
-print((before - rss()) / 1e6)
+del blocks[::2]  # every other one freed: 200 MB between live blocks
+{then}
+print((before - rss()) / 1e6)  # MB handed back to the system
 """
 
 
@@ -76,14 +61,15 @@ def test_the_arena_limit_holds_however_many_threads_allocate():
 
 @pytest.mark.timeout(120)
 def test_give_back_returns_the_holes_freed_tensors_left():
-    out = _run(HOLES)
+    out = _run(HEAP.format(setup="", then="heap.give_back()"))
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) > 150  # of the 200 MB of holes
 
 
 @pytest.mark.timeout(120)
 def test_with_map_large_a_freed_4_mb_tensor_goes_back_at_once():
-    default, mapped = _run(FREED.format(on=False)), _run(FREED.format(on=True))
+    default = _run(HEAP.format(setup="", then=""))
+    mapped = _run(HEAP.format(setup="heap.map_large()", then=""))
     assert default.returncode == 0 and mapped.returncode == 0, mapped.stderr
     assert float(default.stdout) < 50  # glibc alone keeps the holes between live blocks
     assert float(mapped.stdout) > 150  # of the 200 MB freed
