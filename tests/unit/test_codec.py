@@ -152,6 +152,20 @@ def test_message_bytes_are_the_payload_and_zeros_decode_to_zeros(name):
     assert all(torch.equal(d, t) for d, t in zip(decoded, x, strict=True))
 
 
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("name", [*CODECS, "topk0.5", "topk0.003"])
+def test_message_bytes_from_shapes_alone_equal_the_encoded_size(name):
+    """`message_bytes` counts from the shapes (diloco plan sizes a 10B model with it, on the meta
+    device): it must equal the size of a real encoding for every shape, block edges included."""
+    codec = build_codec("topk", topk_fraction=float(name[4:])) if name[4:] else build_codec(name)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1,), (2,), (255,), (256,), (257,), (511,), (7, 33), (3, 1000), (4, 4, 4), (12_345,)]
+    tensors = [torch.randn(s, generator=g) for s in shapes]
+    assert codec.message_bytes(tensors) == codec.encode(tensors).nbytes
+    for t in tensors:
+        assert codec.message_bytes([t.to("meta")]) == codec.encode([t]).nbytes, t.shape
+
+
 @pytest.mark.timeout(10)
 def test_bytes_per_value_of_a_large_tensor():
     x = [torch.randn(1 << 16)]

@@ -11,6 +11,7 @@ import os
 import sys
 
 from diloco.cli.parser import build_parser
+from diloco.cli.plan import plan_command
 from diloco.cli.serve import replay_command, serve_command, worker_command
 from diloco.cli.train import train_command
 from diloco.cli.use import plot_command, use_command
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _ran(train_command(args))
+        if args.command == "plan":
+            return plan_command(args)
         if args.command == "plot":
             return plot_command(args)
         if args.command == "serve":

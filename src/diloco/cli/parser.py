@@ -85,7 +85,17 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="diloco", description="Low-communication training of language models.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (_train, _serve, _worker, _replay, _eval, _generate, _export, _plot):  # the help's order
+    for add in (
+        _train,
+        _plan,
+        _serve,
+        _worker,
+        _replay,
+        _eval,
+        _generate,
+        _export,
+        _plot,
+    ):  # the help's order
         add(sub)
     return parser
 
@@ -117,6 +127,44 @@ def _train(sub: Any) -> None:
         default=None,
         help=PROGRESS,
     )
+
+
+def _plan(sub: Any) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="predict a run's wall time, compute utilisation and bytes without training (docs/planning.md)",
+    )
+    _add_setting_flags(plan, {"sim.speeds": "seconds per inner step of each worker (as --step-s)"})
+    machines = plan.add_argument_group("the machines (diloco plan)")
+    machines.add_argument(
+        "--step-s",
+        metavar="S[,S,...]",
+        help="seconds per inner step of each worker (one value: every worker); or --probe",
+    )
+    machines.add_argument(
+        "--probe", action="store_true", help="time a few inner steps of the model on this machine instead"
+    )
+    machines.add_argument(
+        "--link-mbps",
+        metavar="MBPS[,MBPS,...]",
+        help="each worker's link in Mbit/s (one value: every worker's; default --bandwidth-mbps; "
+        "0: unlimited)",
+    )
+    machines.add_argument(
+        "--sweep",
+        action="append",
+        metavar="KEY=V1,V2,...",
+        help="plan every combination: a setting's flag name (inner-steps, codec, fragments, workers, "
+        "...) or H, with its values; repeatable",
+    )
+    machines.add_argument(
+        "--rounds-simulated",
+        type=int,
+        default=50,
+        metavar="N",
+        help="rounds simulated; a longer run is scaled up from them (default 50)",
+    )
+    machines.add_argument("--json", action="store_true", help="print JSON (a list with --sweep)")
 
 
 def _serve(sub: Any) -> None:

@@ -31,6 +31,8 @@ PRESETS = (
     "20m",
     "60m",
     "150m",
+    "1b",
+    "10b",
 )  # the keys of MODEL_PRESETS (below), which needs ModelConfig
 # `needs` of settings that apply to one runtime or method only (the simulator's clock: not real time)
 ON_SIM, ON_COLLECTIVE, ON_SERVER = ("runtime", "sim"), ("runtime", "collective"), ("runtime", "server")
@@ -106,6 +108,10 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     # untied head they hold 87M and 173M parameters (the names count one 32k embedding)
     "60m": ModelConfig(name="60m", vocab_size=32_000, n_layer=3, n_head=16, d_model=896, seq_len=256),
     "150m": ModelConfig(name="150m", vocab_size=32_000, n_layer=12, n_head=16, d_model=896, seq_len=256),
+    # the Streaming DiLoCo paper's 1B (24 blocks) and 10B (48 blocks) sizes, for `diloco plan`
+    # (built on the meta device there) and for machines that can hold them
+    "1b": ModelConfig(name="1b", vocab_size=32_000, n_layer=24, n_head=14, d_model=1792, seq_len=1024),
+    "10b": ModelConfig(name="10b", vocab_size=32_000, n_layer=48, n_head=32, d_model=4096, seq_len=2048),
 }
 assert tuple(MODEL_PRESETS) == PRESETS
 # the longest window diloco's GPT takes: attention's cost grows with the square of the window

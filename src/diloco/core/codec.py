@@ -12,8 +12,11 @@ A codec:
   (`summable`: fp32 and bf16): the collective runtime then all-reduces w_i × decode(message_i);
   otherwise it all-gathers the encoded messages and every rank decodes and sums them in worker
   order. The simulator sums in worker order too, so both compute the same numbers;
-- produces an `Encoded` that becomes bytes and back (`to_bytes`, `Encoded.from_bytes`: a
-  safetensors blob with the codec's name in its metadata), as a server sends it.
+- produces an `Encoded` (encoded.py) that becomes bytes and back (`to_bytes`,
+  `Encoded.from_bytes`: a safetensors blob with the codec's name in its metadata), as a server
+  sends it;
+- knows its message's size from the tensors' shapes alone (`message_bytes`: no encoding, so
+  `diloco plan` sizes a 10B model's messages at once).
 
 The codecs (docs/communication.md has their bytes per value and what they cost in loss):
 
@@ -37,92 +40,16 @@ print(build_codec('fp4').encode([torch.ones(1000)]).nbytes)"
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import mmap
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from safetensors.numpy import save as np_save
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
-from diloco.core.tensor_view import read_view
+from diloco.core.encoded import Encoded
 from diloco.errors import UserError
 
-# dtypes safetensors' numpy writer takes as they are (bfloat16, for one, it does not)
-_NUMPY_DTYPES = {
-    torch.float64,
-    torch.float32,
-    torch.float16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-}
-
-
-@dataclass
-class Encoded:
-    """An encoded list of tensors: what crosses the network, and its size in bytes."""
-
-    codec: str
-    payload: list[torch.Tensor]
-    nbytes: int
-    meta: dict[str, Any] = field(default_factory=dict)  # small JSON-able extras a codec needs
-    source: Any = field(default=None, repr=False, compare=False)  # the buffer it was read in place from
-
-    def to_bytes(self) -> bytes:
-        tensors = {f"{i:05d}": t.detach().cpu().contiguous() for i, t in enumerate(self.payload)}
-        header = {"codec": self.codec, "nbytes": str(self.nbytes), "meta": json.dumps(self.meta)}
-        if all(t.dtype in _NUMPY_DTYPES for t in tensors.values()):  # the same bytes, 1.5x faster
-            return np_save({k: t.numpy() for k, t in tensors.items()}, metadata=header)
-        return st_save(tensors, metadata=header)
-
-    @classmethod
-    def from_bytes(cls, blob: bytes | bytearray | mmap.mmap) -> Encoded:
-        """The message in `blob`; a damaged or foreign blob is a UserError naming the problem.
-        A bytearray or a mapped file is read in place (core/tensor_view.py): the tensors share
-        its memory."""
-        try:
-            if isinstance(blob, (bytearray, mmap.mmap)):
-                tensors, header = read_view(blob)
-            else:
-                tensors = st_load(blob)
-                header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
-            return cls(
-                header["codec"],
-                [tensors[k] for k in sorted(tensors)],
-                int(header["nbytes"]),
-                json.loads(header["meta"]),
-                blob if isinstance(blob, (bytearray, mmap.mmap)) else None,
-            )
-        except Exception as e:  # safetensors raises its own error types; any of them means the same
-            raise UserError(
-                f"an outer_grad message is not a valid encoded message ({e}); resend it."
-            ) from None
-
-    def digest(self) -> str:
-        """A hash of the message's values (not of `to_bytes`, whose safetensors header order may
-        differ between processes): equal digests, equal messages."""
-        h = hashlib.sha256(json.dumps([self.codec, self.nbytes, self.meta], sort_keys=True).encode())
-        for t in self.payload:
-            t = t.detach().cpu().contiguous()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"codec": self.codec, "payload": self.payload, "nbytes": self.nbytes, "meta": self.meta}
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Encoded:
-        return cls(state["codec"], list(state["payload"]), int(state["nbytes"]), dict(state["meta"]))
+__all__ = ["CODECS", "DOWNLOAD_CODECS", "Codec", "Encoded", "build_codec", "tensor_bytes"]
 
 
 class Codec:
@@ -178,8 +105,13 @@ class Codec:
         raise NotImplementedError
 
     def message_bytes(self, tensors: list[torch.Tensor]) -> int:
-        """Size of the message for tensors of these shapes, without encoding them."""
-        return self.encode([torch.zeros_like(t) for t in tensors], None).nbytes
+        """Size of the message for tensors of these shapes, without encoding them (meta tensors
+        will do)."""
+        return sum(self.tensor_message_bytes(t.numel()) for t in tensors)
+
+    def tensor_message_bytes(self, n: int) -> int:
+        """The bytes one tensor of n values takes in a message (tests check it against `encode`)."""
+        raise NotImplementedError
 
     def check(self, message: Encoded) -> None:
         if message.codec != self.name:
@@ -211,6 +143,9 @@ class Fp32Codec(Codec):
     def message_bytes(self, tensors: list[torch.Tensor]) -> int:
         return tensor_bytes(tensors)
 
+    def tensor_message_bytes(self, n: int) -> int:  # a float32 tensor
+        return 4 * n
+
 
 class Bf16Codec(Codec):
     """bfloat16 values (round to nearest even), 2 bytes each, decoded to float32 exactly; the
@@ -225,8 +160,8 @@ class Bf16Codec(Codec):
         payload = [t.to(torch.bfloat16) for t in tensors]
         return Encoded(self.name, payload, tensor_bytes(payload))
 
-    def message_bytes(self, tensors: list[torch.Tensor]) -> int:
-        return sum(2 * t.numel() for t in tensors)  # no need to encode: downloads ask every round
+    def tensor_message_bytes(self, n: int) -> int:
+        return 2 * n
 
     def _decode(self, message: Encoded) -> Iterable[torch.Tensor]:
         if any(t.dtype != torch.bfloat16 for t in message.payload):
@@ -271,6 +206,9 @@ class Int8Codec(Codec):
 
     name = "int8"
 
+    def tensor_message_bytes(self, n: int) -> int:
+        return n + 4 * _num_blocks(n)
+
     def _encode(self, tensors: list[torch.Tensor]) -> Encoded:
         payload = []
         for t in tensors:
@@ -299,6 +237,9 @@ class Fp4Codec(Codec):
     meta: the shapes."""
 
     name = "fp4"
+
+    def tensor_message_bytes(self, n: int) -> int:
+        return -(-n // 2) + 4 * _num_blocks(n)
 
     def _encode(self, tensors: list[torch.Tensor]) -> Encoded:
         payload = []
@@ -358,6 +299,9 @@ class TopKCodec(Codec):
 
     def keep(self, n: int) -> int:
         return min(n, max(1, math.ceil(self.fraction * n)))
+
+    def tensor_message_bytes(self, n: int) -> int:
+        return 8 * self.keep(n)
 
     def _encode(self, tensors: list[torch.Tensor]) -> Encoded:
         payload = []

@@ -132,7 +132,7 @@ def build_side(cfg: TrainConfig, data: Data, init: dict[str, torch.Tensor] | Non
     return OuterSide(
         initial_model(cfg, init),
         cfg.num_workers,
-        update=_async_rule(cfg) if cfg.method == "async" else outer_opt(cfg),
+        update=async_rule(cfg) if cfg.method == "async" else outer_opt(cfg),
         codec=upload_codec(cfg),
         download=download_codec(cfg),
         weights=None if cfg.method == "async" else data.weights,
@@ -223,7 +223,7 @@ def outer_opt(cfg: TrainConfig) -> OuterOpt:
     return Fragmented([cfg.outer.build() for _ in range(cfg.fragments)])
 
 
-def _async_rule(cfg: TrainConfig) -> AsyncRule:
+def async_rule(cfg: TrainConfig) -> AsyncRule:
     """With jobs as deadlines (async's default) DN steps its momentum at grace groups' ends."""
     deadlines = cfg.dylu.on(cfg.method) and cfg.dylu.by_for(cfg.method) == "time"
     return cfg.async_.build(cfg.outer, cfg.num_workers, at_group_end=deadlines)

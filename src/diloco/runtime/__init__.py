@@ -77,6 +77,22 @@ class SideView:
     codec = property(lambda self: self.side.codec)
 
 
+class InProcess(SideView):
+    """A runtime whose workers all answer to this process (the simulators): it is the main one,
+    has nothing to broadcast, to add to the summary or to do after a checkpoint."""
+
+    is_main = True
+
+    def summary_extras(self) -> dict[str, Any]:
+        return {}
+
+    def after_checkpoint(self) -> None:
+        pass
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+
 class Runtime(Protocol):
     side: OuterSide
     is_main: bool

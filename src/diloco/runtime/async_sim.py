@@ -39,13 +39,13 @@ from diloco.core.codec import Codec
 from diloco.core.inner import InnerResult
 from diloco.core.outer_side import OuterSide
 from diloco.errors import UserError
-from diloco.runtime import Arrival, SideView
+from diloco.runtime import Arrival, InProcess
 from diloco.runtime.clock import Clock
 from diloco.runtime.pool import InlinePool, ProcessPool
 from diloco.runtime.sim import ModelFn
 
 
-class AsyncDiLoCo(SideView):
+class AsyncDiLoCo(InProcess):
     """The asynchronous server and its workers, driven by the virtual clock.
 
     `total_steps` is the compute budget (`step_budget`): inner steps over all workers (k × rounds
@@ -58,8 +58,6 @@ class AsyncDiLoCo(SideView):
     parameters it pulled, so computing a job early changes nothing) and saves them with the
     event queue, the clock, the speed estimates, the shard step counts and the random state.
     """
-
-    is_main = True
 
     def __init__(
         self,
@@ -115,6 +113,7 @@ class AsyncDiLoCo(SideView):
         self.rng = random.Random(side.seed)
         # simulated time; inner steps handed out, and those whose outer_grad has arrived
         self._sim_time_s, self.dispatched, self.applied = 0.0, 0, 0
+        self.busy_s = [0.0] * k  # each worker's simulated seconds of inner steps whose push arrived
         self._jobs = [0] * k  # jobs per worker, numbering jitter draws
         self._heap: list[tuple[float, int, int]] = []
         self._inflight: dict[int, dict] = {}
@@ -188,7 +187,7 @@ class AsyncDiLoCo(SideView):
 
     def _probe(self, w: int, t: float) -> None:
         """Worker w's first job starts at t: its first steps measure its speed."""
-        pulled_at = t + self.clock.transfer_s(self.side.pull_bytes)
+        pulled_at = t + self.clock.transfer_s(self.side.pull_bytes, w)
         seconds = self.clock.compute_s(w, pulled_at, self.probe_steps, job=self._jobs[w])
         self._probes[w] = (pulled_at + seconds, seconds / self.probe_steps)
 
@@ -199,7 +198,7 @@ class AsyncDiLoCo(SideView):
         return self.rng.choices(range(len(probs)), weights=probs)[0]
 
     def _dispatch(self, w: int, t: float) -> None:
-        pulled_at = t + self.clock.transfer_s(self.side.pull_bytes)
+        pulled_at = t + self.clock.transfer_s(self.side.pull_bytes, w)
         steps, seconds = self._steps_for(w, t, pulled_at)
         steps = min(steps, self.step_budget - self.dispatched)
         if steps <= 0:
@@ -210,7 +209,7 @@ class AsyncDiLoCo(SideView):
         self.shard_steps[key] += steps
         self.pool.submit(w, self.side.pull(w), steps, lr_step=shard_step, shard=shard)
         compute_s = self.clock.compute_s(w, pulled_at, steps, job=self._jobs[w])
-        arrival = pulled_at + compute_s + self.clock.transfer_s(self._push_bytes)
+        arrival = pulled_at + compute_s + self.clock.transfer_s(self._push_bytes, w)
         step_s = self.known_step_s(t)[w]  # the job's length as expected now (ArrivalScatter)
         length = seconds if seconds is not None else None if step_s is None else steps * step_s
         expected = None if length is None else [arrival - compute_s + length, length]
@@ -237,6 +236,7 @@ class AsyncDiLoCo(SideView):
         flags = {"finite": result.finite, "pulled": job["pulled"], "group_end": group_end}
         changed = self.side.apply_async(w, message, steps=job["steps"], staleness=staleness, **flags)
         self.applied += job["steps"]
+        self.busy_s[w] += job["compute_s"]
         self._sim_time_s = t
         estimate = self.estimators[w].update(job["compute_s"], job["steps"])
         if job.get("expected"):
@@ -250,10 +250,10 @@ class AsyncDiLoCo(SideView):
         a deadline job's is its deadline's, whatever the speed."""
         job = self._inflight[w]
         if job["seconds"] is not None:
-            return job["started_s"] + job["seconds"] + self.clock.transfer_s(self._push_bytes)
+            return job["started_s"] + job["seconds"] + self.clock.transfer_s(self._push_bytes, w)
         if step_s is None:
             return None
-        return job["started_s"] + job["steps"] * step_s + self.clock.transfer_s(self._push_bytes)
+        return job["started_s"] + job["steps"] * step_s + self.clock.transfer_s(self._push_bytes, w)
 
     @property
     def at_boundary(self) -> bool:
@@ -307,15 +307,6 @@ class AsyncDiLoCo(SideView):
         while (arrival := self.step()) is not None:
             on_arrival(arrival)
 
-    def summary_extras(self) -> dict[str, Any]:
-        return {}
-
-    def after_checkpoint(self) -> None:
-        pass
-
-    def broadcast(self, obj: Any) -> Any:
-        return obj
-
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         if not self.at_boundary:
@@ -341,6 +332,7 @@ class AsyncDiLoCo(SideView):
                     "sim_time_s": self._sim_time_s,
                     "dispatched": self.dispatched,
                     "applied": self.applied,
+                    "busy_s": list(self.busy_s),
                     "started": self._started,
                     "jobs": list(self._jobs),
                     "heap": [list(e) for e in self._heap],
@@ -370,6 +362,7 @@ class AsyncDiLoCo(SideView):
         self.pool.load_state_dict(state["workers"])
         self._sim_time_s = float(a["sim_time_s"])
         self.dispatched, self.applied = int(a["dispatched"]), int(a["applied"])
+        self.busy_s = [float(x) for x in a.get("busy_s", self.busy_s)]
         self._started = bool(a["started"])
         self._jobs = [int(j) for j in a["jobs"]]
         self._heap = [(float(t), int(i), int(w)) for t, i, w in a["heap"]]

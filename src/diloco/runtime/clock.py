@@ -2,8 +2,9 @@
 
 A worker's time per inner step is its base speed profile (`--speeds`, or a `--heterogeneity`
 level), times a per-round jitter factor (`--speed-jitter`), times any scheduled slowdown active at
-that moment (`--slowdown W:FACTOR@START-END`). A pull or push of B bytes costs
-B ÷ bandwidth + latency. Nothing here touches tensors; results depend only on the seed.
+that moment (`--slowdown W:FACTOR@START-END`). A pull or push of B bytes over worker w's link
+costs B ÷ bandwidth_w + latency_w (one link for all, or one per worker: `diloco plan
+--link-mbps`). Nothing here touches tensors; results depend only on the seed.
 
 Real runtimes emulate other devices with `slowed`: under torchrun `--speeds` pads each inner
 step of a worker to at least its seconds and `--slowdown` multiplies them; `diloco worker
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from diloco.config.parsers import Slowdown
@@ -39,21 +40,26 @@ class Clock:
         *,
         jitter: float = 0.0,
         slowdowns: tuple[Slowdown, ...] = (),
-        bandwidth_mbps: float = 0.0,
-        latency_ms: float = 0.0,
+        bandwidth_mbps: float | Sequence[float] = 0.0,
+        latency_ms: float | Sequence[float] = 0.0,
         seed: int = 0,
     ):
         self.step_s = list(step_s)
         self.jitter = jitter
         self.slowdowns = slowdowns
-        self.bandwidth_mbps = bandwidth_mbps  # 0 means unlimited
-        self.latency_ms = latency_ms
+        self.bandwidth_mbps = bandwidth_mbps  # 0 means unlimited; or one per worker
+        self.latency_ms = latency_ms  # or one per worker
         self.seed = seed
 
-    def transfer_s(self, nbytes: int) -> float:
-        """Time for one message of `nbytes` to cross the network."""
-        wire = nbytes * 8 / (self.bandwidth_mbps * 1e6) if self.bandwidth_mbps > 0 else 0.0
-        return wire + self.latency_ms / 1e3
+    def transfer_s(self, nbytes: int, worker: int | None = None) -> float:
+        """Time for one message of `nbytes` to cross worker `worker`'s link (None: the slowest
+        link, which is what a collective over every worker waits for)."""
+        if worker is None:
+            return max(self.transfer_s(nbytes, w) for w in range(len(self.step_s)))
+        mbps, ms = self.bandwidth_mbps, self.latency_ms
+        mbps = mbps if isinstance(mbps, (int, float)) else mbps[worker]  # one for all, or one each
+        ms = ms if isinstance(ms, (int, float)) else ms[worker]
+        return (nbytes * 8 / (mbps * 1e6) if mbps > 0 else 0.0) + ms / 1e3
 
     def _jitter(self, worker: int, job: int) -> float:
         if self.jitter == 0:

@@ -101,11 +101,17 @@ class DataParallel(DiLoCo):
         for w in range(self.k):
             side.bytes_sent[w] += step_bytes * self.inner_steps
             side.bytes_received[w] += step_bytes * self.inner_steps
-        # Every step waits for the slowest worker's gradient (one step each, then an exchange).
-        step_s = max(self.clock.step_s[: self.k] or [1.0])
-        self._sim_time_s += self.inner_steps * (step_s + 2 * self.clock.transfer_s(step_bytes))
+        self._sim_time_s += dp_steps_s(self.clock, self.k, self.inner_steps, step_bytes)
         side.inner_step += self.inner_steps
         side.total_steps += self.k * self.inner_steps
         side.worker_steps = [n + self.inner_steps for n in side.worker_steps]
         side.rounds_done += 1
         return self._stats([total / self.inner_steps], lr)
+
+
+def dp_steps_s(clock: Clock, k: int, steps: int, step_bytes: int) -> float:
+    """Simulated time of `steps` data-parallel steps of k workers: each step waits for the slowest
+    worker, then every gradient goes up and the average comes back (two messages of `step_bytes`)
+    over the slowest link; nothing overlaps (diloco plan uses it too)."""
+    step_s = max(clock.step_s[:k] or [1.0])
+    return steps * (step_s + 2 * clock.transfer_s(step_bytes))

@@ -25,7 +25,7 @@ from diloco.core.inner import LossFn, Worker, gpt_loss
 from diloco.core.outer import Fragmented, Nesterov, OuterOpt
 from diloco.core.outer_side import OuterSide
 from diloco.core.streaming import Schedule, fragment_groups
-from diloco.runtime import RoundStats, SideView
+from diloco.runtime import InProcess, RoundStats
 from diloco.runtime.clock import Clock
 from diloco.runtime.pool import InlinePool, ProcessPool
 
@@ -43,7 +43,7 @@ def make_worker(model_fn: ModelFn, inner_opt_fn: OptFn, batches: Iterator, **kwa
     )
 
 
-class DiLoCo(SideView):
+class DiLoCo(InProcess):
     """Synchronous DiLoCo (docs/method.md §1) over simulated workers.
 
     Each round every worker starts from the global parameters, runs `inner_steps` steps of its
@@ -64,8 +64,6 @@ class DiLoCo(SideView):
     under `overlap_steps` inner steps before it is merged with weight `mix_alpha` on the local
     parameters. Every worker takes part every round then (no `active`, no `drop_prob`).
     """
-
-    is_main = True
 
     def __init__(
         self,
@@ -155,6 +153,7 @@ class DiLoCo(SideView):
         self.planner: RoundPlanner | None = planner  # sync DiLoCo with DyLU (core/dylu.py), or None
         self.dylu_oracle = oracle  # DyLU from the clock's true speeds
         self._sim_time_s = 0.0
+        self.busy_s = [0.0] * len(pool)  # each worker's simulated seconds of inner steps (diloco plan)
         self.schedule = schedule  # Streaming DiLoCo, or None
         self._worker_s: list[float] | None = None  # streaming: each worker's simulated time
         if schedule is not None:
@@ -206,8 +205,9 @@ class DiLoCo(SideView):
         side, H, start, clock = self.side, self.inner_steps, self._sim_time_s, self.clock
         plan = self._plan(start) if self.planner is not None else None
         starts = side.begin_round(active, steps=plan.steps if plan else None)
-        job, pull_s = side.rounds_done, clock.transfer_s(side.pull_bytes)
-        pulled = [start + (pull_s if s else 0.0) for s in starts]  # none: it goes on from its own θ
+        job, pull_bytes = side.rounds_done, side.pull_bytes
+        # a worker that goes on from its own θ pulls nothing
+        pulled = [start + (clock.transfer_s(pull_bytes, w) if s else 0.0) for w, s in enumerate(starts)]
         for w, from_global in enumerate(starts):  # all jobs first: a process pool runs them side by side
             # the round drives the lr: a worker that joins mid-run takes the run's lr
             theta = side.downloaded() if from_global else None
@@ -224,10 +224,11 @@ class DiLoCo(SideView):
             losses.append(result.mean_loss)
             lr = result.last_lr
             compute_s = clock.compute_s(w, pulled[w], result.steps, job=job)
+            self.busy_s[w] += compute_s
             taken.append(result.steps)
             if plan is not None:
                 self.planner.record(w, compute_s, result.steps)
-            end = max(end, pulled[w] + compute_s + clock.transfer_s(message.nbytes))
+            end = max(end, pulled[w] + compute_s + clock.transfer_s(message.nbytes, w))
         advance = H if plan is None else self.planner.spend(sum(taken))
         side.end_round(side.reduce(messages), advance)
         self._sim_time_s = end
@@ -244,10 +245,14 @@ class DiLoCo(SideView):
         oracle = [clock.true_step_s(w, start) for w in range(k)] if self.dylu_oracle else None
         plan = planner.plan(oracle)
         if plan.seconds is not None:
-            job, pull_s = self.side.rounds_done, clock.transfer_s(self.side.pull_bytes)
+            job, pull_bytes = self.side.rounds_done, self.side.pull_bytes
             plan.steps = [
                 steps_within(
-                    plan.seconds, islice(clock.step_times(w, start + pull_s, job=job), DEADLINE_CAP * n)
+                    plan.seconds,
+                    islice(
+                        clock.step_times(w, start + clock.transfer_s(pull_bytes, w), job=job),
+                        DEADLINE_CAP * n,
+                    ),
                 )
                 for w, n in enumerate(plan.steps)
             ]
@@ -263,7 +268,9 @@ class DiLoCo(SideView):
         t = self._worker_s if self._worker_s is not None else [self._sim_time_s] * k
         job = side.rounds_done
         totals, lr = [0.0] * k, 0.0
-        landed: dict[int, tuple[list[torch.Tensor], float]] = {}  # fragment -> (θ_frag, when)
+        landed: dict[
+            int, tuple[list[torch.Tensor], float, int]
+        ] = {}  # fragment -> (θ_frag, pushed by, bytes)
         for n, seg in enumerate(self.schedule.segments()):
             for w in range(k):
                 kwargs: dict[str, Any] = {}
@@ -271,11 +278,11 @@ class DiLoCo(SideView):
                     kwargs["anchor"] = side.downloaded()
                     if side.rounds_done == 0:  # the first pull; after a resume they hold their own θ
                         kwargs["start"] = side.pull(w)
-                        t[w] += clock.transfer_s(side.pull_bytes)
+                        t[w] += clock.transfer_s(side.pull_bytes, w)
                 if seg.merge is not None:
-                    tensors, when = landed[seg.merge]
+                    tensors, pushed, nbytes = landed[seg.merge]
                     kwargs["merge"] = (self.groups[seg.merge], tensors, self.schedule.alpha)
-                    t[w] = max(t[w], when)
+                    t[w] = max(t[w], pushed + clock.transfer_s(nbytes, w))  # every push in, then its download
                 if seg.send is not None:
                     kwargs["send"] = (seg.send, self.groups[seg.send])
                 self.pool.submit_segment(w, seg.steps, **kwargs)
@@ -285,18 +292,20 @@ class DiLoCo(SideView):
                 result = self.pool.result(w)
                 totals[w] += result.mean_loss * seg.steps
                 lr = result.last_lr if seg.steps else lr
-                t[w] += clock.compute_s(w, t[w], seg.steps, job=job)
+                compute_s = clock.compute_s(w, t[w], seg.steps, job=job)
+                t[w] += compute_s
+                self.busy_s[w] += compute_s
                 if seg.send is not None:
                     side.sent_fragment(w, result.message.nbytes, result.finite)
                     messages.append(result.message)
-                    arrivals.append(t[w] + clock.transfer_s(result.message.nbytes))
+                    arrivals.append(t[w] + clock.transfer_s(result.message.nbytes, w))
                 else:
                     side.stop_if_nonfinite(w, result.finite)
             if seg.send is not None:
                 group = self.groups[seg.send]
                 fragment = side.end_fragment(seg.send, group, side.reduce_fragment(messages, group))
                 nbytes = side.download.message_bytes(fragment)
-                landed[seg.send] = (fragment, max(arrivals) + clock.transfer_s(nbytes))
+                landed[seg.send] = (fragment, max(arrivals), nbytes)
         side.end_streaming_round(H)
         self._worker_s = t
         self._sim_time_s = max(t)
@@ -307,20 +316,13 @@ class DiLoCo(SideView):
             self.version, self.inner_step, losses, lr, list(self.bytes_sent), list(self.bytes_received)
         )
 
-    def summary_extras(self) -> dict[str, Any]:
-        return {}
-
-    def after_checkpoint(self) -> None:
-        pass
-
-    def broadcast(self, obj: Any) -> Any:
-        return obj
-
     def state_dict(self) -> dict[str, Any]:
         return {
             "outer": self.side.state_dict(),
             "workers": self.pool.state_dict(),
-            "runtime": {"sim": {"sim_time_s": self._sim_time_s, "worker_s": self._worker_s}},
+            "runtime": {
+                "sim": {"sim_time_s": self._sim_time_s, "worker_s": self._worker_s, "busy_s": self.busy_s}
+            },
             **({"dylu": self.planner.state_dict()} if self.planner is not None else {}),
         }
 
@@ -332,6 +334,8 @@ class DiLoCo(SideView):
         # A run that comes from a real runtime has no simulated time yet: it starts at 0.
         mine = state.get("runtime", {}).get("sim", {})
         self._sim_time_s = float(mine.get("sim_time_s", 0.0))
+        if len(busy := mine.get("busy_s") or []) == self.num_workers:
+            self.busy_s = [float(x) for x in busy]
         if self.schedule is not None:
             self._anchored = False  # they hold their own θ; the global one is theirs to measure from
             worker_s = mine.get("worker_s")

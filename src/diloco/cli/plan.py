@@ -1,0 +1,153 @@
+"""diloco plan: a run's wall time, compute utilisation and bytes, predicted by the simulator's clock
+without training (run/plan.py), for one configuration or a sweep of them.
+
+    diloco plan --workers 8 --inner-steps 100 --step-s 0.3 --link-mbps 1000
+    diloco plan --model 10b --workers 64 --step-s 0.8 --link-mbps 10000 \\
+        --sweep H=50,100,500 --sweep codec=fp32,fp4
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from typing import Any
+
+from diloco import settings
+from diloco.cli.configure import given_settings, with_flags
+from diloco.config import TrainConfig, load_toml
+from diloco.config.parsers import parse_speeds
+from diloco.errors import UserError
+
+SHORT = {"H": "inner_steps", "k": "num_workers"}  # --sweep's short names
+
+
+def _numbers(text: str, flag: str) -> list[float]:
+    try:
+        return parse_speeds(text)
+    except ValueError:
+        raise UserError(f"{flag} wants positive numbers separated by commas, got {text!r}.") from None
+
+
+def _per_worker(values: list[float], k: int, flag: str) -> list[float]:
+    if len(values) not in (1, k):
+        raise UserError(f"{flag} gives {len(values)} values for {k} workers; give one, or one per worker.")
+    return values * k if len(values) == 1 else values
+
+
+def _sweep_axes(specs: list[str]) -> list[tuple[str, str, list[str]]]:
+    """--sweep KEY=V1,V2,...: (the setting's path, the name shown, its values as text)."""
+    axes = []
+    for spec in specs:
+        key, _, values = spec.partition("=")
+        key = key.strip().lstrip("-")
+        path = SHORT.get(key)
+        if path is None:
+            found = [s for s in settings.walk(TrainConfig) if s.flag == f"--{key}" or s.path == key]
+            if not found:
+                raise UserError(
+                    f"--sweep {spec!r}: {key!r} is no setting; use a flag's name (inner-steps, codec, "
+                    "fragments, workers, overlap-steps, ...) or H."
+                )
+            path = found[0].path
+        items = [v.strip() for v in values.split(",") if v.strip()]
+        if not items:
+            raise UserError(f"--sweep {spec!r} gives no values; write KEY=V1,V2,...")
+        axes.append((path, key, items))
+    return axes
+
+
+def _parsed(path: str, text: str) -> Any:
+    """A sweep value as its setting's flag would read it."""
+    s = settings.find(TrainConfig, path)
+    try:
+        if s.meta.parse is not None:
+            return s.meta.parse(text)
+        if settings.is_switch(s.type):
+            return text.lower() in ("1", "true", "yes", "on")
+        return s.type(text) if isinstance(s.type, type) else text
+    except ValueError:
+        raise UserError(f"--sweep: {text!r} is not a value of {s.flag or path}.") from None
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    from diloco.run.plan import Shapes, plan, probe_step_s
+
+    flags = given_settings(args)
+    values = load_toml(args.config) if args.config is not None else {}
+    where = str(args.config) if args.config else "the flags"
+    if args.step_s is None and not args.probe and "sim.speeds" not in flags:
+        raise UserError(
+            "diloco plan needs each worker's seconds per inner step: give --step-s S[,S,...] (one value: "
+            "every worker), or --probe to time a few steps of the model on this machine."
+        )
+    if args.step_s is not None and args.probe:
+        raise UserError("give --step-s or --probe, not both.")
+    base = with_flags(values, {p: v for p, v in flags.items() if p != "sim.speeds"}, where)
+    axes = _sweep_axes(args.sweep or [])
+    combos = list(itertools.product(*[[(p, _parsed(p, v)) for v in vs] for p, _, vs in axes]))
+    step_s = None if args.step_s is None else _numbers(args.step_s, "--step-s")
+    if args.probe:
+        step_s = [probe_step_s(base)]
+        print(f"diloco plan: --probe: {step_s[0]:.4g} s per inner step on this machine", file=sys.stderr)
+    link = None if args.link_mbps is None else _numbers(args.link_mbps, "--link-mbps")
+    shapes, rows = Shapes(), []
+    for combo in combos:
+        chosen = dict(combo)
+        cfg = with_flags(values, {p: v for p, v in flags.items() if p != "sim.speeds"} | chosen, where)
+        k = cfg.num_workers
+        speeds = flags.get("sim.speeds") if step_s is None else tuple(_per_worker(step_s, k, "--step-s"))
+        cfg = with_flags(
+            values, flags | chosen | {"sim.speeds": tuple(_per_worker(list(speeds), k, "--speeds"))}, where
+        )
+        links = None if link is None else _per_worker(link, k, "--link-mbps")
+        row = plan(cfg, links=links, rounds_simulated=args.rounds_simulated, shapes=shapes)
+        if axes:
+            row = {"swept": {name: v for (_, name, _), (_, v) in zip(axes, combo, strict=True)}, **row}
+        rows.append(row)
+        if not args.json:
+            print(describe(row, cfg))
+    if args.json:
+        print(json.dumps(rows if axes else rows[0], indent=1))
+    return 0
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
+
+
+def _duration(s: float) -> str:
+    return f"{s:.4g} s" + (f" ({s / 3600:.3g} h)" if s >= 3600 else f" ({s / 60:.3g} min)" if s >= 60 else "")
+
+
+def describe(row: dict[str, Any], cfg: TrainConfig) -> str:
+    """The prediction in a few lines of text."""
+    swept = ", ".join(f"{k} = {v}" for k, v in row.get("swept", {}).items())
+    head = f"{cfg.method}, {row['workers']} workers, H = {row['inner_steps']}, {row['rounds']} rounds, "
+    head += f"codec {row['codec']}" + (f", {row['fragments']} fragments" if row["fragments"] > 1 else "")
+    util = row["utilisation"]
+    per = " ".join(f"{u:.2f}" for u in util["per_worker"][:16]) + (
+        " ..." if len(util["per_worker"]) > 16 else ""
+    )
+    sent, received = row["bytes_per_worker"]["sent"], row["bytes_per_worker"]["received"]
+    need = [b for b in row.get("bandwidth_for_95pct_mbps", []) if b is not None]
+    lines = [
+        f"plan: {swept + ': ' if swept else ''}{head}"
+        + (
+            f" ({row['rounds_simulated']} simulated, scaled)"
+            if row["rounds_simulated"] < row["rounds"]
+            else ""
+        ),
+        f"  wall time    {_duration(row['wall_time_s'])}; {row['round_time_s']:.4g} s per round",
+        f"  utilisation  mean {util['mean']:.3f}; per worker {per}",
+        f"  per worker   sent {_mb(max(sent))}, received {_mb(max(received))} (the most of any worker)",
+    ]
+    if need:
+        lines.append(f"  95% needs    {max(need):.4g} Mbit/s per link (the most any worker needs)")
+    if "speedup_vs_sync" in row:
+        lines.append(
+            f"  async        {row['speedup_vs_sync']:.3g}x sync DiLoCo's speed at equal local steps; "
+            f"mean staleness {row['mean_staleness']:.2f}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,172 @@
+"""diloco plan (run/plan.py): its predictions are the simulator's own clock, so for a run the
+simulator can train, the plan's wall time and bytes must equal the trained run's exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from diloco.cli.main import main
+from diloco.config import AsyncConfig, DyluConfig, SimConfig
+from diloco.run.plan import Shapes, plan
+from diloco.run.train import train
+
+SPEEDS = (0.58, 0.75, 1.51)
+CLOCK = SimConfig(speeds=SPEEDS, speed_jitter=0.1, bandwidth_mbps=20.0, latency_ms=30.0, procs=1)
+
+CASES = {
+    "sync, jitter, a slow link": dict(num_workers=3, sim=CLOCK),
+    "sync, drops": dict(num_workers=3, sim=CLOCK, drop_prob=0.3),
+    "sync DyLU, deadlines": dict(num_workers=3, sim=CLOCK, dylu=DyluConfig(enabled=True, by="time")),
+    "streaming, overlap, fp4": dict(
+        num_workers=3, sim=CLOCK, fragments=2, overlap_steps=1, codec="fp4", inner_steps=6, eval_every=6
+    ),
+    "async DN + DyLU (the default)": dict(num_workers=3, method="async", sim=CLOCK),
+    "async naive, fixed H, bf16 down": dict(
+        num_workers=3,
+        method="async",
+        sim=CLOCK,
+        download_codec="bf16",
+        async_=AsyncConfig(rule="naive", grace_s=0.0),
+        dylu=DyluConfig(enabled=False),
+    ),
+    "data parallel": dict(num_workers=3, method="dp", sim=CLOCK),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_plan_is_the_trained_runs_clock_and_bytes(tiny, case):
+    cfg = tiny(**CASES[case])
+    summary = train(cfg, progress=False)
+    predicted = plan(cfg, rounds_simulated=cfg.rounds, search=False)
+    assert predicted["wall_time_s"] == pytest.approx(summary["sim_time_s"], rel=1e-12)
+    assert sum(predicted["bytes_per_worker"]["sent"]) == summary["bytes_sent"]
+    assert sum(predicted["bytes_per_worker"]["received"]) == summary["bytes_received"]
+    assert all(0 < u <= 1 for u in predicted["utilisation"]["per_worker"])
+
+
+@pytest.mark.timeout(60)
+def test_a_long_run_is_scaled_from_its_simulated_rounds(tiny):
+    cfg = tiny(num_workers=2, sim=SimConfig(speeds=(1.0, 2.0), bandwidth_mbps=10.0, procs=1), rounds=40)
+    full = plan(cfg, rounds_simulated=40, search=False)
+    scaled = plan(cfg, rounds_simulated=10, search=False)
+    assert scaled["rounds_simulated"] == 10 and full["rounds_simulated"] == 40
+    # no jitter: every round takes the same time, so scaling is exact
+    assert scaled["wall_time_s"] == pytest.approx(full["wall_time_s"], rel=1e-9)
+    assert scaled["bytes_per_worker"] == full["bytes_per_worker"]
+
+
+@pytest.mark.timeout(60)
+def test_utilisation_and_the_bandwidth_for_95_percent_by_hand(tiny):
+    """Two equal workers, sync: a round is pull + H steps + push. With H·s of compute and 2
+    messages of B bytes over L Mbit/s, utilisation = H·s / (H·s + 2·8B/L); 95% of the unlimited
+    link's (1.0) needs L = 2·8B / (H·s·(1/0.95 − 1))."""
+    cfg = tiny(
+        num_workers=2,
+        inner_steps=10,
+        eval_every=10,
+        sim=SimConfig(speeds=(0.5, 0.5), bandwidth_mbps=1.0, procs=1),
+    )
+    shapes = Shapes()
+    nbytes = shapes.param_bytes(cfg)
+    p = plan(cfg, shapes=shapes)
+    compute = 10 * 0.5
+    comm = 2 * nbytes * 8 / 1e6
+    assert p["utilisation"]["mean"] == pytest.approx(compute / (compute + comm), rel=1e-12)
+    need = 2 * nbytes * 8 / (compute * (1 / 0.95 - 1)) / 1e6
+    assert all(b == pytest.approx(need, rel=0.011) and b >= need for b in p["bandwidth_for_95pct_mbps"])
+
+
+@pytest.mark.timeout(60)
+def test_async_reports_staleness_and_its_speedup_over_sync(tiny):
+    cfg = tiny(num_workers=3, method="async", rounds=6, sim=SimConfig(speeds=SPEEDS, procs=1))
+    p = plan(cfg, search=False)
+    sync = plan(
+        dataclasses.replace(cfg, method="diloco", async_=AsyncConfig(), dylu=DyluConfig()), search=False
+    )
+    assert p["speedup_vs_sync"] == pytest.approx(sync["wall_time_s"] / p["wall_time_s"], rel=1e-12)
+    assert p["speedup_vs_sync"] > 1.5 and p["mean_staleness"] >= 0
+
+
+@pytest.mark.timeout(60)
+def test_a_10b_model_is_sized_on_the_meta_device():
+    """Nothing of a 10B model is allocated: its messages are sized from its shapes."""
+    from diloco.cli.configure import with_flags
+
+    cfg = with_flags(
+        {}, {"model.name": "10b", "num_workers": 4, "sim.speeds": (0.8,) * 4, "codec": "fp4"}, "t"
+    )
+    shapes = Shapes()
+    n = shapes.param_bytes(cfg) // 4
+    assert 9.9e9 < n < 10e9
+    p = plan(cfg, shapes=shapes, search=False)
+    assert p["bytes_per_worker"]["received"][0] == cfg.rounds * 4 * n  # fp32 downloads
+    assert p["bytes_per_worker"]["sent"][0] == cfg.rounds * (-(-n // 2) + 4 * (n // 256))  # ~0.52 B each
+
+
+@pytest.mark.timeout(60)
+def test_the_command_prints_json_and_sweeps(capsys):
+    args = [
+        "plan",
+        "--workers",
+        "2",
+        "--inner-steps",
+        "10",
+        "--rounds",
+        "4",
+        "--step-s",
+        "0.5",
+        "--link-mbps",
+        "50",
+    ]
+    assert main([*args, "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert {
+        "wall_time_s",
+        "round_time_s",
+        "utilisation",
+        "bytes_per_worker",
+        "bandwidth_for_95pct_mbps",
+    } <= set(one)
+    assert main([*args, "--json", "--sweep", "H=5,20", "--sweep", "codec=fp32,fp4"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["swept"] for r in rows] == [
+        {"H": 5, "codec": "fp32"},
+        {"H": 5, "codec": "fp4"},
+        {"H": 20, "codec": "fp32"},
+        {"H": 20, "codec": "fp4"},
+    ]
+    assert (
+        rows[0]["wall_time_s"] < rows[2]["wall_time_s"]
+        and rows[1]["bytes_per_worker"]["sent"][0] < rows[0]["bytes_per_worker"]["sent"][0]
+    )
+    assert main(args) == 0
+    assert "wall time" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "extra,says",
+    [
+        ([], "--step-s"),
+        (["--step-s", "0"], "--step-s wants positive numbers"),
+        (["--step-s", "-1"], "--step-s wants positive numbers"),
+        (["--step-s", "1,2,3"], "3 values for 2 workers"),
+        (["--step-s", "1", "--link-mbps", "1,2,3"], "3 values for 2 workers"),
+        (["--step-s", "1", "--model", "7b"], "unknown model '7b'"),
+        (["--step-s", "1", "--sweep", "codec=fp32,fp9"], "codec"),
+        (["--step-s", "1", "--sweep", "colour=red"], "no setting"),
+        (["--step-s", "1", "--method", "async", "--sweep", "fragments=1,2"], "fragments"),
+        (["--step-s", "1", "--probe"], "not both"),
+    ],
+)
+def test_bad_input_is_one_sentence_and_exit_2(capsys, extra, says):
+    with pytest.raises(SystemExit) as e:
+        code = main(["plan", "--workers", "2", *extra])
+        raise SystemExit(code)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("diloco: error:") and says in err and err.count("\n") == 1
