@@ -170,3 +170,47 @@ def test_bad_input_is_one_sentence_and_exit_2(capsys, extra, says):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("diloco: error:") and says in err and err.count("\n") == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("codec", ["fp32", "fp4"])
+def test_under_torchrun_the_exchange_is_a_ring_by_hand(tiny, codec):
+    """--runtime collective: nothing is pulled; after every worker's H steps the outer_grads are
+    all-reduced (fp32: 2(k − 1)/k × their float32 bytes, 2(k − 1) latencies) or their fp4
+    messages all-gathered ((k − 1) × the message, k − 1 latencies), over the slowest link."""
+    k, H, s, mbps, ms = 4, 10, 0.5, 100.0, 20.0
+    cfg = tiny(
+        num_workers=k,
+        inner_steps=H,
+        eval_every=H,
+        codec=codec,
+        sim=SimConfig(speeds=(s,) * k, bandwidth_mbps=mbps, latency_ms=ms, procs=1),
+    )
+    shapes = Shapes()
+    p = plan(cfg, shapes=shapes, topology="ring")
+    from diloco.core.codec import build_codec
+    from diloco.run.plan import simulate
+
+    params = shapes._model(cfg)[1]
+    if codec == "fp32":
+        crossing, hops = 2 * (k - 1) / k * shapes.param_bytes(cfg), 2 * (k - 1)
+    else:
+        crossing, hops = (k - 1) * build_codec("fp4").message_bytes(params), k - 1
+    round_s = H * s + crossing * 8 / (mbps * 1e6) + hops * ms / 1e3
+    assert p["round_time_s"] == pytest.approx(round_s, rel=1e-12)
+    assert p["runtime"] == "collective"
+    # 95% of the unlimited link's utilisation H·s / (H·s + L): crossing·8/B ≤ (H·s + L)(1/0.95 − 1)
+    need = crossing * 8 / ((H * s + hops * ms / 1e3) * (1 / 0.95 - 1)) / 1e6
+    assert all(need <= b <= need * 1.011 for b in p["bandwidth_for_95pct_mbps"])
+    star = simulate(cfg, shapes)  # a server's workers pull θ (fp32), then push, one after the other
+    pull = shapes.param_bytes(cfg) * 8 / (mbps * 1e6) + ms / 1e3
+    push = build_codec(codec).message_bytes(params) * 8 / (mbps * 1e6) + ms / 1e3
+    assert star["wall_s"] == pytest.approx(cfg.rounds * (pull + H * s + push), rel=1e-12)
+
+
+@pytest.mark.timeout(60)
+def test_async_under_torchrun_is_refused(capsys):
+    assert (
+        main(["plan", "--workers", "2", "--step-s", "1", "--method", "async", "--runtime", "collective"]) == 2
+    )
+    assert "parameter server" in capsys.readouterr().err

@@ -76,6 +76,10 @@ def plan_command(args: argparse.Namespace) -> int:
 
     flags = given_settings(args)
     values = load_toml(args.config) if args.config is not None else {}
+    # torchrun's collectives (a ring) rather than a server's star; the clock's settings stay the simulator's
+    runtime = flags.pop("runtime", values.pop("runtime", "sim"))
+    if runtime == "server":
+        runtime = "sim"  # a server's workers meet as the simulator's do: pull θ, push the message
     where = str(args.config) if args.config else "the flags"
     if args.step_s is None and not args.probe and "sim.speeds" not in flags:
         raise UserError(
@@ -102,7 +106,8 @@ def plan_command(args: argparse.Namespace) -> int:
             values, flags | chosen | {"sim.speeds": tuple(_per_worker(list(speeds), k, "--speeds"))}, where
         )
         links = None if link is None else _per_worker(link, k, "--link-mbps")
-        row = plan(cfg, links=links, rounds_simulated=args.rounds_simulated, shapes=shapes)
+        topology = "ring" if runtime == "collective" else "star"
+        row = plan(cfg, links=links, rounds_simulated=args.rounds_simulated, shapes=shapes, topology=topology)
         if axes:
             row = {"swept": {name: v for (_, name, _), (_, v) in zip(axes, combo, strict=True)}, **row}
         rows.append(row)

@@ -103,17 +103,13 @@ class OuterSide:
         # told of each group of a message's decoded tensors once used (the server: wal.release_read)
         self.after_read: Callable[[Encoded, list[torch.Tensor]], None] = lambda message, tensors: None
 
-    @property
-    def num_workers(self) -> int:
-        return len(self.weights)
+    num_workers = property(lambda self: len(self.weights))
+    param_bytes = property(lambda self: self.float_bytes(range(len(self.params))))
+    pull_bytes = property(lambda self: self.download.message_bytes(self.params))  # one download of θ
 
-    @property
-    def param_bytes(self) -> int:
-        return tensor_bytes(self.params)
-
-    @property
-    def pull_bytes(self) -> int:  # one download of the global parameters, through its codec
-        return self.download.message_bytes(self.params)
+    def float_bytes(self, indices: Sequence[int]) -> int:
+        """The float32 bytes of the parameters at `indices` (what an all-reduce of them carries)."""
+        return tensor_bytes([self.params[i] for i in indices])
 
     # -- pulls ---------------------------------------------------------------------------------
     def downloaded(self) -> list[torch.Tensor]:

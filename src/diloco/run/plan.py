@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from diloco.config import AsyncConfig, DyluConfig, TrainConfig
-from diloco.core.codec import Codec, Encoded
+from diloco.core.codec import Codec, Encoded, Fp32Codec
 from diloco.core.inner import InnerResult
 from diloco.core.outer_side import OuterSide
 from diloco.core.streaming import fragment_groups
@@ -92,6 +92,13 @@ class PlanSide(OuterSide):
     """The outer side with its bookkeeping (rounds, drops, weights, versions, bytes) and no
     arithmetic worth doing: every message is zeros, so a sum of k of them is zeros, made without
     decoding k messages (a round of 64 workers and 16 fragments would decode 1,024)."""
+
+    def __init__(self, *args, float_sizes: dict[int, int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.float_sizes = float_sizes  # a stand-in tensor's numel -> its fragment's float32 bytes
+
+    def float_bytes(self, indices) -> int:
+        return sum(self.float_sizes[self.params[i].numel()] for i in indices)
 
     def reduce(self, messages):
         self.round_weights()  # its checks, as the real reduce
@@ -180,12 +187,16 @@ def _fragments(model: nn.Module, units: int) -> list[list[int]]:
         raise UserError(f"{e}: give --fragments at most the model's number of blocks.") from None
 
 
-def simulate(cfg: TrainConfig, shapes: Shapes, links: list[float] | None = None) -> dict[str, Any]:
+def simulate(
+    cfg: TrainConfig, shapes: Shapes, links: list[float] | None = None, topology: str = "star"
+) -> dict[str, Any]:
     """One simulated run of `cfg` (its rounds as given: no scaling): wall time, each worker's
     seconds of compute and bytes, and for async the staleness of each update. `links`: each
-    worker's Mbit/s (default the config's --bandwidth-mbps for all)."""
+    worker's Mbit/s (default the config's --bandwidth-mbps for all); `topology`: star (a server,
+    the simulator) or ring (torchrun's collectives; runtime/clock.py)."""
     k = cfg.num_workers
     clock = build_clock(cfg, k)
+    clock.topology = topology
     if links is not None:
         clock.bandwidth_mbps = links
     if cfg.method in ("dp", "single"):
@@ -208,6 +219,7 @@ def simulate(cfg: TrainConfig, shapes: Shapes, links: list[float] | None = None)
         update=async_rule(cfg) if cfg.method == "async" else outer_opt(cfg),
         codec=Sized(up, shapes.sizes(cfg, up, units)),
         download=Sized(down, shapes.sizes(cfg, down, units)),
+        float_sizes=shapes.sizes(cfg, Fp32Codec(), units),
         drop_prob=cfg.drop_prob,
         after_drop=cfg.after_drop,
         seed=cfg.seed,
@@ -261,16 +273,23 @@ def plan(
     rounds_simulated: int = 50,
     shapes: Shapes | None = None,
     search: bool = True,
+    topology: str = "star",
 ) -> dict[str, Any]:
-    """The prediction for `cfg` (see the module docstring); the fields of `diloco plan --json`."""
+    """The prediction for `cfg` (see the module docstring); the fields of `diloco plan --json`.
+    `topology` "ring" plans the run under torchrun (`diloco plan --runtime collective`)."""
+    if topology == "ring" and cfg.method == "async":
+        raise UserError(
+            "asynchronous training runs on a parameter server, not under torchrun: drop --runtime."
+        )
     shapes = shapes or Shapes()
     window = min(cfg.rounds, rounds_simulated)
     scale = cfg.rounds / window
-    sim = simulate(dataclasses.replace(cfg, rounds=window), shapes, links)
+    sim = simulate(dataclasses.replace(cfg, rounds=window), shapes, links, topology)
     wall = sim["wall_s"] * scale
     utilisation = [b / sim["wall_s"] if sim["wall_s"] > 0 else 1.0 for b in sim["busy_s"]]
     result: dict[str, Any] = {
         "method": cfg.method,
+        "runtime": "collective" if topology == "ring" else "sim",
         "workers": cfg.num_workers,
         "inner_steps": cfg.inner_steps,
         "codec": cfg.communication.codec,
@@ -286,13 +305,13 @@ def plan(
         },
     }
     if cfg.method == "async":
-        sync = simulate(_as_sync(cfg, window), shapes, links)
+        sync = simulate(_as_sync(cfg, window), shapes, links, topology)
         result["mean_staleness"] = sim["mean_staleness"]
         result["speedup_vs_sync"] = sync["wall_s"] / sim["wall_s"] if sim["wall_s"] > 0 else None
     if search:
         short = dataclasses.replace(cfg, rounds=min(window, SEARCH_ROUNDS))
         result["bandwidth_for_95pct_mbps"] = bandwidth_for(
-            short, shapes, lambda c, lk: simulate(c, shapes, lk)
+            short, shapes, lambda c, lk: simulate(c, shapes, lk, topology)
         )
     return result
 

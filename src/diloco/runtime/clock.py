@@ -4,7 +4,12 @@ A worker's time per inner step is its base speed profile (`--speeds`, or a `--he
 level), times a per-round jitter factor (`--speed-jitter`), times any scheduled slowdown active at
 that moment (`--slowdown W:FACTOR@START-END`). A pull or push of B bytes over worker w's link
 costs B ÷ bandwidth_w + latency_w (one link for all, or one per worker: `diloco plan
---link-mbps`). Nothing here touches tensors; results depend only on the seed.
+--link-mbps`). The workers meet as a `star` (a parameter server: each pulls θ and pushes its
+message over its own link, the simulator's runtime) or, for `diloco plan --runtime collective`,
+a `ring` (torchrun: nothing is pulled; once every worker's steps are done the outer_grads are
+all-reduced, 2(k − 1)/k × their float32 bytes, or their encoded messages all-gathered, k − 1
+of the largest, over the slowest link, with a latency per ring step). Nothing here touches
+tensors; results depend only on the seed.
 
 Real runtimes emulate other devices with `slowed`: under torchrun `--speeds` pads each inner
 step of a worker to at least its seconds and `--slowdown` multiplies them; `diloco worker
@@ -22,6 +27,8 @@ from typing import Any
 
 from diloco.config.parsers import Slowdown
 from diloco.config.sections import HETEROGENEITY
+
+TOPOLOGIES = ("star", "ring")
 
 
 def profile(level: str, k: int) -> list[float]:
@@ -43,7 +50,11 @@ class Clock:
         bandwidth_mbps: float | Sequence[float] = 0.0,
         latency_ms: float | Sequence[float] = 0.0,
         seed: int = 0,
+        topology: str = "star",
     ):
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
+        self.topology = topology
         self.step_s = list(step_s)
         self.jitter = jitter
         self.slowdowns = slowdowns
@@ -60,6 +71,30 @@ class Clock:
         mbps = mbps if isinstance(mbps, (int, float)) else mbps[worker]  # one for all, or one each
         ms = ms if isinstance(ms, (int, float)) else ms[worker]
         return (nbytes * 8 / (mbps * 1e6) if mbps > 0 else 0.0) + ms / 1e3
+
+    def pull_s(self, nbytes: int, worker: int) -> float:
+        """Worker w's download of θ (`nbytes`): over its link in a star; none in a ring (every
+        rank applies the outer step itself)."""
+        return self.transfer_s(nbytes, worker) if self.topology == "star" else 0.0
+
+    def push_s(self, nbytes: int, worker: int) -> float:
+        """Worker w's upload of its message: over its link in a star; part of `exchange_s` in a ring."""
+        return self.transfer_s(nbytes, worker) if self.topology == "star" else 0.0
+
+    def exchange_s(self, messages: list[int], float_bytes: int, summable: bool) -> float:
+        """What a ring adds once every worker's steps are done (0 in a star): an all-reduce of
+        the float32 contributions (`float_bytes` each; `summable` codecs) or an all-gather of the
+        encoded `messages`, over the slowest link."""
+        if self.topology == "star" or len(messages) < 2:
+            return 0.0
+        k = len(messages)
+        crossing, hops = (
+            (2 * (k - 1) / k * float_bytes, 2 * (k - 1)) if summable else ((k - 1) * max(messages), k - 1)
+        )
+        mbps = self.bandwidth_mbps
+        slowest = mbps if isinstance(mbps, (int, float)) else min((m for m in mbps if m > 0), default=0.0)
+        ms = self.latency_ms if isinstance(self.latency_ms, (int, float)) else max(self.latency_ms)
+        return (crossing * 8 / (slowest * 1e6) if slowest > 0 else 0.0) + hops * ms / 1e3
 
     def _jitter(self, worker: int, job: int) -> float:
         if self.jitter == 0:

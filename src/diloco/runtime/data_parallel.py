@@ -112,6 +112,8 @@ class DataParallel(DiLoCo):
 def dp_steps_s(clock: Clock, k: int, steps: int, step_bytes: int) -> float:
     """Simulated time of `steps` data-parallel steps of k workers: each step waits for the slowest
     worker, then every gradient goes up and the average comes back (two messages of `step_bytes`)
-    over the slowest link; nothing overlaps (diloco plan uses it too)."""
+    over the slowest link, or (a ring) they are all-reduced; nothing overlaps (diloco plan uses it too)."""
     step_s = max(clock.step_s[:k] or [1.0])
+    if clock.topology == "ring":  # an all-reduce of the gradients (float32, summable)
+        return steps * (step_s + clock.exchange_s([step_bytes] * k, step_bytes, True))
     return steps * (step_s + 2 * clock.transfer_s(step_bytes))

@@ -207,7 +207,7 @@ class DiLoCo(InProcess):
         starts = side.begin_round(active, steps=plan.steps if plan else None)
         job, pull_bytes = side.rounds_done, side.pull_bytes
         # a worker that goes on from its own θ pulls nothing
-        pulled = [start + (clock.transfer_s(pull_bytes, w) if s else 0.0) for w, s in enumerate(starts)]
+        pulled = [start + (clock.pull_s(pull_bytes, w) if s else 0.0) for w, s in enumerate(starts)]
         for w, from_global in enumerate(starts):  # all jobs first: a process pool runs them side by side
             # the round drives the lr: a worker that joins mid-run takes the run's lr
             theta = side.downloaded() if from_global else None
@@ -228,7 +228,9 @@ class DiLoCo(InProcess):
             taken.append(result.steps)
             if plan is not None:
                 self.planner.record(w, compute_s, result.steps)
-            end = max(end, pulled[w] + compute_s + clock.transfer_s(message.nbytes, w))
+            end = max(end, pulled[w] + compute_s + clock.push_s(message.nbytes, w))
+        sizes = [m.nbytes for m in messages if m is not None]
+        end += clock.exchange_s(sizes, side.param_bytes, side.codec.summable)  # a ring's all-reduce
         advance = H if plan is None else self.planner.spend(sum(taken))
         side.end_round(side.reduce(messages), advance)
         self._sim_time_s = end
@@ -250,7 +252,7 @@ class DiLoCo(InProcess):
                 steps_within(
                     plan.seconds,
                     islice(
-                        clock.step_times(w, start + clock.transfer_s(pull_bytes, w), job=job),
+                        clock.step_times(w, start + clock.pull_s(pull_bytes, w), job=job),
                         DEADLINE_CAP * n,
                     ),
                 )
@@ -278,11 +280,11 @@ class DiLoCo(InProcess):
                     kwargs["anchor"] = side.downloaded()
                     if side.rounds_done == 0:  # the first pull; after a resume they hold their own θ
                         kwargs["start"] = side.pull(w)
-                        t[w] += clock.transfer_s(side.pull_bytes, w)
+                        t[w] += clock.pull_s(side.pull_bytes, w)
                 if seg.merge is not None:
                     tensors, pushed, nbytes = landed[seg.merge]
                     kwargs["merge"] = (self.groups[seg.merge], tensors, self.schedule.alpha)
-                    t[w] = max(t[w], pushed + clock.transfer_s(nbytes, w))  # every push in, then its download
+                    t[w] = max(t[w], pushed + clock.pull_s(nbytes, w))  # every push in, then its download
                 if seg.send is not None:
                     kwargs["send"] = (seg.send, self.groups[seg.send])
                 self.pool.submit_segment(w, seg.steps, **kwargs)
@@ -298,14 +300,16 @@ class DiLoCo(InProcess):
                 if seg.send is not None:
                     side.sent_fragment(w, result.message.nbytes, result.finite)
                     messages.append(result.message)
-                    arrivals.append(t[w] + clock.transfer_s(result.message.nbytes, w))
+                    arrivals.append(t[w] + clock.push_s(result.message.nbytes, w))
                 else:
                     side.stop_if_nonfinite(w, result.finite)
             if seg.send is not None:
                 group = self.groups[seg.send]
                 fragment = side.end_fragment(seg.send, group, side.reduce_fragment(messages, group))
                 nbytes = side.download.message_bytes(fragment)
-                landed[seg.send] = (fragment, max(arrivals), nbytes)
+                sizes, summable = [m.nbytes for m in messages], side.codec.summable
+                exchanged = max(arrivals) + clock.exchange_s(sizes, side.float_bytes(group), summable)
+                landed[seg.send] = (fragment, exchanged, nbytes)
         side.end_streaming_round(H)
         self._worker_s = t
         self._sim_time_s = max(t)
