@@ -145,6 +145,16 @@ def _plan(sub: Any) -> None:
         "--probe", action="store_true", help="time a few inner steps of the model on this machine instead"
     )
     machines.add_argument(
+        "--probe-link",
+        metavar="HOST:PORT",
+        help="measure the link to a running diloco serve (latency, Mbit/s down and up; the slower "
+        "direction is every worker's link), with --token-file (or $DILOCO_TOKEN) and --tls-ca",
+    )
+    machines.add_argument("--token-file", type=Path, metavar="FILE", help="the run's token, for --probe-link")
+    machines.add_argument(
+        "--tls-ca", type=Path, metavar="PEM", help="the CA to trust, for --probe-link over TLS"
+    )
+    machines.add_argument(
         "--link-mbps",
         metavar="MBPS[,MBPS,...]",
         help="each worker's link in Mbit/s (one value: every worker's; default --bandwidth-mbps; "

@@ -96,6 +96,12 @@ def plan_command(args: argparse.Namespace) -> int:
         step_s = [probe_step_s(base)]
         print(f"diloco plan: --probe: {step_s[0]:.4g} s per inner step on this machine", file=sys.stderr)
     link = None if args.link_mbps is None else _numbers(args.link_mbps, "--link-mbps")
+    if args.probe_link is not None:
+        if link is not None:
+            raise UserError("give --link-mbps or --probe-link, not both.")
+        measured = _probe_link(args)
+        link = [min(measured["down_mbps"], measured["up_mbps"])]
+        flags["sim.latency_ms"] = measured["latency_ms"]
     shapes, rows = Shapes(), []
     for combo in combos:
         chosen = dict(combo)
@@ -116,6 +122,29 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows if axes else rows[0], indent=1))
     return 0
+
+
+def _probe_link(args: argparse.Namespace) -> dict[str, float]:
+    """--probe-link: the link to a running server, measured (run/link.py's `probe_link`)."""
+    from diloco.run.link import Link, probe_link
+    from diloco.runtime.server import security
+
+    for path in (args.token_file, args.tls_ca):
+        if path is not None and not path.is_file():
+            raise UserError(f"{path} does not exist; give the path of the run's file.")
+    link = Link(
+        args.probe_link, retry_s=10.0, token=security.given_token(args.token_file), tls_ca=args.tls_ca
+    )
+    try:
+        measured = probe_link(link)
+    finally:
+        link.close()
+    print(
+        f"diloco plan: --probe-link {args.probe_link}: {measured['latency_ms']:.3g} ms round trip, "
+        f"{measured['down_mbps']:.4g} Mbit/s down, {measured['up_mbps']:.4g} up",
+        file=sys.stderr,
+    )
+    return measured
 
 
 def _mb(n: float) -> str:

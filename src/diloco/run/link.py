@@ -7,6 +7,7 @@ for --retry-s seconds), and the heartbeat that keeps the worker's lease.
 
 from __future__ import annotations
 
+import statistics
 import sys
 import threading
 import time
@@ -20,7 +21,7 @@ from diloco.errors import UserError
 from diloco.runtime.server import diloco_pb2 as pb
 from diloco.runtime.server import diloco_pb2_grpc as rpc
 from diloco.runtime.server import security
-from diloco.runtime.server.wire import CHUNK_BYTES
+from diloco.runtime.server.wire import CHUNK_BYTES, PROBE_MAX_BYTES
 
 T = TypeVar("T")
 # the server is down, restarting or overloaded: wait and try again (for --retry-s seconds)
@@ -191,3 +192,38 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def probe_link(link: Link, *, trips: int = 5, least_s: float = 0.5) -> dict[str, float]:
+    """The link to the server, measured (diloco plan --probe-link): `latency_ms`, the median of
+    `trips` empty round trips (what a message costs besides its bytes), and the Mbit/s down and
+    up of a stream of zeros, 1 MB at first and 4× larger until one takes at least `least_s`
+    seconds (at most PROBE_MAX_BYTES), less that round trip."""
+
+    def down(n: int) -> float:
+        t0 = time.perf_counter()
+        got = sum(
+            len(c.data)
+            for c in link.stub.ProbeDown(pb.ProbeRequest(nbytes=n), timeout=300.0, metadata=link.meta)
+        )
+        if got != n:
+            raise UserError(f"the server at {link.server} sent {got} bytes of a {n}-byte probe; try again.")
+        return time.perf_counter() - t0
+
+    def up(n: int) -> float:
+        chunks = (pb.ProbeChunk(data=bytes(min(CHUNK_BYTES, n - at))) for at in range(0, n, CHUNK_BYTES))
+        t0 = time.perf_counter()
+        link.stub.ProbeUp(chunks, timeout=300.0, metadata=link.meta)
+        return time.perf_counter() - t0
+
+    rtt = statistics.median(link.call("a link probe", lambda: down(0)) for _ in range(trips))
+    result = {"latency_ms": rtt * 1e3}
+    for name, fn in (("down_mbps", down), ("up_mbps", up)):
+        n = CHUNK_BYTES
+        while True:
+            took = link.call("a link probe", lambda fn=fn, n=n: fn(n))
+            if took >= least_s or n >= PROBE_MAX_BYTES:
+                break
+            n = min(4 * n, PROBE_MAX_BYTES)
+        result[name] = n * 8 / max(took - rtt, 1e-9) / 1e6
+    return result

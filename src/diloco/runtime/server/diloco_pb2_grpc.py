@@ -64,6 +64,16 @@ class ParameterServerStub:
                 request_serializer=diloco__pb2.WorkerRef.SerializeToString,
                 response_deserializer=diloco__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.ProbeDown = channel.unary_stream(
+                '/diloco.v1.ParameterServer/ProbeDown',
+                request_serializer=diloco__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=diloco__pb2.ProbeChunk.FromString,
+                _registered_method=True)
+        self.ProbeUp = channel.stream_unary(
+                '/diloco.v1.ParameterServer/ProbeUp',
+                request_serializer=diloco__pb2.ProbeChunk.SerializeToString,
+                response_deserializer=diloco__pb2.ProbeReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -112,6 +122,20 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeDown(self, request, context):
+        """Link probes (diloco plan --probe-link): `nbytes` of zeros streamed down in chunks (0: an
+        empty stream, one round trip), and a stream up that the server counts and answers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProbeUp(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +168,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=diloco__pb2.WorkerRef.FromString,
                     response_serializer=diloco__pb2.LeaveReply.SerializeToString,
+            ),
+            'ProbeDown': grpc.unary_stream_rpc_method_handler(
+                    servicer.ProbeDown,
+                    request_deserializer=diloco__pb2.ProbeRequest.FromString,
+                    response_serializer=diloco__pb2.ProbeChunk.SerializeToString,
+            ),
+            'ProbeUp': grpc.stream_unary_rpc_method_handler(
+                    servicer.ProbeUp,
+                    request_deserializer=diloco__pb2.ProbeChunk.FromString,
+                    response_serializer=diloco__pb2.ProbeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +342,60 @@ class ParameterServer:
             '/diloco.v1.ParameterServer/Leave',
             diloco__pb2.WorkerRef.SerializeToString,
             diloco__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeDown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/diloco.v1.ParameterServer/ProbeDown',
+            diloco__pb2.ProbeRequest.SerializeToString,
+            diloco__pb2.ProbeChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeUp(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/diloco.v1.ParameterServer/ProbeUp',
+            diloco__pb2.ProbeChunk.SerializeToString,
+            diloco__pb2.ProbeReply.FromString,
             options,
             channel_credentials,
             insecure,

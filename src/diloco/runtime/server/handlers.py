@@ -20,13 +20,14 @@ from diloco.runtime.server import checks
 from diloco.runtime.server import diloco_pb2 as pb
 from diloco.runtime.server import diloco_pb2_grpc as rpc
 from diloco.runtime.server.jobs import most_steps
+from diloco.runtime.server.probe import ProbeHandlers
 from diloco.runtime.server.state import ServerState, log
 from diloco.runtime.server.wire import CHUNK_BYTES, PROTOCOL
 
 LONG_POLL_S = 5.0  # a worker asking for a job waits this long for one before being told to ask again
 
 
-class Handlers(rpc.ParameterServerServicer):
+class Handlers(ProbeHandlers, rpc.ParameterServerServicer):
     """The gRPC handlers: each runs on a thread of the server's pool."""
 
     def __init__(self, st: ServerState):

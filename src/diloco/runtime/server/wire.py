@@ -22,6 +22,7 @@ from diloco.runtime.server import diloco_pb2 as pb
 # says the digest of the parameters it built, and a job of those comes without them, `own`)
 PROTOCOL = 7
 CHUNK_BYTES = 1 << 20  # a stream's chunks stay well under gRPC's 4 MB message limit
+PROBE_MAX_BYTES = 64 << 20  # the most one link probe (ProbeDown, ProbeUp) may carry
 
 
 def push_chunks(head: pb.PushChunk, blob: bytes) -> Iterator[pb.PushChunk]:
