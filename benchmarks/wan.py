@@ -498,16 +498,26 @@ def run_config(link: Link, flags: list[str], *, run_dir: Path, port: int, timeou
         "compute_s": s.get("compute_s"),
         "comm_s": s.get("comm_s"),
         "bytes_sent_per_worker": s["bytes_sent_per_worker"],
+        "bytes_sent": s["bytes_sent"],
+        "bytes_received": s["bytes_received"],
         "params": s["params"],
         "rounds": s["outer_updates"],
         "wall_s": round(wall_s, 2),
     }
 
 
-def run_server_config(star: Star, flags: list[str], *, run_dir: Path, port: int, timeout_s: float) -> dict:
+def run_server_config(
+    star: Star,
+    flags: list[str],
+    *,
+    run_dir: Path,
+    port: int,
+    timeout_s: float,
+    worker_flags: list[list[str]] | None = None,
+) -> dict:
     """`diloco serve` with `flags` in the hub, listening on its hub address, and one `diloco
-    worker` in each worker namespace, started once the server listens; summary.json's numbers,
-    or {"error": ...}."""
+    worker` in each worker namespace (worker w with `worker_flags[w - 1]`, e.g. --slowdown),
+    started once the server listens; summary.json's numbers, or {"error": ...}."""
     env = {
         **{k: v for k, v in os.environ.items() if k.lower() not in _PROXIES},
         "OMP_NUM_THREADS": "1",
@@ -533,7 +543,7 @@ def run_server_config(star: Star, flags: list[str], *, run_dir: Path, port: int,
     if address is not None:
         for w in range(1, star.workers + 1):
             cmd = [*star.exec(w), sys.executable, "-m", "diloco", "worker", "--server", address]
-            cmd += ["--threads", "1"]
+            cmd += ["--threads", "1", *(worker_flags[w - 1] if worker_flags else [])]
             with open(logs[w], "w") as f:
                 procs.append(_spawn(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
     _supervise(procs, t0, timeout_s)
@@ -546,10 +556,12 @@ def run_server_config(star: Star, flags: list[str], *, run_dir: Path, port: int,
     return {
         "compute_utilisation": s.get("compute_utilisation"),  # as the collective rows'
         "workers_compute_utilisation": [w["compute_utilisation"] for w in ws],
+        "workers_train_s": [w.get("train_s") for w in ws],
         "val_loss": s["val_loss"],
         "compute_s": s.get("compute_s"),
         "comm_s": s.get("comm_s"),
         "bytes_sent_per_worker": s["bytes_sent_per_worker"],
+        "bytes_sent": s["bytes_sent"],
         "bytes_received": s["bytes_received"],
         "wire_bytes_sent": [w["wire_bytes_sent"] for w in ws],
         "wire_bytes_received": [w["wire_bytes_received"] for w in ws],
