@@ -150,6 +150,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows (default: all)")
     ap.add_argument("--out", type=Path, default=RESULTS / "plan_vs_real.json")
+    ap.add_argument(
+        "--link-mbps", type=float, default=LINK_MBPS, help=f"the shaped rate (default {LINK_MBPS:g})"
+    )
     args = ap.parse_args()
     names = [n for n in args.rows.split(",") if n]
     if (problem := wan.missing()) is not None:
@@ -164,9 +167,9 @@ def main() -> None:
             rows = [n for n in names if ROWS[n][0] == kind]
             if not rows:
                 continue
-            net = wan.Link(LINK_MBPS) if kind == "collective" else wan.Star(2, LINK_MBPS)
+            net = wan.Link(args.link_mbps) if kind == "collective" else wan.Star(2, args.link_mbps)
             with net:
-                nbytes = int(LINK_MBPS * 1e6 / 8 * 2)
+                nbytes = int(args.link_mbps * 1e6 / 8 * 2)
                 if kind == "collective":
                     rate = min(net.measure_mbps(nbytes, sender=s) for s in (1, 0))
                 else:
@@ -175,7 +178,7 @@ def main() -> None:
                         net.measure_mbps(nbytes, worker=2, sender=0),
                     )
                 measured_link[kind] = round(rate, 3)
-                wan.log(f"{kind}: link shaped to {LINK_MBPS} Mbit/s, measured {rate:.3f}")
+                wan.log(f"{kind}: link shaped to {args.link_mbps} Mbit/s, measured {rate:.3f}")
                 for name in rows:
                     pull_s = 0.0
                     if name == "server_jittered_worker":
@@ -192,7 +195,7 @@ def main() -> None:
         "step_s": STEP_S,
         "inner_steps": H,
         "rounds": ROUNDS,
-        "link_mbps": LINK_MBPS,
+        "link_mbps": args.link_mbps,
         "measured_link_mbps": measured_link,
         "configs": configs,
         "worst_wall_error": max((abs(c["wall_error"]) for c in ok), default=None),
