@@ -214,3 +214,22 @@ def test_async_under_torchrun_is_refused(capsys):
         main(["plan", "--workers", "2", "--step-s", "1", "--method", "async", "--runtime", "collective"]) == 2
     )
     assert "parameter server" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_the_docs_planning_tables_are_the_ones_the_json_gives():
+    """docs/planning.md's tables for 1B and 10B are benchmarks/plan_tables.py's rendering of its
+    saved results (so a number there is the JSON's)."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("plan_tables", root / "benchmarks" / "plan_tables.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cells = json.loads((root / "benchmarks" / "results" / "plan_tables.json").read_text())["cells"]
+    assert len(cells) == len(bench.MODELS) * 3 * len(bench.WORKERS) * len(bench.LINKS)
+    doc = (root / "docs" / "planning.md").read_text()
+    block = re.search(re.escape(bench.BEGIN) + r"\n(.*?)\n" + re.escape(bench.END), doc, re.S)
+    assert block is not None and block.group(1) == bench.markdown(cells)
