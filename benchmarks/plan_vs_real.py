@@ -126,7 +126,7 @@ def compare(name: str, plan: dict, real: dict) -> dict:
     }
 
 
-def figure(configs: list[dict]) -> None:
+def figure(configs: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -142,18 +142,23 @@ def figure(configs: list[dict]) -> None:
     ax.set_title("diloco plan vs real runs on shaped links")
     ax.legend()
     fig.tight_layout()
-    FIGURE.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(FIGURE, dpi=110)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
+    global H, RUN
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows (default: all)")
     ap.add_argument("--out", type=Path, default=RESULTS / "plan_vs_real.json")
+    ap.add_argument("--inner-steps", type=int, default=H, help=f"H of every row (default {H})")
+    ap.add_argument("--figure", type=Path, default=FIGURE, help="where the figure goes")
     ap.add_argument(
         "--link-mbps", type=float, default=LINK_MBPS, help=f"the shaped rate (default {LINK_MBPS:g})"
     )
     args = ap.parse_args()
+    H, RUN = args.inner_steps, ["--inner-steps", str(args.inner_steps), "--rounds", str(ROUNDS)]
+    RUN += ["--eval-every", str(args.inner_steps * ROUNDS)]
     names = [n for n in args.rows.split(",") if n]
     if (problem := wan.missing()) is not None:
         print(f"plan_vs_real: {problem}", file=sys.stderr)
@@ -206,7 +211,7 @@ def main() -> None:
         "target_wall_error": 0.10,
     }
     if ok:
-        figure(configs)
+        figure(configs, args.figure)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
 
