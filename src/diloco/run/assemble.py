@@ -187,6 +187,12 @@ def build_trainer(
         )
     side = build_side(cfg, data, init)  # built before the pool, so the pool cannot change the initialisation
     pool, clock = build_pool(cfg, data), build_clock(cfg, cfg.num_workers)
+    return simulator(cfg, side, pool, clock, [len(s) for s in data.shards])
+
+
+def simulator(cfg: TrainConfig, side: OuterSide, pool, clock: Clock, shard_sizes: list[int]):
+    """The simulator of `cfg` over a ready outer side, pool and clock: sync DiLoCo (with its
+    Streaming schedule or DyLU planner) or async (`diloco plan` runs it on a stand-in too)."""
     if cfg.method == "diloco":
         return DiLoCo.from_side(
             side,
@@ -197,7 +203,7 @@ def build_trainer(
             planner=round_planner(cfg),
             dylu_oracle=cfg.dylu.oracle,
         )
-    return AsyncDiLoCo.from_config(cfg, side, pool, clock, shard_sizes=[len(s) for s in data.shards])
+    return AsyncDiLoCo.from_config(cfg, side, pool, clock, shard_sizes=shard_sizes)
 
 
 def round_planner(cfg: TrainConfig) -> RoundPlanner | None:

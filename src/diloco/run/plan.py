@@ -37,8 +37,7 @@ from diloco.run.assemble import (
     build_clock,
     download_codec,
     outer_opt,
-    round_planner,
-    streaming_schedule,
+    simulator,
     upload_codec,
 )
 from diloco.runtime.async_sim import AsyncDiLoCo
@@ -226,23 +225,14 @@ def simulate(
     )
     pool = PlanPool(k, side.codec, side.params)
     out: dict[str, Any] = {}
-    if cfg.method == "async":
-        trainer = AsyncDiLoCo.from_config(cfg, side, pool, clock, shard_sizes=[1] * k)
+    trainer = simulator(cfg, side, pool, clock, [1] * k)
+    if isinstance(trainer, AsyncDiLoCo):
         staleness: list[int] = []
         trainer.run(lambda a: staleness.append(a.staleness))
         out["mean_staleness"] = sum(staleness) / len(staleness) if staleness else 0.0
         out["updates"] = len(staleness)
         rounds = cfg.rounds
     else:
-        trainer = DiLoCo.from_side(
-            side,
-            pool,
-            clock,
-            inner_steps=cfg.inner_steps,
-            schedule=streaming_schedule(cfg),
-            planner=round_planner(cfg),
-            dylu_oracle=cfg.dylu.oracle,
-        )
         rounds = _run_sync(cfg, trainer)
     out.update(
         wall_s=trainer.sim_time_s,
