@@ -89,6 +89,11 @@ def test_async_reports_staleness_and_its_speedup_over_sync(tiny):
     )
     assert p["speedup_vs_sync"] == pytest.approx(sync["wall_time_s"] / p["wall_time_s"], rel=1e-12)
     assert p["speedup_vs_sync"] > 1.5 and p["mean_staleness"] >= 0
+    # as a server's summary counts it: each worker's compute ÷ its own time training (its first
+    # job's compute, then first push to last), and Σ compute ÷ Σ training for the run
+    per, train = p["utilisation"]["per_worker"], p["train_s"]
+    assert all(0 < t <= p["wall_time_s"] for t in train) and all(0 < u <= 1 for u in per)
+    assert p["utilisation"]["mean"] == pytest.approx(sum(u * t for u, t in zip(per, train)) / sum(train))
 
 
 @pytest.mark.timeout(60)

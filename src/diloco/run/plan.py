@@ -40,6 +40,7 @@ from diloco.run.assemble import (
     simulator,
     upload_codec,
 )
+from diloco.runtime import Arrival
 from diloco.runtime.async_sim import AsyncDiLoCo
 from diloco.runtime.data_parallel import dp_steps_s
 from diloco.runtime.sim import DiLoCo
@@ -228,9 +229,20 @@ def simulate(
     trainer = simulator(cfg, side, pool, clock, [1] * k)
     if isinstance(trainer, AsyncDiLoCo):
         staleness: list[int] = []
-        trainer.run(lambda a: staleness.append(a.staleness))
+        first: dict[int, tuple[float, float]] = {}  # worker -> (its first push, its first job's compute)
+        last: dict[int, float] = {}
+
+        def arrived(a: Arrival) -> None:
+            staleness.append(a.staleness)
+            first.setdefault(a.worker, (a.sim_time_s, trainer.busy_s[a.worker]))
+            last[a.worker] = a.sim_time_s
+
+        trainer.run(arrived)
         out["mean_staleness"] = sum(staleness) / len(staleness) if staleness else 0.0
         out["updates"] = len(staleness)
+        # each worker's time training as the server's summary counts it (rundir/summary.py): its
+        # first job's compute, then from its first push to its last
+        out["train_s"] = [first[w][1] + last[w] - first[w][0] if w in first else 0.0 for w in range(k)]
         rounds = cfg.rounds
     else:
         rounds = _run_sync(cfg, trainer)
@@ -276,7 +288,7 @@ def plan(
     scale = cfg.rounds / window
     sim = simulate(dataclasses.replace(cfg, rounds=window), shapes, links, topology)
     wall = sim["wall_s"] * scale
-    utilisation = [b / sim["wall_s"] if sim["wall_s"] > 0 else 1.0 for b in sim["busy_s"]]
+    utilisation, mean = _utilisation(sim)
     result: dict[str, Any] = {
         "method": cfg.method,
         "runtime": "collective" if topology == "ring" else "sim",
@@ -288,7 +300,7 @@ def plan(
         "rounds_simulated": window,
         "wall_time_s": wall,
         "round_time_s": wall / cfg.rounds,
-        "utilisation": {"per_worker": utilisation, "mean": sum(utilisation) / len(utilisation)},
+        "utilisation": {"per_worker": utilisation, "mean": mean},
         "bytes_per_worker": {
             "sent": [round(b * scale) for b in sim["bytes_sent"]],
             "received": [round(b * scale) for b in sim["bytes_received"]],
@@ -296,6 +308,7 @@ def plan(
     }
     if cfg.method == "async":
         sync = simulate(_as_sync(cfg, window), shapes, links, topology)
+        result["train_s"] = [t * scale for t in sim["train_s"]]
         result["mean_staleness"] = sim["mean_staleness"]
         result["speedup_vs_sync"] = sync["wall_s"] / sim["wall_s"] if sim["wall_s"] > 0 else None
     if search:
@@ -304,6 +317,16 @@ def plan(
             short, shapes, lambda c, lk: simulate(c, shapes, lk, topology)
         )
     return result
+
+
+def _utilisation(sim: dict[str, Any]) -> tuple[list[float], float]:
+    """Each worker's compute utilisation and the run's, as a real run's summary counts them
+    (rundir/summary.py): sync, its seconds computing ÷ the run's wall time (the mean of them);
+    async, ÷ its own time training (`train_s`), and Σ computing ÷ Σ training."""
+    busy = sim["busy_s"]
+    spans = sim.get("train_s") or [sim["wall_s"]] * len(busy)
+    per = [b / t if t > 0 else 1.0 for b, t in zip(busy, spans, strict=True)]
+    return per, sum(busy) / sum(spans) if sum(spans) > 0 else 1.0
 
 
 def _as_sync(cfg: TrainConfig, rounds: int) -> TrainConfig:
@@ -320,8 +343,7 @@ def bandwidth_for(
     k = cfg.num_workers
 
     def util(mbps: float) -> list[float]:
-        s = run(cfg, [mbps] * k)
-        return [b / s["wall_s"] if s["wall_s"] > 0 else 1.0 for b in s["busy_s"]]
+        return _utilisation(run(cfg, [mbps] * k))[0]
 
     free = util(0.0)  # 0: unlimited
     goal = [TARGET * u for u in free]
