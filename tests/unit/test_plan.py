@@ -166,6 +166,14 @@ def test_the_command_prints_json_and_sweeps(capsys):
         (["--step-s", "1", "--sweep", "colour=red"], "no setting"),
         (["--step-s", "1", "--method", "async", "--sweep", "fragments=1,2"], "fragments"),
         (["--step-s", "1", "--probe"], "not both"),
+        (["--step-s", "1", "--speeds", "1,2"], "not both"),
+        (["--step-s", "1", "--heterogeneity", "very"], "not both"),
+        (["--step-s", "1", "--link-mbps", "10", "--bandwidth-mbps", "5"], "not both"),
+        (["--step-s", "1", "--link-mbps", "10", "--sweep", "bandwidth-mbps=1,2"], "not both"),
+        (["--step-s", "1", "--sweep", "runtime=sim,collective"], "cannot vary runtime"),
+        (["--step-s", "1", "--sweep", "speeds=1"], "cannot vary speeds"),
+        (["--step-s", "1", "--rounds-simulated", "0"], "at least 1"),
+        (["--step-s", "1", "--link-mbps", "-3"], "--link-mbps wants Mbit/s"),
     ],
 )
 def test_bad_input_is_one_sentence_and_exit_2(capsys, extra, says):
@@ -238,3 +246,26 @@ def test_the_docs_planning_tables_are_the_ones_the_json_gives():
     doc = (root / "docs" / "planning.md").read_text()
     block = re.search(re.escape(bench.BEGIN) + r"\n(.*?)\n" + re.escape(bench.END), doc, re.S)
     assert block is not None and block.group(1) == bench.markdown(cells)
+
+
+@pytest.mark.timeout(60)
+def test_per_worker_links_and_an_unlimited_one_by_hand(tiny):
+    """Worker 1's link is 10 Mbit/s, worker 0's unlimited (0): a sync round waits for worker 1's
+    pull and push; utilisation is per worker, and the link matters to nobody for one worker."""
+    cfg = tiny(num_workers=2, inner_steps=10, eval_every=10, sim=SimConfig(speeds=(0.5, 0.5), procs=1))
+    shapes = Shapes()
+    p = plan(cfg, shapes=shapes, links=[0.0, 10.0], search=False)
+    nbytes = shapes.param_bytes(cfg)
+    round_s = 10 * 0.5 + 2 * nbytes * 8 / 10e6  # its fp32 pull and push over 10 Mbit/s
+    assert p["round_time_s"] == pytest.approx(round_s, rel=1e-12)
+    assert p["utilisation"]["per_worker"][0] == pytest.approx(5.0 / round_s, rel=1e-12)
+    single = plan(tiny(method="single", num_workers=1, sim=SimConfig(speeds=(0.5,), procs=1)), shapes=shapes)
+    assert single["bandwidth_for_95pct_mbps"] == [None]  # no message crosses a link
+
+
+@pytest.mark.timeout(60)
+def test_link_zero_is_unlimited_on_the_command_line(capsys):
+    args = ["plan", "--workers", "2", "--inner-steps", "10", "--rounds", "2", "--step-s", "0.5", "--json"]
+    assert main([*args, "--link-mbps", "0"]) == 0
+    free = json.loads(capsys.readouterr().out)
+    assert free["round_time_s"] == pytest.approx(5.0) and free["utilisation"]["mean"] == pytest.approx(1.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 from typing import Any
 
@@ -28,6 +29,38 @@ def _numbers(text: str, flag: str) -> list[float]:
         return parse_speeds(text)
     except ValueError:
         raise UserError(f"{flag} wants positive numbers separated by commas, got {text!r}.") from None
+
+
+def _rates(text: str, flag: str) -> list[float]:
+    """Link rates: numbers ≥ 0 (0: unlimited) separated by commas."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(v) and v >= 0 for v in values):
+        raise UserError(f"{flag} wants Mbit/s (0: unlimited) separated by commas, got {text!r}.")
+    return values
+
+
+def _refuse_pairs(
+    args: argparse.Namespace, flags: dict[str, Any], axes: list[tuple[str, str, list[str]]]
+) -> None:
+    """One sentence for settings that would silently override each other."""
+    swept = {p for p, _, _ in axes}
+    for path in ("runtime", "sim.speeds", "sim.heterogeneity"):
+        if path in swept:
+            raise UserError(f"--sweep cannot vary {path.split('.')[-1]}: run diloco plan once for each.")
+    given_steps = "--step-s" if args.step_s is not None else "--probe" if args.probe else None
+    for path, flag in (("sim.speeds", "--speeds"), ("sim.heterogeneity", "--heterogeneity")):
+        if given_steps and path in flags:
+            raise UserError(f"give {given_steps} or {flag}, not both.")
+    links = "--link-mbps" if args.link_mbps is not None else "--probe-link" if args.probe_link else None
+    if links and ("sim.bandwidth_mbps" in flags or "sim.bandwidth_mbps" in swept):
+        raise UserError(f"give {links} or --bandwidth-mbps, not both.")
+    if args.probe_link and ("sim.latency_ms" in flags or "sim.latency_ms" in swept):
+        raise UserError("--probe-link measures the latency: drop --latency-ms.")
+    if args.rounds_simulated < 1:
+        raise UserError(f"--rounds-simulated must be at least 1, got {args.rounds_simulated}.")
 
 
 def _per_worker(values: list[float], k: int, flag: str) -> list[float]:
@@ -72,7 +105,8 @@ def _parsed(path: str, text: str) -> Any:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    from diloco.run.plan import Shapes, plan, probe_step_s
+    from diloco.run.plan import Shapes, plan
+    from diloco.run.probe import probe_step_s
 
     flags = given_settings(args)
     values = load_toml(args.config) if args.config is not None else {}
@@ -81,6 +115,11 @@ def plan_command(args: argparse.Namespace) -> int:
     if runtime == "server":
         runtime = "sim"  # a server's workers meet as the simulator's do: pull θ, push the message
     where = str(args.config) if args.config else "the flags"
+    axes = _sweep_axes(args.sweep or [])
+    _refuse_pairs(args, flags, axes)
+    toml_speeds = values.get("sim", {}).get("speeds") if isinstance(values.get("sim"), dict) else None
+    if toml_speeds and "sim.speeds" not in flags and args.step_s is None and not args.probe:
+        flags["sim.speeds"] = tuple(toml_speeds)  # a TOML file's step times
     if args.step_s is None and not args.probe and "sim.speeds" not in flags:
         raise UserError(
             "diloco plan needs each worker's seconds per inner step: give --step-s S[,S,...] (one value: "
@@ -89,13 +128,12 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.step_s is not None and args.probe:
         raise UserError("give --step-s or --probe, not both.")
     base = with_flags(values, {p: v for p, v in flags.items() if p != "sim.speeds"}, where)
-    axes = _sweep_axes(args.sweep or [])
     combos = list(itertools.product(*[[(p, _parsed(p, v)) for v in vs] for p, _, vs in axes]))
     step_s = None if args.step_s is None else _numbers(args.step_s, "--step-s")
     if args.probe:
         step_s = [probe_step_s(base)]
         print(f"diloco plan: --probe: {step_s[0]:.4g} s per inner step on this machine", file=sys.stderr)
-    link = None if args.link_mbps is None else _numbers(args.link_mbps, "--link-mbps")
+    link = None if args.link_mbps is None else _rates(args.link_mbps, "--link-mbps")
     if args.probe_link is not None:
         if link is not None:
             raise UserError("give --link-mbps or --probe-link, not both.")
@@ -179,7 +217,7 @@ def describe(row: dict[str, Any], cfg: TrainConfig) -> str:
     ]
     if need:
         lines.append(f"  95% needs    {max(need):.4g} Mbit/s per link (the most any worker needs)")
-    if "speedup_vs_sync" in row:
+    if row.get("speedup_vs_sync") is not None:
         lines.append(
             f"  async        {row['speedup_vs_sync']:.3g}x sync DiLoCo's speed at equal local steps; "
             f"mean staleness {row['mean_staleness']:.2f}"

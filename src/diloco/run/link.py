@@ -216,13 +216,21 @@ def probe_link(link: Link, *, trips: int = 5, least_s: float = 0.5) -> dict[str,
         link.stub.ProbeUp(chunks, timeout=300.0, metadata=link.meta)
         return time.perf_counter() - t0
 
-    rtt = statistics.median(link.call("a link probe", lambda: down(0)) for _ in range(trips))
+    try:
+        rtt = statistics.median(link.call("a link probe", lambda: down(0)) for _ in range(trips))
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+            raise
+        raise UserError(
+            f"the server at {link.server} is a diloco older than link probes; upgrade it, or give "
+            "--link-mbps."
+        ) from None
     result = {"latency_ms": rtt * 1e3}
     for name, fn in (("down_mbps", down), ("up_mbps", up)):
         n = CHUNK_BYTES
         while True:
             took = link.call("a link probe", lambda fn=fn, n=n: fn(n))
-            if took >= least_s or n >= PROBE_MAX_BYTES:
+            if took - rtt >= least_s or n >= PROBE_MAX_BYTES:
                 break
             n = min(4 * n, PROBE_MAX_BYTES)
         result[name] = n * 8 / max(took - rtt, 1e-9) / 1e6

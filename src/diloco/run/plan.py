@@ -325,8 +325,8 @@ def _utilisation(sim: dict[str, Any]) -> tuple[list[float], float]:
     async, ÷ its own time training (`train_s`), and Σ computing ÷ Σ training."""
     busy = sim["busy_s"]
     spans = sim.get("train_s") or [sim["wall_s"]] * len(busy)
-    per = [b / t if t > 0 else 1.0 for b, t in zip(busy, spans, strict=True)]
-    return per, sum(busy) / sum(spans) if sum(spans) > 0 else 1.0
+    per = [b / t if t > 0 else 0.0 for b, t in zip(busy, spans, strict=True)]  # 0: it never worked
+    return per, sum(busy) / sum(spans) if sum(spans) > 0 else 0.0
 
 
 def _as_sync(cfg: TrainConfig, rounds: int) -> TrainConfig:
@@ -339,62 +339,29 @@ def bandwidth_for(
 ) -> list[float | None]:
     """Each worker's least link (Mbit/s, every worker's set to it; latency as given) at which its
     compute utilisation is at least TARGET × what it is on an unlimited link: a bisection in
-    log-space, all workers at once, to 1%. None where no message crosses a link."""
+    log-space, all workers at once, to 1%. None for a worker whose link does not matter (no
+    message crosses it, or it computes nothing) or that never reaches it below 1e9 Mbit/s."""
     k = cfg.num_workers
 
     def util(mbps: float) -> list[float]:
         return _utilisation(run(cfg, [mbps] * k))[0]
 
-    free = util(0.0)  # 0: unlimited
-    goal = [TARGET * u for u in free]
+    goal = [TARGET * u for u in util(0.0)]  # 0: unlimited
     lo, hi = [1e-3] * k, [1e9] * k
-    top = util(hi[0])
-    if any(t < g for t, g in zip(top, goal, strict=True)):
-        return [None if t < g else h for t, g, h in zip(top, goal, hi, strict=True)]
-    while True:
-        w = max(range(k), key=lambda i: hi[i] / lo[i])
+    slowest, fastest = util(lo[0]), util(hi[0])
+    need: list[float | None] = [None] * k
+    open_ = [w for w in range(k) if goal[w] > 0 and slowest[w] < goal[w] <= fastest[w]]
+    while open_:
+        w = max(open_, key=lambda i: hi[i] / lo[i])
         if hi[w] / lo[w] <= 1.01:
             break
         mid = math.sqrt(lo[w] * hi[w])
         for i, u in enumerate(util(mid)):
-            if lo[i] < mid < hi[i]:
+            if i in open_ and lo[i] < mid < hi[i]:
                 if u >= goal[i]:
                     hi[i] = mid
                 else:
                     lo[i] = mid
-    return hi
-
-
-def probe_step_s(cfg: TrainConfig, steps: int = 5, warmup: int = 2) -> float:
-    """Seconds per inner step of `cfg`'s model on this machine's CPU (the median of `steps` timed
-    AdamW steps on random tokens of the run's batch shape, after `warmup` untimed ones)."""
-    import statistics
-    import time
-    from functools import partial
-
-    from diloco.run.assemble import adamw
-    from diloco.run.threads import set_threads
-    from diloco.runtime.sim import make_worker
-
-    set_threads(cfg.resolved_threads)
-    b, t, vocab = cfg.data.batch_size, cfg.model.seq_len, cfg.model.vocab_size
-    g = torch.Generator().manual_seed(cfg.seed)
-
-    def batches():
-        while True:
-            tokens = torch.randint(0, vocab, (b, t + 1), generator=g)
-            yield tokens[:, :-1], tokens[:, 1:]
-
-    try:
-        worker = make_worker(partial(build_model, cfg), partial(adamw, inner=cfg.inner), batches())
-    except (RuntimeError, MemoryError) as e:
-        raise UserError(
-            f"--probe cannot build the model on this machine ({str(e)[:120]}); give --step-s."
-        ) from None
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        worker.train_step()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    for w in open_:
+        need[w] = hi[w]
+    return need
