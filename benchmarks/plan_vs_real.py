@@ -156,6 +156,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "plan_vs_real.json")
     ap.add_argument("--inner-steps", type=int, default=H, help=f"H of every row (default {H})")
     ap.add_argument("--figure", type=Path, default=FIGURE, help="where the figure goes")
+    ap.add_argument("--keep", type=Path, metavar="DIR", help="keep every row's run directory under DIR")
     ap.add_argument(
         "--link-mbps", type=float, default=LINK_MBPS, help=f"the shaped rate (default {LINK_MBPS:g})"
     )
@@ -170,7 +171,8 @@ def main() -> None:
     ports = iter(range(29501, 29600))
     configs, measured_link = [], {}
     with tempfile.TemporaryDirectory(prefix="plan-vs-real-") as tmp:
-        root = Path(tmp)
+        root = args.keep or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
         for kind in ("collective", "server"):
             rows = [n for n in names if ROWS[n][0] == kind]
             if not rows:
