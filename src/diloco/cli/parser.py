@@ -134,7 +134,14 @@ def _plan(sub: Any) -> None:
         "plan",
         help="predict a run's wall time, compute utilisation and bytes without training (docs/planning.md)",
     )
-    _add_setting_flags(plan, {"sim.speeds": "seconds per inner step of each worker (as --step-s)"})
+    _add_setting_flags(
+        plan,
+        {
+            "sim.speeds": "seconds per inner step of each worker (as --step-s)",
+            "runtime": "sim or server: workers pull θ and push over their own links (a star; default); "
+            "collective: torchrun's ring all-reduce",
+        },
+    )
     machines = plan.add_argument_group("the machines (diloco plan)")
     machines.add_argument(
         "--step-s",
