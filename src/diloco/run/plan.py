@@ -101,7 +101,6 @@ class PlanSide(OuterSide):
         return sum(self.float_sizes[self.params[i].numel()] for i in indices)
 
     def reduce(self, messages):
-        self.round_weights()  # its checks, as the real reduce
         return [torch.zeros_like(p) for p in self.params]
 
     def reduce_fragment(self, messages, group):
@@ -314,7 +313,7 @@ def plan(
     if search:
         short = dataclasses.replace(cfg, rounds=min(window, SEARCH_ROUNDS))
         result["bandwidth_for_95pct_mbps"] = bandwidth_for(
-            short, shapes, lambda c, lk: simulate(c, shapes, lk, topology)
+            short, lambda c, lk: simulate(c, shapes, lk, topology)
         )
     return result
 
@@ -335,7 +334,7 @@ def _as_sync(cfg: TrainConfig, rounds: int) -> TrainConfig:
 
 
 def bandwidth_for(
-    cfg: TrainConfig, shapes: Shapes, run: Callable[[TrainConfig, list[float]], dict[str, Any]]
+    cfg: TrainConfig, run: Callable[[TrainConfig, list[float]], dict[str, Any]]
 ) -> list[float | None]:
     """Each worker's least link (Mbit/s, every worker's set to it; latency as given) at which its
     compute utilisation is at least TARGET × what it is on an unlimited link: a bisection in

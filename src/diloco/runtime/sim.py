@@ -270,9 +270,8 @@ class DiLoCo(InProcess):
         t = self._worker_s if self._worker_s is not None else [self._sim_time_s] * k
         job = side.rounds_done
         totals, lr = [0.0] * k, 0.0
-        landed: dict[
-            int, tuple[list[torch.Tensor], float, int]
-        ] = {}  # fragment -> (θ_frag, pushed by, bytes)
+        # fragment -> (θ_frag, when every push was in, its download's bytes)
+        landed: dict[int, tuple[list[torch.Tensor], float, int]] = {}
         for n, seg in enumerate(self.schedule.segments()):
             for w in range(k):
                 kwargs: dict[str, Any] = {}
