@@ -68,7 +68,7 @@ def main() -> None:
                 **flags,
             }
             cfg = with_flags({}, settings, where="plan_streaming_table")
-            p = plan(cfg, shapes=shapes, topology="ring")
+            p = plan(cfg, shapes=shapes, runtime="collective")
             planned = max(b for b in p["bandwidth_for_95pct_mbps"] if b is not None) / 1e3
             paper = PAPER[model][name]
             rows.append(

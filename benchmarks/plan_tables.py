@@ -32,7 +32,7 @@ H, ROUNDS, JITTER = 100, 100, 0.1
 
 def method_settings(method: str, fragments: int) -> tuple[dict, str]:
     if method == "diloco":
-        return {"method": "diloco"}, "ring"
+        return {"method": "diloco"}, "collective"
     if method == "streaming_fp4":
         return {
             "method": "diloco",
@@ -40,8 +40,8 @@ def method_settings(method: str, fragments: int) -> tuple[dict, str]:
             "overlap_steps": 1,
             "codec": "fp4",
             "error_feedback": True,
-        }, "ring"
-    return {"method": "async", "codec": "fp4", "error_feedback": True, "download_codec": "bf16"}, "star"
+        }, "collective"
+    return {"method": "async", "codec": "fp4", "error_feedback": True, "download_codec": "bf16"}, "server"
 
 
 NAMES = {
@@ -91,7 +91,7 @@ def main() -> None:
     t0, shapes, cells = time.perf_counter(), Shapes(), []
     for model, (step_s, fragments) in MODELS.items():
         for method in ("diloco", "streaming_fp4", "async"):
-            settings, topology = method_settings(method, fragments)
+            settings, runtime = method_settings(method, fragments)
             for k in WORKERS:
                 for mbps in LINKS:
                     flags = {
@@ -104,7 +104,7 @@ def main() -> None:
                         "sim.bandwidth_mbps": mbps,
                         **settings,
                     }
-                    p = plan(with_flags({}, flags, where="plan_tables"), shapes=shapes, topology=topology)
+                    p = plan(with_flags({}, flags, where="plan_tables"), shapes=shapes, runtime=runtime)
                     need = [b for b in p["bandwidth_for_95pct_mbps"] if b is not None]
                     cell = {
                         "model": model,

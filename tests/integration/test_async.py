@@ -411,3 +411,26 @@ def test_async_summary_with_workers_of_different_speeds_counts_each_one(tiny):
     each = summary["inner_steps_per_worker"]
     assert each[0] > each[1] > each[2] > 0 and summary["inner_steps"] == 3 * 6 * 10
     check_summary(summary, cfg.out, tokens_per_step=4 * 32, inner_steps=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_the_budget_left_idle_gets_the_steps_a_deadline_job_gave_back(tiny, tmp_path):
+    # Near the budget's end (16 steps) worker 1 asks at 7.2 s and finds no room: worker 0's
+    # deadline job in flight holds its reservation. That job (jitter 0.2) fits fewer steps than
+    # reserved; when it lands at 10.5 s the steps it gave back go to worker 1 at once, as a job
+    # of exactly what is left, so the run takes its whole budget (docs/async.md, "The budget's end").
+    cfg = tiny(
+        method="async",
+        inner_steps=4,
+        rounds=2,
+        seed=3,
+        eval_every=0,
+        sim=SimConfig(speeds=(1.0, 1.3), speed_jitter=0.2, procs=1),
+    )
+    train(cfg, progress=False)
+    lines = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "worker"]
+    assert sum(m["steps"] for m in lines) == 2 * 2 * 4
+    w0_last = max(m["sim_time_s"] for m in lines if m["worker"] == 0)
+    last = lines[-1]
+    assert (last["worker"], last["steps"]) == (1, 1)
+    assert 0.8 * 1.3 <= last["sim_time_s"] - w0_last <= 1.2 * 1.3  # handed out as worker 0 landed

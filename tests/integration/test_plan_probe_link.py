@@ -36,6 +36,14 @@ def test_probe_link_measures_a_real_server(tmp_path):
         assert "ms round trip" in done.stderr and "Mbit/s down" in done.stderr
         p = json.loads(done.stdout)
         assert p["wall_time_s"] > 0 and 0 < p["utilisation"]["mean"] <= 1
+        # the plan is the one for the measured link given by hand: the slower way, and its latency
+        probed = p["probed_link"]
+        assert probed["down_mbps"] > 100 and probed["up_mbps"] > 100  # loopback
+        slower = min(probed["down_mbps"], probed["up_mbps"])
+        by_hand = _plan("--link-mbps", repr(slower), "--latency-ms", repr(probed["latency_ms"]), "--json")
+        assert by_hand.returncode == 0, by_hand.stderr
+        same = json.loads(by_hand.stdout)
+        assert same["wall_time_s"] == p["wall_time_s"] and same["utilisation"] == p["utilisation"]
         # loopback: far faster than any WAN link, and a round trip well under a second
         said = done.stderr.split("--probe-link")[1]
         assert float(said.split(":")[-1].split(" ms")[0].strip()) < 1000

@@ -8,7 +8,9 @@ from diloco.core.async_policy import (
     ArrivalScatter,
     SpeedEstimator,
     aligned_job_s,
+    budget_job,
     dylu_steps,
+    expected_steps,
     grace_close,
     grace_period,
     job_seconds,
@@ -119,6 +121,35 @@ def test_unbounded_grace_waits_for_every_push_in_flight():
 )
 def test_a_deadline_job_takes_the_steps_that_fit(seconds, durations, steps):
     assert steps_within(seconds, iter(durations)) == steps
+
+
+@pytest.mark.parametrize(
+    "steps,seconds,room,others,job",
+    [
+        # far from the budget's end: the full headroom, DEADLINE_CAP × steps
+        (10, 2.0, 100, 30, (10, 2.0, 20)),
+        # the headroom is what the others' next jobs (4) leave: 16 − 10 − 4 = 2
+        (10, 2.0, 16, 4, (10, 2.0, 12)),
+        # nothing left beyond them: a deadline with no headroom (cap = steps), not a wait
+        (10, 2.0, 12, 4, (10, 2.0, 10)),
+        # the room cannot hold the steps: a job of exact steps, the room
+        (10, 2.0, 6, 4, (6, None, None)),
+        # exact jobs (fixed H, DyLU by steps) take at most the room, never a headroom
+        (10, None, 100, 0, (10, None, None)),
+        (10, None, 3, 0, (3, None, None)),
+        # nothing left: steps ≤ 0 (the caller hands out nothing)
+        (10, 2.0, 0, 4, (0, None, None)),
+    ],
+)
+def test_the_budget_gives_a_deadline_job_headroom_only_from_spare_room(steps, seconds, room, others, job):
+    assert budget_job(steps, seconds, room, others) == job
+
+
+def test_a_next_jobs_expected_steps_are_what_fits_or_the_probe():
+    assert expected_steps(29.0, 0.58, 50) == 50  # 50 × 0.58 fits 50 exactly, rounding aside
+    assert expected_steps(29.0, 1.51, 50) == 19
+    assert expected_steps(1.0, 3.33, 50) == 1  # at least one step
+    assert expected_steps(29.0, None, 50) == 5  # not measured yet: its next job is its probe
 
 
 def test_a_deadline_is_h_steps_of_the_fastest_and_the_clock_gives_each_steps_time():

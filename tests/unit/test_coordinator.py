@@ -179,27 +179,32 @@ def test_deadline_jobs_handed_out_apart_end_together(tiny):
 @pytest.mark.timeout(60)
 def test_a_deadline_jobs_cap_keeps_the_run_to_its_budget(tiny):
     """A deadline job reserves the steps expected to fit and may take up to DEADLINE_CAP × them,
-    but only within the budget's room: what jobs in flight may still take beyond their
-    reservations is kept for them, so the last jobs take exactly what is left."""
+    but that headroom comes only from room no other worker needs for its next job (`budget_job`):
+    near the budget's end every worker still gets its job, none waits for another's headroom to
+    come back, and the last job takes exactly what is left."""
     coord = make(tiny, method="async", k=2, shard_sampling=False)
     log = Log(coord)
     for w in (0, 1):
         log({"kind": "join", "worker": w, "name": f"w{w}", "device": "cpu"})
         log(coord.plan_dispatch(w, log.t + 1))
-    for w in (0, 1):  # both measure 2 s per step
+    for w in (0, 1):  # both measure 2 s per step: jobs of H × 2 s = 8 s, 4 steps each
         push(log, w, w, outer_grad(coord, 0.0), compute_s=2.0, steps=1)
         log({"kind": "apply", "job": w})
     coord.dispatched = coord.step_budget - 10  # 10 steps left
-    first = coord.plan_dispatch(0, log.t + 1)  # H × 2 s = 8 s: 4 steps, and up to 4 more of the 10
-    assert (first["steps"], first["seconds"], first["cap"]) == (4, 8.0, 8)
+    first = coord.plan_dispatch(0, log.t + 1)  # 4 reserved, 4 kept for worker 1: 2 of headroom
+    assert (first["steps"], first["seconds"], first["cap"]) == (4, 8.0, 6)
     log(first)
-    second = coord.plan_dispatch(1, log.t + 1)  # room: 10 − 4 reserved − 4 kept for the first
-    assert (second["steps"], second["seconds"], "cap" in second) == (2, None, False)
+    # a second later it ends with the first (7 s, 3 steps); room 10 − 4 − 2 = 4 holds its whole
+    # job but no headroom (4 is kept for worker 0's next)
+    second = coord.plan_dispatch(1, log.t + 1)
+    assert (second["steps"], second["seconds"], second["cap"]) == (3, 7.0, 3)
     log(second)
-    push(log, first["job"], 0, outer_grad(coord, 0.0), compute_s=10.0, steps=5)  # took 5 of its 8
-    log({"kind": "apply", "job": first["job"]})
+    push(log, first["job"], 0, outer_grad(coord, 0.0), compute_s=10.0, steps=5)  # 5 of its 6
+    push(log, second["job"], 1, outer_grad(coord, 0.0), compute_s=8.0, steps=2)  # 2 of its 3
+    for job in (first["job"], second["job"]):
+        log({"kind": "apply", "job": job})
     last = coord.plan_dispatch(0, log.t + 1)  # 10 − 5 − 2 = 3 left: a job of exactly 3
-    assert (last["steps"], last["seconds"]) == (3, None)
+    assert (last["steps"], last["seconds"], "cap" in last) == (3, None, False)
     assert coord.dispatched + last["steps"] == coord.step_budget
 
 

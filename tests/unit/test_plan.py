@@ -41,7 +41,7 @@ CASES = {
 def test_the_plan_is_the_trained_runs_clock_and_bytes(tiny, case):
     cfg = tiny(**CASES[case])
     summary = train(cfg, progress=False)
-    predicted = plan(cfg, rounds_simulated=cfg.rounds, search=False)
+    predicted = plan(cfg, rounds_simulated=cfg.rounds, search=False, runtime="sim")
     assert predicted["wall_time_s"] == pytest.approx(summary["sim_time_s"], rel=1e-12)
     assert sum(predicted["bytes_per_worker"]["sent"]) == summary["bytes_sent"]
     assert sum(predicted["bytes_per_worker"]["received"]) == summary["bytes_received"]
@@ -200,7 +200,7 @@ def test_under_torchrun_the_exchange_is_a_ring_by_hand(tiny, codec):
         sim=SimConfig(speeds=(s,) * k, bandwidth_mbps=mbps, latency_ms=ms, procs=1),
     )
     shapes = Shapes()
-    p = plan(cfg, shapes=shapes, topology="ring")
+    p = plan(cfg, shapes=shapes, runtime="collective")
     from diloco.core.codec import build_codec
     from diloco.run.plan import simulate
 
@@ -269,3 +269,45 @@ def test_link_zero_is_unlimited_on_the_command_line(capsys):
     assert main([*args, "--link-mbps", "0"]) == 0
     free = json.loads(capsys.readouterr().out)
     assert free["round_time_s"] == pytest.approx(5.0) and free["utilisation"]["mean"] == pytest.approx(1.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_hugging_face_model_config_is_sized_as_the_model_built_for_real(tmp_path, capsys):
+    """--model-config: the planner builds the model on the meta device; its messages are the
+    sizes of the same model built for real (tied weights counted once)."""
+    from conftest import user_files
+
+    from diloco.cli.configure import with_flags
+    from diloco.model.init import build_model
+
+    _, config = user_files(tmp_path)
+    args = ["plan", "--model-config", config, "--workers", "2", "--rounds", "3", "--step-s", "0.5"]
+    assert main([*args, "--link-mbps", "100", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    cfg = with_flags({}, {"model.hf_config": config, "num_workers": 2, "rounds": 3}, "t")
+    n = sum(t.numel() for t in build_model(cfg).parameters() if t.requires_grad)
+    assert n > 10_000 and p["bytes_per_worker"]["sent"] == [3 * 4 * n] * 2  # fp32: one outer_grad a round
+    assert p["bytes_per_worker"]["received"] == [3 * 4 * n] * 2
+
+
+@pytest.mark.timeout(60)
+def test_a_servers_async_run_starts_with_each_workers_probe_alone(tiny):
+    """Two workers of 1 s a step, H = 10, a budget of 40 steps, no link cost. As the server runs
+    it (the default): probes of 1 step (to 1 s), deadline jobs of 10 (to 11 s), then 18 steps
+    left: worker 0 a deadline of 10 with no headroom (10 kept for worker 1's next), worker 1 the
+    8 left (to 19 s; worker 0 to 21 s): 3 jobs each. The simulator folds each probe into a first
+    job of 10 (to 10 s), then 10 more (to 20 s): 2 jobs each."""
+    cfg = tiny(
+        method="async",
+        num_workers=2,
+        inner_steps=10,
+        rounds=2,
+        eval_every=0,
+        sim=SimConfig(speeds=(1.0, 1.0), procs=1),
+    )
+    shapes = Shapes()
+    n = shapes.param_bytes(cfg)
+    server, sim = (plan(cfg, search=False, runtime=r, shapes=shapes) for r in ("server", "sim"))
+    assert (server["wall_time_s"], server["train_s"]) == (21.0, [21.0, 19.0])
+    assert server["bytes_per_worker"]["sent"] == [3 * n] * 2
+    assert (sim["wall_time_s"], sim["bytes_per_worker"]["sent"]) == (20.0, [2 * n] * 2)

@@ -138,8 +138,9 @@ def _plan(sub: Any) -> None:
         plan,
         {
             "sim.speeds": "seconds per inner step of each worker (as --step-s)",
-            "runtime": "sim or server: workers pull θ and push over their own links (a star; default); "
-            "collective: torchrun's ring all-reduce",
+            "runtime": "server (default): workers pull θ and push over their own links (a star), an async "
+            "worker's first job its probe alone; sim: the simulator's own run (it folds the probe into "
+            "the first job); collective: torchrun's ring all-reduce",
         },
     )
     machines = plan.add_argument_group("the machines (diloco plan)")

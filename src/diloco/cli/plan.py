@@ -110,10 +110,9 @@ def plan_command(args: argparse.Namespace) -> int:
 
     flags = given_settings(args)
     values = load_toml(args.config) if args.config is not None else {}
-    # torchrun's collectives (a ring) rather than a server's star; the clock's settings stay the simulator's
-    runtime = flags.pop("runtime", values.pop("runtime", "sim"))
-    if runtime == "server":
-        runtime = "sim"  # a server's workers meet as the simulator's do: pull θ, push the message
+    # what runs it: a parameter server (a star of pulls and pushes; async's first job is its
+    # probe alone), torchrun (a ring of collectives) or the simulator itself (run/plan.py)
+    runtime = flags.pop("runtime", values.pop("runtime", "server"))
     where = str(args.config) if args.config else "the flags"
     axes = _sweep_axes(args.sweep or [])
     _refuse_pairs(args, flags, axes)
@@ -133,7 +132,7 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.probe:
         step_s = [probe_step_s(base)]
         print(f"diloco plan: --probe: {step_s[0]:.4g} s per inner step on this machine", file=sys.stderr)
-    link = None if args.link_mbps is None else _rates(args.link_mbps, "--link-mbps")
+    link, measured = None if args.link_mbps is None else _rates(args.link_mbps, "--link-mbps"), None
     if args.probe_link is not None:
         if link is not None:
             raise UserError("give --link-mbps or --probe-link, not both.")
@@ -150,8 +149,9 @@ def plan_command(args: argparse.Namespace) -> int:
             values, flags | chosen | {"sim.speeds": tuple(_per_worker(list(speeds), k, "--speeds"))}, where
         )
         links = None if link is None else _per_worker(link, k, "--link-mbps")
-        topology = "ring" if runtime == "collective" else "star"
-        row = plan(cfg, links=links, rounds_simulated=args.rounds_simulated, shapes=shapes, topology=topology)
+        row = plan(cfg, links=links, rounds_simulated=args.rounds_simulated, shapes=shapes, runtime=runtime)
+        if measured is not None:  # what the plan used: every worker's link, both ways, and latency
+            row["probed_link"] = measured
         if axes:
             row = {"swept": {name: v for (_, name, _), (_, v) in zip(axes, combo, strict=True)}, **row}
         rows.append(row)

@@ -59,6 +59,35 @@ def aligned_job_s(now: float, job_s: float, deadlines: Iterable[float]) -> float
     return job_s if abs(end - now - job_s) <= 1e-9 * job_s else end - now
 
 
+# a deadline job takes at most this many times the steps expected to fit (a worker that suddenly
+# runs far faster than measured does not run away with the budget; sync rounds: core/dylu.py)
+DEADLINE_CAP = 2
+
+
+def expected_steps(job_s: float, step_s: float | None, inner_steps: int) -> int:
+    """The steps a worker's next deadline job of `job_s` seconds is expected to reserve, knowing
+    its seconds per step (None: not measured yet, so its next job is its probe)."""
+    if step_s is None:
+        return probe_steps(inner_steps)
+    return max(1, math.floor(job_s / step_s * (1 + 1e-9)))
+
+
+def budget_job(
+    steps: int, seconds: float | None, room: int, others: int = 0
+) -> tuple[int, float | None, int | None]:
+    """The job the budget still allows, as (steps, seconds, cap). `room`: the budget's inner
+    steps not handed out, less the headroom (cap − steps) of the deadline jobs in flight;
+    `others`: the steps the other workers' next jobs are expected to reserve. A deadline job
+    reserves its `steps` and may take up to DEADLINE_CAP × them, but that headroom comes only from
+    room no other worker needs for its next job: near the budget's end it shrinks to nothing, so
+    every worker still gets its job and the run takes exactly its budget (docs/async.md, "The
+    budget's end"). A job the room cannot hold is one of exact steps, the room; steps ≤ 0:
+    nothing is left to hand out now."""
+    if seconds is None or steps > room:
+        return min(steps, room), None, None
+    return steps, seconds, steps + max(0, min((DEADLINE_CAP - 1) * steps, room - steps - others))
+
+
 def another_step_fits(done: int, spent: float, seconds: float) -> bool:
     """Whether a worker that took `done` steps in `spent` seconds of a job of `seconds` starts
     another: always a first one, so every job makes progress; after it, while the time spent plus

@@ -36,9 +36,7 @@ from diloco.core.async_policy import SpeedEstimator, dylu_steps, job_seconds
 
 # a worker whose measured speed is within this fraction of the fastest's takes H (timing noise)
 SYNC_TOLERANCE = 0.05
-# a deadline job takes at most this many times the steps expected to fit (a worker that suddenly
-# runs far faster than measured does not run away with the round's budget)
-DEADLINE_CAP = 2
+# a deadline job takes at most DEADLINE_CAP × the steps expected to fit (core/async_policy.py)
 
 
 @dataclass

@@ -187,15 +187,16 @@ def _fragments(model: nn.Module, units: int) -> list[list[int]]:
 
 
 def simulate(
-    cfg: TrainConfig, shapes: Shapes, links: list[float] | None = None, topology: str = "star"
+    cfg: TrainConfig, shapes: Shapes, links: list[float] | None = None, runtime: str = "server"
 ) -> dict[str, Any]:
     """One simulated run of `cfg` (its rounds as given: no scaling): wall time, each worker's
     seconds of compute and bytes, and for async the staleness of each update. `links`: each
-    worker's Mbit/s (default the config's --bandwidth-mbps for all); `topology`: star (a server,
-    the simulator) or ring (torchrun's collectives; runtime/clock.py)."""
+    worker's Mbit/s (default the config's --bandwidth-mbps for all); `runtime`: "server" (a star;
+    async's first job is its probe alone, as the server's is), "sim" (a star; the simulator folds
+    the probe into the first job) or "collective" (torchrun's ring; runtime/clock.py)."""
     k = cfg.num_workers
     clock = build_clock(cfg, k)
-    clock.topology = topology
+    clock.topology = "ring" if runtime == "collective" else "star"
     if links is not None:
         clock.bandwidth_mbps = links
     if cfg.method in ("dp", "single"):
@@ -227,6 +228,7 @@ def simulate(
     out: dict[str, Any] = {}
     trainer = simulator(cfg, side, pool, clock, [1] * k)
     if isinstance(trainer, AsyncDiLoCo):
+        trainer.probe_job = runtime == "server"
         staleness: list[int] = []
         first: dict[int, tuple[float, float]] = {}  # worker -> (its first push, its first job's compute)
         last: dict[int, float] = {}
@@ -274,23 +276,24 @@ def plan(
     rounds_simulated: int = 50,
     shapes: Shapes | None = None,
     search: bool = True,
-    topology: str = "star",
+    runtime: str = "server",
 ) -> dict[str, Any]:
     """The prediction for `cfg` (see the module docstring); the fields of `diloco plan --json`.
-    `topology` "ring" plans the run under torchrun (`diloco plan --runtime collective`)."""
-    if topology == "ring" and cfg.method == "async":
+    `runtime`: what runs it (`simulate`): "server" (default), "collective" (torchrun, `diloco
+    plan --runtime collective`) or "sim" (the simulator's own run, which it equals exactly)."""
+    if runtime == "collective" and cfg.method == "async":
         raise UserError(
             "asynchronous training runs on a parameter server, not under torchrun: drop --runtime."
         )
     shapes = shapes or Shapes()
     window = min(cfg.rounds, rounds_simulated)
     scale = cfg.rounds / window
-    sim = simulate(dataclasses.replace(cfg, rounds=window), shapes, links, topology)
+    sim = simulate(dataclasses.replace(cfg, rounds=window), shapes, links, runtime)
     wall = sim["wall_s"] * scale
     utilisation, mean = _utilisation(sim)
     result: dict[str, Any] = {
         "method": cfg.method,
-        "runtime": "collective" if topology == "ring" else "sim",
+        "runtime": runtime,
         "workers": cfg.num_workers,
         "inner_steps": cfg.inner_steps,
         "codec": cfg.communication.codec,
@@ -306,14 +309,14 @@ def plan(
         },
     }
     if cfg.method == "async":
-        sync = simulate(_as_sync(cfg, window), shapes, links, topology)
+        sync = simulate(_as_sync(cfg, window), shapes, links, runtime)
         result["train_s"] = [t * scale for t in sim["train_s"]]
         result["mean_staleness"] = sim["mean_staleness"]
         result["speedup_vs_sync"] = sync["wall_s"] / sim["wall_s"] if sim["wall_s"] > 0 else None
     if search:
         short = dataclasses.replace(cfg, rounds=min(window, SEARCH_ROUNDS))
         result["bandwidth_for_95pct_mbps"] = bandwidth_for(
-            short, lambda c, lk: simulate(c, shapes, lk, topology)
+            short, lambda c, lk: simulate(c, shapes, lk, runtime)
         )
     return result
 

@@ -32,8 +32,8 @@ import grpc
 import torch
 
 from diloco.config import from_dict
+from diloco.core.async_policy import DEADLINE_CAP
 from diloco.core.codec import Encoded
-from diloco.core.dylu import DEADLINE_CAP
 from diloco.core.inner import Worker
 from diloco.data.recipe import prepare_data
 from diloco.data.shard_plan import ShardPlan

@@ -19,14 +19,15 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Callable
-from typing import Any
 
 from diloco.config import TrainConfig
 from diloco.core.async_policy import (
     ArrivalScatter,
     SpeedEstimator,
     aligned_job_s,
+    budget_job,
     dylu_steps,
+    expected_steps,
     grace_close,
     grace_period,
     job_seconds,
@@ -38,14 +39,14 @@ from diloco.core.async_rules import AsyncRule, DelayComp
 from diloco.core.codec import Codec
 from diloco.core.inner import InnerResult
 from diloco.core.outer_side import OuterSide
-from diloco.errors import UserError
 from diloco.runtime import Arrival, InProcess
+from diloco.runtime.async_state import AsyncCheckpoint
 from diloco.runtime.clock import Clock
 from diloco.runtime.pool import InlinePool, ProcessPool
 from diloco.runtime.sim import ModelFn
 
 
-class AsyncDiLoCo(InProcess):
+class AsyncDiLoCo(AsyncCheckpoint, InProcess):
     """The asynchronous server and its workers, driven by the virtual clock.
 
     `total_steps` is the compute budget (`step_budget`): inner steps over all workers (k × rounds
@@ -108,16 +109,21 @@ class AsyncDiLoCo(InProcess):
         self.scatter = ArrivalScatter()  # for --grace-s measured
         self._push_bytes = side.codec.message_bytes(side.params)  # one encoded outer_grad
         self._probes: dict[int, tuple[float, float]] = {}  # worker -> (probe ends at, s per step)
+        # a first job that is its probe alone, pushed like any job, as on the server (which cannot
+        # resize a running job): what `diloco plan` simulates for a server's run
+        self.probe_job = False
         self.shard_sizes = shard_sizes  # None: every worker keeps its own shard
         self.shard_steps = [0] * (len(shard_sizes) if shard_sizes else k)
         self.rng = random.Random(side.seed)
-        # simulated time; inner steps handed out, and those whose outer_grad has arrived
+        # simulated time; inner steps handed out (a deadline job's: those it reserves, until it
+        # lands), and those whose outer_grad has arrived
         self._sim_time_s, self.dispatched, self.applied = 0.0, 0, 0
         self.busy_s = [0.0] * k  # each worker's simulated seconds of inner steps whose push arrived
         self._jobs = [0] * k  # jobs per worker, numbering jitter draws
         self._heap: list[tuple[float, int, int]] = []
         self._inflight: dict[int, dict] = {}
         self._ready: dict[int, InnerResult] = {}  # results collected early (for a checkpoint)
+        self._waiting: list[int] = []  # workers the budget's room left idle until a deadline job lands
         self._started = False
         # the grace group being applied [(lands, worker)], its workers not applied yet, when they restart
         self._group, self._pending, self._restart = [], [], 0.0
@@ -153,12 +159,17 @@ class AsyncDiLoCo(InProcess):
         known = [s for s in self.known_step_s(t) if s is not None]
         return grace_period(self.grace_s, self.inner_steps, known, self.scatter.spread())
 
-    def _steps_for(self, w: int, t: float, start_s: float) -> tuple[int, float | None]:
-        """H_w of a job handed out at t whose steps start at `start_s`, and its length in seconds
-        when jobs are deadlines (else None); a first job's is set when its probe ends (`_probe`)."""
+    def _steps_for(self, w: int, t: float, start_s: float) -> tuple[int, float | None, int, int]:
+        """The job of worker w handed out at t whose steps start at `start_s`, before the budget
+        has its say: its steps (a deadline job's: those the server expects to fit, at its
+        estimate of w's speed), its length in seconds when jobs are deadlines (else None), the
+        fewest steps it takes (a first job's probe; its length is set when the probe ends), and
+        the steps the other workers' next jobs are expected to reserve (`budget_job`)."""
         if not self.dylu:
-            return self.inner_steps, None
+            return self.inner_steps, None, 1, 0
         first = self.estimators[w].step_s is None and not self.dylu_oracle
+        if first and self.probe_job:  # the server's probe: a job of its own
+            return self.probe_steps, None, self.probe_steps, 0
         if self.dylu_oracle:
             speeds = [self.clock.true_step_s(i, t) for i in range(self.num_workers)]
         else:
@@ -166,13 +177,22 @@ class AsyncDiLoCo(InProcess):
             # a worker not measured yet is no faster than w: every faster one has ended its probe
             speeds = [s if s is not None else known[w] for s in known]
         least = self.probe_steps if first else 1
-        if self.by_time:  # the worker trains until the deadline: H_w is what fits in it
-            seconds = job_seconds(self.inner_steps, speeds)
+        if self.by_time:  # a deadline: the server reserves the steps it expects to fit
+            job_s = seconds = job_seconds(self.inner_steps, speeds)
             if not first:  # it ends with the deadline jobs in flight (first jobs all start at 0)
                 seconds = aligned_job_s(start_s, seconds, self._deadlines_set(t))
-            steps = steps_within(seconds, self.clock.step_times(w, start_s, job=self._jobs[w]))
-            return max(least, steps), seconds
-        return max(least, dylu_steps(speeds, self.inner_steps)[w]), None
+            known = speeds if self.dylu_oracle else self.known_step_s(t)
+            others = sum(
+                expected_steps(job_s, known[v], self.inner_steps) for v in range(len(known)) if v != w
+            )
+            return max(least, expected_steps(seconds, speeds[w], self.inner_steps)), seconds, least, others
+        return max(least, dylu_steps(speeds, self.inner_steps)[w]), None, least, 0
+
+    def _room(self) -> int:
+        """The budget's room as the server counts it (`budget_job`): inner steps not handed out,
+        less what the deadline jobs in flight may still take beyond their reservations."""
+        headroom = sum(j["cap"] - j["reserved"] for j in self._inflight.values() if j["cap"])
+        return self.step_budget - self.dispatched - headroom
 
     def _deadlines_set(self, t: float) -> list[float]:
         """The deadlines in flight that the server has set by time t (a first job's: at its probe's end)."""
@@ -199,22 +219,28 @@ class AsyncDiLoCo(InProcess):
 
     def _dispatch(self, w: int, t: float) -> None:
         pulled_at = t + self.clock.transfer_s(self.side.pull_bytes, w)
-        steps, seconds = self._steps_for(w, t, pulled_at)
-        steps = min(steps, self.step_budget - self.dispatched)
-        if steps <= 0:
+        reserved, seconds, least, others = self._steps_for(w, t, pulled_at)
+        reserved, seconds, cap = budget_job(reserved, seconds, self._room(), others)
+        if reserved <= 0:  # a deadline job in flight may leave room when it lands (`_landed`)
+            if w not in self._waiting and any(j["cap"] for j in self._inflight.values()):
+                self._waiting.append(w)
             return
+        steps = reserved  # a deadline job: the worker trains until the deadline, within its cap
+        if seconds is not None:
+            fits = steps_within(seconds, self.clock.step_times(w, pulled_at, job=self._jobs[w]))
+            steps = min(cap, max(least, fits))
         shard = self._pick_shard(w)
         key = w if shard is None else shard
         shard_step = self.shard_steps[key]
-        self.shard_steps[key] += steps
+        self.shard_steps[key] += reserved  # as the server counts them until the push lands
         self.pool.submit(w, self.side.pull(w), steps, lr_step=shard_step, shard=shard)
         compute_s = self.clock.compute_s(w, pulled_at, steps, job=self._jobs[w])
         arrival = pulled_at + compute_s + self.clock.transfer_s(self._push_bytes, w)
         step_s = self.known_step_s(t)[w]  # the job's length as expected now (ArrivalScatter)
-        length = seconds if seconds is not None else None if step_s is None else steps * step_s
+        length = seconds if seconds is not None else None if step_s is None else reserved * step_s
         expected = None if length is None else [arrival - compute_s + length, length]
         self._jobs[w] += 1
-        self.dispatched += steps
+        self.dispatched += reserved
         pulled = [p.detach().clone() for p in self.params] if isinstance(self.rule, DelayComp) else None
         self._inflight[w] = {
             "steps": steps,
@@ -225,8 +251,22 @@ class AsyncDiLoCo(InProcess):
             "shard": key,
             "seconds": seconds,
             "expected": expected,  # [when it should land, how long it should take]
+            "reserved": reserved,  # the steps the budget counts until it lands
+            "cap": cap,  # a deadline job's most steps (None: an exact job)
         }
         heapq.heappush(self._heap, (arrival, w, w))
+
+    def _landed(self, w: int, t: float) -> None:
+        """Worker w's push lands at t: the budget counts the steps it took (a deadline job's are
+        known now) and its headroom is let go, so workers waiting for room get their jobs."""
+        job = self._inflight[w]
+        if job["cap"]:
+            self.dispatched += job["steps"] - job["reserved"]
+            self.shard_steps[job["shard"]] += job["steps"] - job["reserved"]
+            job["reserved"], job["cap"] = job["steps"], None
+        waiting, self._waiting = self._waiting, []
+        for v in waiting:
+            self._dispatch(v, t)
 
     def _arrive(self, w: int, t: float, group_end: bool) -> Arrival:
         job = self._inflight.pop(w)
@@ -271,7 +311,8 @@ class AsyncDiLoCo(InProcess):
         if not self._started:
             self._started = True
             for w in range(self.num_workers):  # every first job's probe, before any job's length
-                self._probe(w, 0.0)
+                if not self.probe_job:
+                    self._probe(w, 0.0)
             for w in range(self.num_workers):
                 self._dispatch(w, 0.0)
         if not self._group:
@@ -289,6 +330,8 @@ class AsyncDiLoCo(InProcess):
             while grace > 0 and self._heap and self._heap[0][0] <= close:
                 ta, _, wa = heapq.heappop(self._heap)
                 self._group.append((ta, wa))
+            for ta, wa in self._group:  # the steps they took are known: room for the waiting
+                self._landed(wa, ta)
             self._restart = close
             self._pending = [w for _, w in self._group]
         ta, wa = self._group[len(self._group) - len(self._pending)]
@@ -306,88 +349,6 @@ class AsyncDiLoCo(InProcess):
         """Process every push in simulated-time order until the compute budget is spent."""
         while (arrival := self.step()) is not None:
             on_arrival(arrival)
-
-    # -- checkpoints ---------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        if not self.at_boundary:
-            raise RuntimeError("AsyncDiLoCo.state_dict in the middle of a grace group; save at_boundary")
-        for w in list(self._inflight):  # results first: the pools hold no job in flight after this
-            if w not in self._ready:
-                self._ready[w] = self.pool.result(w)
-        inflight = [
-            {
-                **{k: v for k, v in job.items() if k != "pulled"},
-                "worker": w,
-                "pulled": job["pulled"] if job["pulled"] is not None else [],
-                "result": self._ready[w].state_dict(),
-            }
-            for w, job in sorted(self._inflight.items())
-        ]
-        version, internal, gauss = self.rng.getstate()
-        return {
-            "outer": self.side.state_dict(),
-            "workers": self.pool.state_dict(),
-            "runtime": {
-                "async": {
-                    "sim_time_s": self._sim_time_s,
-                    "dispatched": self.dispatched,
-                    "applied": self.applied,
-                    "busy_s": list(self.busy_s),
-                    "started": self._started,
-                    "jobs": list(self._jobs),
-                    "heap": [list(e) for e in self._heap],
-                    "inflight": inflight,
-                    "speed_estimates": [e.step_s for e in self.estimators],
-                    "probes": [
-                        list(self._probes[w]) if w in self._probes else None
-                        for w in range(len(self.estimators))
-                    ],
-                    "shard_steps": list(self.shard_steps),
-                    "rng": [version, list(internal), gauss],
-                    "scatter": list(self.scatter.residuals),
-                }
-            },
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "async" not in state.get("runtime", {}):
-            raise ValueError("this checkpoint is not from an asynchronous run (--method async)")
-        a = state["runtime"]["async"]
-        if "probes" not in a:
-            raise UserError(
-                "this asynchronous checkpoint was written by an older diloco, before first jobs probed "
-                "their speed; resume it with the diloco that wrote it, or start the run again."
-            )
-        self.side.load_state_dict(state["outer"])
-        self.pool.load_state_dict(state["workers"])
-        self._sim_time_s = float(a["sim_time_s"])
-        self.dispatched, self.applied = int(a["dispatched"]), int(a["applied"])
-        self.busy_s = [float(x) for x in a.get("busy_s", self.busy_s)]
-        self._started = bool(a["started"])
-        self._jobs = [int(j) for j in a["jobs"]]
-        self._heap = [(float(t), int(i), int(w)) for t, i, w in a["heap"]]
-        heapq.heapify(self._heap)
-        self._inflight, self._ready = {}, {}
-        for job in a["inflight"]:
-            w = int(job["worker"])
-            self._ready[w] = InnerResult.from_state(job["result"])
-            self._inflight[w] = {
-                "steps": int(job["steps"]),
-                "started_s": float(job["started_s"]),
-                "compute_s": float(job["compute_s"]),
-                "version": int(job["version"]),
-                "pulled": [t.clone() for t in job["pulled"]] if job["pulled"] else None,
-                "shard": int(job["shard"]),
-                "seconds": None if job.get("seconds") is None else float(job["seconds"]),
-                "expected": job.get("expected"),
-            }
-        self._probes = {w: (float(p[0]), float(p[1])) for w, p in enumerate(a["probes"]) if p is not None}
-        for e, step_s in zip(self.estimators, a["speed_estimates"], strict=True):
-            e.step_s = None if step_s is None else float(step_s)
-        self.shard_steps = [int(n) for n in a["shard_steps"]]
-        self.scatter = ArrivalScatter(float(r) for r in a.get("scatter", []))
-        version, internal, gauss = a["rng"]
-        self.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
 
     def close(self, *, clean: bool = True) -> None:
         self.pool.close()

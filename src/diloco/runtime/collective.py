@@ -28,8 +28,9 @@ import torch.distributed as dist
 
 from diloco.config import TrainConfig
 from diloco.config.parsers import parse_slowdown
+from diloco.core.async_policy import DEADLINE_CAP
 from diloco.core.codec import Encoded
-from diloco.core.dylu import DEADLINE_CAP, RoundPlanner
+from diloco.core.dylu import RoundPlanner
 from diloco.core.inner import Worker
 from diloco.core.outer_side import OuterSide
 from diloco.core.streaming import Schedule

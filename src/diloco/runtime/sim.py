@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from diloco.core.async_policy import steps_within
+from diloco.core.async_policy import DEADLINE_CAP, steps_within
 from diloco.core.codec import Codec, Fp32Codec
-from diloco.core.dylu import DEADLINE_CAP, RoundPlan, RoundPlanner
+from diloco.core.dylu import RoundPlan, RoundPlanner
 from diloco.core.inner import LossFn, Worker, gpt_loss
 from diloco.core.outer import Fragmented, Nesterov, OuterOpt
 from diloco.core.outer_side import OuterSide

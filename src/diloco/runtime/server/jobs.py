@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from diloco.core.dylu import DEADLINE_CAP
+from diloco.core.async_policy import DEADLINE_CAP
 
 
 @dataclass

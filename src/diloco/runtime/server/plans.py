@@ -8,19 +8,19 @@ A part of `Coordinator`.
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Any
 
 from diloco.core.async_policy import (
     aligned_job_s,
+    budget_job,
     dylu_steps,
+    expected_steps,
     grace_period,
     job_seconds,
     probe_steps,
     shard_probabilities,
 )
-from diloco.core.dylu import DEADLINE_CAP
 from diloco.runtime.server.jobs import Job, most_steps
 
 
@@ -35,7 +35,7 @@ class Plans:
         (`aligned_job_s`), on a shard sampled by p_i ∝ max(|D_i|/Σ|D| − n_i/Σn, 0) (shard
         sampling), else its own."""
         v, job = self.cfg.async_, self.next_job
-        steps, shard, lr_stride, seconds, cap = self.H, w, 1.0, None, None
+        steps, shard, lr_stride, seconds, cap, others = self.H, w, 1.0, None, None, 0
         if self.plan is not None:  # sync DiLoCo with DyLU: planned at the round's begin
             steps, lr_stride = self.plan.steps[w], self.plan.lr_strides[w]
         if not self.sync:
@@ -47,8 +47,10 @@ class Plans:
                 dylu and self.cfg.dylu.by_for("async") == "time"
             ):  # a deadline; it reserves the steps expected to fit
                 ends = [j.t + j.seconds for j in self.jobs.values() if j.seconds is not None]
-                seconds = aligned_job_s(now, job_seconds(self.H, list(measured.values())), ends)
-                steps = max(1, math.floor(seconds / measured[w] * (1 + 1e-9)))
+                job_s = job_seconds(self.H, list(measured.values()))
+                seconds = aligned_job_s(now, job_s, ends)
+                steps = expected_steps(seconds, measured[w], self.H)
+                others = sum(expected_steps(job_s, measured.get(v), self.H) for v in self.workers if v != w)
             elif dylu:
                 steps = dylu_steps(list(measured.values()), self.H)[list(measured).index(w)]
             # the budget's room: what deadline jobs in flight may still take beyond their
@@ -56,12 +58,9 @@ class Plans:
             room = (
                 self.step_budget - self.dispatched - sum(most_steps(j) - j.steps for j in self.jobs.values())
             )
-            if steps > room:  # the budget's end: a job of exact steps
-                steps, seconds = room, None
+            steps, seconds, cap = budget_job(steps, seconds, room, others)
             if steps <= 0:
                 return None
-            if seconds is not None:  # at most DEADLINE_CAP × its steps, within the room
-                cap = steps + max(0, min((DEADLINE_CAP - 1) * steps, room - steps))
             if v.shard_sampling:
                 probs = shard_probabilities(self.shard_sizes, self.shard_steps)
                 rng = random.Random(f"shard/{self.cfg.seed}/{job}")  # no state to save or replay
