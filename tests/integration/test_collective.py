@@ -234,7 +234,18 @@ CODED = [
     pytest.param(  # slow: the suite's 10 minutes (fp4 + error feedback and the server's download codec stay)
         ["--codec", "int8", "--error-feedback", "--download-codec", "bf16"], marks=pytest.mark.slow
     ),
-    ["--codec", "topk", "--topk-fraction", "0.1", "--error-feedback"],
+    # top-k per chunk with 2-bit values (SparseLoCo's layout; plain top-k is the same all-gather)
+    [
+        "--codec",
+        "topk",
+        "--topk-fraction",
+        "0.1",
+        "--topk-chunk",
+        "64",
+        "--topk-bits",
+        "2",
+        "--error-feedback",
+    ],
     ["--fragments", "2", "--overlap-steps", "1", "--codec", "fp4", "--error-feedback"],
     ["--fragments", "2", "--overlap-steps", "1", "--mix-alpha", "0.3", "--codec", "bf16"],
 ]
@@ -254,6 +265,8 @@ def test_every_codec_and_streaming_equal_the_simulator_bit_for_bit(tiny, tmp_pat
         "codec",
         "error_feedback",
         "topk_fraction",
+        "topk_chunk",
+        "topk_bits",
         "download_codec",
         "fragments",
         "overlap_steps",

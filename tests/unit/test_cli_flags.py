@@ -55,6 +55,8 @@ EXPECTED = {
     "--workers-schedule": "workers_schedule",
     "--codec": "codec",
     "--topk-fraction": "topk_fraction",
+    "--topk-chunk": "topk_chunk",
+    "--topk-bits": "topk_bits",
     "--error-feedback": "error_feedback",
     "--download-codec": "download_codec",
     "--fragments": "fragments",

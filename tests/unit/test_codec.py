@@ -12,6 +12,12 @@ from diloco.core.codec import BLOCK, CODECS, DOWNLOAD_CODECS, Encoded, build_cod
 from diloco.errors import UserError
 
 LOSSY = ("bf16", "int8", "fp4", "topk")
+# top-k per chunk with its values in 2 and 3 bits (SparseLoCo's layout), by name in these tests
+CHUNKED = {"topk-c64-b2": dict(topk_chunk=64, topk_bits=2), "topk-c100-b3": dict(topk_chunk=100, topk_bits=3)}
+
+
+def _codec(name, **kw):
+    return build_codec("topk", **CHUNKED[name], **kw) if name in CHUNKED else build_codec(name, **kw)
 
 
 def _roundtrip(codec, tensors, state=None):
@@ -219,12 +225,12 @@ def test_decode_each_makes_one_tensor_at_a_time(name):
 
 
 @pytest.mark.timeout(20)
-@pytest.mark.parametrize("name", LOSSY)
+@pytest.mark.parametrize("name", [*LOSSY, *CHUNKED])
 def test_error_feedback_conserves_the_sum_over_rounds(name):
     """Σ_t decode(message_t) + residual_T = Σ_t g_t: nothing is lost, only delayed."""
     gen = torch.Generator().manual_seed(0)
     rounds = [[torch.randn(40, 50, generator=gen) * 10.0 ** (-3 * i) for i in range(2)] for _ in range(12)]
-    with_ef, without = build_codec(name, error_feedback=True), build_codec(name)
+    with_ef, without = _codec(name, error_feedback=True), _codec(name)
     state = {}
     sent = [torch.zeros(40, 50), torch.zeros(40, 50)]
     plain = [torch.zeros(40, 50), torch.zeros(40, 50)]
@@ -240,7 +246,86 @@ def test_error_feedback_conserves_the_sum_over_rounds(name):
         scale = m.abs().max()
         assert torch.allclose(s + r, m, atol=1e-5 * scale, rtol=1e-5)
         assert (s - m).norm() <= (p - m).norm()  # and what arrived is no further from the sum
-    assert build_codec(name).encode(rounds[0], state) is not None and "residual" in state
+    assert _codec(name).encode(rounds[0], state) is not None and "residual" in state
+
+
+@pytest.mark.timeout(10)
+def test_bits_pack_and_quantize_by_hand():
+    from diloco.core.bits import dequantize, pack, quantize, unpack
+
+    # 5, 0, 4095 in 12 bits, least significant first: 0x005 | 0x000 | 0xFFF over 36 bits
+    packed = pack(torch.tensor([5, 0, 4095]), 12)
+    assert packed.tolist() == [5, 0, 0, 255, 15]
+    assert unpack(packed, 12, 3).tolist() == [5, 0, 4095]
+    x = torch.randint(0, 8, (1001,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(unpack(pack(x, 3), 3, 1001), x)
+    # magnitudes 1, 0.5, 0.75, 0.25: levels from 0.25 to 1; 3 bits = 4 levels 0.25 apart, exact;
+    # 2 bits = {0.25, 1}: 0.5 rounds down, 0.75 up; the sign is the top bit
+    v = torch.tensor([[-1.0, 0.5, 0.75, 0.25]])
+    codes, bounds = quantize(v, 3)
+    assert codes.tolist() == [4 | 3, 1, 2, 0] and bounds.float().tolist() == [[0.25, 1.0]]
+    assert dequantize(codes.view(1, 4), bounds, 3).tolist() == v.tolist()
+    codes, bounds = quantize(v, 2)
+    assert codes.tolist() == [2 | 1, 0, 1, 0]
+    assert dequantize(codes.view(1, 4), bounds, 2).tolist() == [[-1.0, 0.25, 1.0, 0.25]]
+
+
+@pytest.mark.timeout(10)
+def test_chunked_topk_keeps_each_chunks_largest_against_a_loop():
+    """Per chunk of 64 values (the last of 30), ⌈0.1 × its length⌉ of the largest |values|
+    arrive exactly (float32) and the rest are zero; offsets take 6 bits each."""
+    x = torch.randn(3, 98, generator=torch.Generator().manual_seed(1))  # 294 = 4 × 64 + 38
+    codec = build_codec("topk", topk_fraction=0.1, topk_chunk=64)
+    message, (decoded,) = _roundtrip(codec, [x])
+    flat, want = x.reshape(-1), torch.zeros(294)
+    for start in range(0, 294, 64):
+        part = flat[start : start + 64]
+        top = torch.topk(part.abs(), math.ceil(0.1 * part.numel())).indices + start
+        want[top] = flat[top]
+    assert torch.equal(decoded.reshape(-1), want)
+    kept = 4 * 7 + 4
+    assert message.nbytes == 4 * kept + math.ceil(kept * 6 / 8) == codec.message_bytes([x])
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("fraction", [0.01, 0.03, 0.5, 1.0])
+@pytest.mark.parametrize("chunk", [1, 7, 64, 4096])
+@pytest.mark.parametrize("bits", [2, 3, 32])
+def test_chunked_message_bytes_from_shapes_alone_equal_the_encoded_size(fraction, chunk, bits):
+    codec = build_codec("topk", topk_fraction=fraction, topk_chunk=chunk, topk_bits=bits)
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(s, generator=g) for s in [(1,), (7,), (8,), (63, 65), (5000,), (4096,), (2, 4097)]]
+    message, decoded = _roundtrip(codec, tensors)
+    assert (
+        message.nbytes == codec.message_bytes(tensors) == codec.message_bytes([t.to("meta") for t in tensors])
+    )
+    for t, d in zip(tensors, decoded, strict=True):  # kept values keep their sign, the rest are 0
+        assert d.shape == t.shape and bool(((d == 0) | (torch.sign(d) == torch.sign(t))).all())
+
+
+@pytest.mark.timeout(10)
+def test_damaged_chunked_messages_are_refused_with_a_sentence():
+    x = [torch.randn(300)]
+    codec = build_codec("topk", topk_fraction=0.1, topk_chunk=64, topk_bits=2)
+    damage = {
+        "values one byte short": lambda m: m.payload.__setitem__(0, m.payload[0][:-1]),
+        "offsets repeated": lambda m: m.payload.__setitem__(1, torch.zeros_like(m.payload[1])),
+        "bounds not bfloat16": lambda m: m.payload.__setitem__(2, m.payload[2].float()),
+        "a negative bound": lambda m: m.payload.__setitem__(2, -m.payload[2].abs() - 1),
+        "another chunk size": lambda m: m.meta.__setitem__("chunk", 128),
+    }
+    for what, harm in damage.items():
+        m = codec.encode(x)
+        harm(m)
+        with pytest.raises(UserError, match="does not decode"):
+            codec.decode(m)
+        assert what
+    m = codec.encode(x)
+    m.meta["chunk"] = 128
+    with pytest.raises(UserError, match="--topk-chunk 128"):
+        codec.decode(m)
+    with pytest.raises(ValueError, match="bits one of"):
+        build_codec("topk", topk_bits=4)
 
 
 @pytest.mark.timeout(10)

@@ -376,12 +376,20 @@ class CommunicationConfig:
 
     codec: str
     topk_fraction: float
+    topk_chunk: int
+    topk_bits: int
     error_feedback: bool
     download_codec: str
 
     def build_upload(self) -> Codec:
-        """The codec workers encode outer_grads with (--codec, --error-feedback, --topk-fraction)."""
-        return build_codec(self.codec, error_feedback=self.error_feedback, topk_fraction=self.topk_fraction)
+        """The codec workers encode outer_grads with (--codec, --error-feedback, --topk-*)."""
+        return build_codec(
+            self.codec,
+            error_feedback=self.error_feedback,
+            topk_fraction=self.topk_fraction,
+            topk_chunk=self.topk_chunk,
+            topk_bits=self.topk_bits,
+        )
 
     def build_download(self) -> Codec:
         """The codec global parameters are downloaded through (--download-codec)."""

@@ -100,6 +100,22 @@ class TrainConfig:
         needs=("codec", "topk"),
         help="fraction of each tensor's values topk sends",
     )
+    topk_chunk: int = setting(
+        0,
+        flag="--topk-chunk",
+        group="communication",
+        needs=("codec", "topk"),
+        help="topk per chunk of this many values, offsets in log2 of it bits (SparseLoCo: 4096); "
+        "0: per tensor, int32 indices",
+    )
+    topk_bits: int = setting(
+        32,
+        flag="--topk-bits",
+        group="communication",
+        needs=("codec", "topk"),
+        help="bits of each value topk sends: 2 or 3 (a sign and levels between the chunk's smallest "
+        "and largest kept magnitude), or 32 (float32)",
+    )
     error_feedback: bool = setting(
         False,
         flag="--error-feedback",

@@ -14,6 +14,7 @@ from typing import Any
 from diloco import settings
 from diloco.config.parsers import parse_slowdown, parse_spec
 from diloco.config.sections import GPT_MAX_SEQ_LEN, ON_SERVER
+from diloco.core.codec import TOPK_BITS
 from diloco.core.membership import parse_workers_schedule
 from diloco.errors import UserError
 
@@ -129,6 +130,11 @@ def validate(cfg: Any) -> None:
 
 def _validate_communication(cfg: Any) -> None:
     settings.in_range(cfg, "topk_fraction", lo=0.0, hi=1.0, lo_open=True)
+    settings.in_range(cfg, "topk_chunk", lo=0)
+    if cfg.topk_bits not in TOPK_BITS:
+        raise UserError(
+            f"topk_bits (--topk-bits) must be one of {', '.join(map(str, TOPK_BITS))}, got {cfg.topk_bits}."
+        )
     if cfg.error_feedback and cfg.method in ("single", "dp"):
         raise UserError(
             f"error_feedback (--error-feedback) needs outer_grads; --method {cfg.method} sends none."

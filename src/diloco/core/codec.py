@@ -30,7 +30,8 @@ The codecs (docs/communication.md has their bytes per value and what they cost i
   (code 0 is zero, code m = 1..7 is 2^(m-7)); two codes per byte plus one float32 absmax per
   block: 1/2 + 4/256 bytes.
 - `topk`: the `fraction` largest |values| of each tensor (at least one), as float32 values and
-  int32 indices: 8 × fraction bytes per value.
+  int32 indices: 8 × fraction bytes per value; or per chunk of `chunk` values, with offsets in
+  ⌈log2 chunk⌉ bits and the values in `bits` 2 or 3 (SparseLoCo's layout; `TopKCodec`).
 
 Lossy codecs refuse NaN and Inf (a worker never encodes a non-finite outer_grad: it reports it).
 Everything is vectorised torch on the tensors' own device (CPU or GPU).
@@ -40,90 +41,24 @@ print(build_codec('fp4').encode([torch.ones(1000)]).nbytes)"
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 
+from diloco.core.codec_base import Codec, per_tensor, tensor_bytes
 from diloco.core.encoded import Encoded
-from diloco.errors import UserError
+from diloco.core.topk import TOPK_BITS, TopKCodec
 
-__all__ = ["CODECS", "DOWNLOAD_CODECS", "Codec", "Encoded", "build_codec", "tensor_bytes"]
-
-
-class Codec:
-    """Encode a list of tensors into a message and decode it back (possibly lossily).
-
-    Subclasses implement `_encode` and `_decode`; with `error_feedback`, `encode` adds the
-    worker's residual (in `state`) before encoding and keeps what the message left out."""
-
-    name = "base"
-    summable = False  # True: the decoded float32 messages are all-reduced (exact sums)
-    lossy = True
-
-    def __init__(self, *, error_feedback: bool = False):
-        self.error_feedback = error_feedback
-
-    def encode(self, tensors: list[torch.Tensor], state: dict[str, Any] | None = None) -> Encoded:
-        """The message for `tensors`. `state` is the sending worker's own dict (None: stateless,
-        no error feedback); with error feedback its "residual" is updated in place."""
-        if self.lossy:
-            _check_finite(tensors)
-        with torch.no_grad():
-            feedback = self.error_feedback and state is not None
-            if feedback and "residual" in state:
-                tensors = [t + r.to(t.device) for t, r in zip(tensors, state["residual"], strict=True)]
-            message = self._encode([t.detach() for t in tensors])
-            if feedback:
-                decoded = self._decode(message)
-                state["residual"] = [
-                    (t - d.to(t.device)).cpu() for t, d in zip(tensors, decoded, strict=True)
-                ]
-        return message
-
-    def decode(self, message: Encoded) -> list[torch.Tensor]:
-        """The float32 tensors a message stands for; a message that does not hold together (a
-        damaged or hostile one) is a UserError."""
-        return list(self.decode_each(message))
-
-    def decode_each(self, message: Encoded) -> Iterator[torch.Tensor]:
-        """`decode`'s tensors one at a time, so a caller can hold one tensor instead of the whole
-        decoded message (the server's checks: a decoded fp4 push of 150m is 693 MB)."""
-        self.check(message)
-        try:
-            yield from self._decode(message)
-        except (RuntimeError, ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
-            raise UserError(
-                f"an outer_grad message of codec {self.name!r} does not decode ({e}); resend it."
-            ) from None
-
-    def _encode(self, tensors: list[torch.Tensor]) -> Encoded:
-        raise NotImplementedError
-
-    def _decode(self, message: Encoded) -> Iterable[torch.Tensor]:
-        raise NotImplementedError
-
-    def message_bytes(self, tensors: list[torch.Tensor]) -> int:
-        """Size of the message for tensors of these shapes, without encoding them (meta tensors
-        will do)."""
-        return sum(self.tensor_message_bytes(t.numel()) for t in tensors)
-
-    def tensor_message_bytes(self, n: int) -> int:
-        """The bytes one tensor of n values takes in a message (tests check it against `encode`)."""
-        raise NotImplementedError
-
-    def check(self, message: Encoded) -> None:
-        if message.codec != self.name:
-            raise UserError(
-                f"an outer_grad message was encoded with codec {message.codec!r} but this run uses "
-                f"{self.name!r}; run every worker with the same --codec."
-            )
-
-
-def _check_finite(tensors: list[torch.Tensor]) -> None:
-    if not all(bool(torch.isfinite(t).all()) for t in tensors):
-        raise ValueError("a lossy codec cannot encode NaN or Inf values; report the outer_grad as non-finite")
+__all__ = [
+    "CODECS",
+    "DOWNLOAD_CODECS",
+    "TOPK_BITS",
+    "Codec",
+    "Encoded",
+    "TopKCodec",
+    "build_codec",
+    "tensor_bytes",
+]
 
 
 class Fp32Codec(Codec):
@@ -185,21 +120,6 @@ def _num_blocks(n: int) -> int:
     return -(-n // BLOCK)
 
 
-def _per_tensor(message: Encoded) -> list[tuple[list[int], int, torch.Tensor, torch.Tensor]]:
-    """(shape, numel, first part, second part) of each tensor of a message whose payload holds
-    two parts per tensor and whose meta holds the shapes (fp4, topk)."""
-    shapes = message.meta["shapes"]
-    if not isinstance(shapes, list) or 2 * len(shapes) != len(message.payload):
-        raise ValueError(f"{len(message.payload)} tensors for {len(shapes)} shapes")
-    out = []
-    for shape, a, b in zip(shapes, message.payload[0::2], message.payload[1::2], strict=True):
-        shape = [int(d) for d in shape]
-        if any(d < 0 for d in shape) or math.prod(shape) >= 2**31:
-            raise ValueError(f"shape {shape} is negative or too large for int32 indices")
-        out.append((shape, math.prod(shape), a, b))
-    return out
-
-
 class Int8Codec(Codec):
     """Symmetric absmax int8 per block of 256 values (module docstring), one float32 scale per
     block. Payload per tensor: its int8 values in the tensor's shape, then its scales."""
@@ -258,7 +178,7 @@ class Fp4Codec(Codec):
         return Encoded(self.name, payload, tensor_bytes(payload), {"shapes": shapes})
 
     def _decode(self, message: Encoded) -> Iterable[torch.Tensor]:
-        for shape, n, packed, scale in _per_tensor(message):
+        for shape, n, (packed, scale) in per_tensor(message):
             if packed.dtype != torch.uint8 or packed.numel() != -(-n // 2) or scale.dtype != torch.float32:
                 raise ValueError(f"a tensor of shape {shape} needs {-(-n // 2)} bytes of uint8 codes")
             if scale.numel() != _num_blocks(n):
@@ -284,61 +204,21 @@ def _fp4_pairs() -> torch.Tensor:
 _FP4_PAIRS = _fp4_pairs()
 
 
-class TopKCodec(Codec):
-    """The `fraction` largest |values| of each tensor (at least one), float32 values and int32
-    indices into the flattened tensor; meta: the shapes. Without error feedback the rest is
-    lost every round (the DiLoCo paper prunes 50% at +0.4% perplexity)."""
-
-    name = "topk"
-
-    def __init__(self, *, fraction: float = 0.01, error_feedback: bool = False):
-        super().__init__(error_feedback=error_feedback)
-        if not 0 < fraction <= 1:
-            raise ValueError(f"the top-k fraction must be in (0, 1], got {fraction}")
-        self.fraction = fraction
-
-    def keep(self, n: int) -> int:
-        return min(n, max(1, math.ceil(self.fraction * n)))
-
-    def tensor_message_bytes(self, n: int) -> int:
-        return 8 * self.keep(n)
-
-    def _encode(self, tensors: list[torch.Tensor]) -> Encoded:
-        payload = []
-        for t in tensors:
-            flat = t.reshape(-1).float()
-            index = torch.topk(flat.abs(), self.keep(flat.numel()), sorted=False).indices.sort().values
-            payload += [flat[index], index.to(torch.int32)]
-        shapes = [list(t.shape) for t in tensors]
-        return Encoded(self.name, payload, tensor_bytes(payload), {"shapes": shapes})
-
-    def _decode(self, message: Encoded) -> Iterable[torch.Tensor]:
-        for shape, n, values, index in _per_tensor(message):
-            if values.dtype != torch.float32 or index.dtype != torch.int32 or values.shape != index.shape:
-                raise ValueError("values must be float32 with as many int32 indices")
-            index = index.long()
-            if (
-                values.dim() != 1
-                or index.numel() > n
-                or (index.numel() and not bool((index[1:] > index[:-1]).all()))
-            ):
-                raise ValueError("indices must be rising")
-            if index.numel() and not (0 <= int(index[0]) and int(index[-1]) < n):
-                raise ValueError(f"an index is outside a tensor of {n} values")
-            yield values.new_zeros(n).index_copy_(0, index, values).reshape(shape)
-
-
-def tensor_bytes(tensors: list[torch.Tensor]) -> int:
-    """Size of tensors sent as they are (e.g. global parameters downloaded by a worker)."""
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 CODECS: dict[str, type[Codec]] = {c.name: c for c in (Fp32Codec, Bf16Codec, Int8Codec, Fp4Codec, TopKCodec)}
 DOWNLOAD_CODECS = ("fp32", "bf16")  # what global parameters may be downloaded as (docs/communication.md)
 
 
-def build_codec(name: str, *, error_feedback: bool = False, topk_fraction: float = 0.01) -> Codec:
-    """The codec called `name`; `topk_fraction` is used by topk only."""
+def build_codec(
+    name: str,
+    *,
+    error_feedback: bool = False,
+    topk_fraction: float = 0.01,
+    topk_chunk: int = 0,
+    topk_bits: int = 32,
+) -> Codec:
+    """The codec called `name`; the `topk_` settings are used by topk only."""
     if name == "topk":
-        return TopKCodec(fraction=topk_fraction, error_feedback=error_feedback)
+        return TopKCodec(
+            fraction=topk_fraction, chunk=topk_chunk, bits=topk_bits, error_feedback=error_feedback
+        )
     return CODECS[name](error_feedback=error_feedback)
