@@ -13,6 +13,7 @@ import pytest
 from conftest import user_files
 from safetensors.torch import load_file
 
+from diloco.config import OuterConfig
 from diloco.run.train import train
 
 TINY = ["--model", "nano", "--seq-len", "32", "--batch-size", "4", "--inner-steps", "4", "--rounds", "3"]
@@ -234,18 +235,8 @@ CODED = [
     pytest.param(  # slow: the suite's 10 minutes (fp4 + error feedback and the server's download codec stay)
         ["--codec", "int8", "--error-feedback", "--download-codec", "bf16"], marks=pytest.mark.slow
     ),
-    # top-k per chunk with 2-bit values (SparseLoCo's layout; plain top-k is the same all-gather)
-    [
-        "--codec",
-        "topk",
-        "--topk-fraction",
-        "0.1",
-        "--topk-chunk",
-        "64",
-        "--topk-bits",
-        "2",
-        "--error-feedback",
-    ],
+    # SparseLoCo: top-k per chunk, 2-bit values, decayed error feedback, the plain averaged step
+    ["--outer-opt", "sparseloco", "--topk-fraction", "0.1", "--topk-chunk", "64", "--outer-lr", "1.0"],
     ["--fragments", "2", "--overlap-steps", "1", "--codec", "fp4", "--error-feedback"],
     ["--fragments", "2", "--overlap-steps", "1", "--mix-alpha", "0.3", "--codec", "bf16"],
 ]
@@ -260,19 +251,22 @@ def test_every_codec_and_streaming_equal_the_simulator_bit_for_bit(tiny, tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     real = load_file(str(tmp_path / "c" / "model.safetensors"))
     cfg = json.loads((tmp_path / "c" / "config.json").read_text())
-    assert cfg["codec"] == (flags[flags.index("--codec") + 1] if "--codec" in flags else "fp32")
+    implied = "topk" if "sparseloco" in flags else "fp32"  # --outer-opt sparseloco sends top-k
+    assert cfg["codec"] == (flags[flags.index("--codec") + 1] if "--codec" in flags else implied)
     keys = (
         "codec",
         "error_feedback",
         "topk_fraction",
         "topk_chunk",
         "topk_bits",
+        "ef_decay",
         "download_codec",
         "fragments",
         "overlap_steps",
         "mix_alpha",
     )
-    sim = _sim(tiny, tmp_path, "s", num_workers=2, **{k: cfg[k] for k in keys})
+    outer = OuterConfig(**cfg["outer"])
+    sim = _sim(tiny, tmp_path, "s", num_workers=2, outer=outer, **{k: cfg[k] for k in keys})
     assert all(real[k].equal(sim[k]) for k in sim)
     a = json.loads((tmp_path / "c" / "summary.json").read_text())
     b = json.loads((tmp_path / "s" / "summary.json").read_text())

@@ -154,8 +154,9 @@ def test_pushes_beyond_the_inflight_limit_wait_their_turn(tmp_path):
         ["--method", "async", "--codec", "topk", "--topk-fraction", "0.2", "--error-feedback"]
         + ["--topk-chunk", "64", "--topk-bits", "3"]  # per chunk, 3-bit values: validated as pushed
         + ["--download-codec", "bf16"],  # the server keeps θ per version as bf16; replay decodes it
+        ["--outer-opt", "sparseloco", "--topk-fraction", "0.2", "--topk-chunk", "64", "--outer-lr", "1.0"],
     ],
-    ids=["sync-fp4-bf16-download", "async-chunked-topk-bf16-download"],
+    ids=["sync-fp4-bf16-download", "async-chunked-topk-bf16-download", "sync-sparseloco"],
 )
 def test_compressed_messages_through_the_server_equal_the_simulator_and_replay(tmp_path, codec):
     """Workers push encoded outer_grads (with their own error feedback) and download θ through

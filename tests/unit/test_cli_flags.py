@@ -57,6 +57,7 @@ EXPECTED = {
     "--topk-fraction": "topk_fraction",
     "--topk-chunk": "topk_chunk",
     "--topk-bits": "topk_bits",
+    "--ef-decay": "ef_decay",
     "--error-feedback": "error_feedback",
     "--download-codec": "download_codec",
     "--fragments": "fragments",

@@ -346,3 +346,14 @@ def test_a_gpu_encodes_as_the_cpu_does(name):
     cpu = codec.encode(x)
     gpu = codec.encode([t.cuda() for t in x])
     assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu.payload, gpu.payload, strict=True))
+
+
+@pytest.mark.timeout(10)
+def test_decayed_error_feedback_is_sparselocos_accumulator_by_hand():
+    """e ← β e + Δ, m = top-k(e), e ← e − m (β = 0.5, one of two values sent)."""
+    codec = build_codec("topk", topk_fraction=0.5, error_feedback=True, ef_decay=0.5)
+    state = {}
+    (m,) = codec.decode(codec.encode([torch.tensor([3.0, 1.0])], state))
+    assert m.tolist() == [3.0, 0.0] and state["residual"][0].tolist() == [0.0, 1.0]
+    (m,) = codec.decode(codec.encode([torch.tensor([0.25, 0.0])], state))  # e = [0.25, 0.5]
+    assert m.tolist() == [0.0, 0.5] and state["residual"][0].tolist() == [0.25, 0.0]

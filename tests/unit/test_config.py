@@ -313,3 +313,15 @@ def test_dylu_settings_of_the_async_table_move_to_dylu_and_a_sync_runs_old_defau
         older.dylu.by_for("async") == "steps"
         and from_dict({"method": "async"}).dylu.by_for("async") == "time"
     )
+
+
+@pytest.mark.timeout(10)
+def test_sparseloco_takes_its_message_settings_unless_given():
+    from diloco.cli.configure import with_flags
+
+    cfg = with_flags({}, {"outer.opt": "sparseloco"}, "t")
+    got = (cfg.codec, cfg.error_feedback, cfg.topk_chunk, cfg.topk_bits, cfg.ef_decay)
+    assert got == ("topk", True, 4096, 2, 0.95)
+    cfg = with_flags({}, {"outer.opt": "sparseloco", "topk_bits": 3, "ef_decay": 1.0}, "t")
+    assert (cfg.topk_bits, cfg.ef_decay, cfg.topk_chunk) == (3, 1.0, 4096)
+    assert with_flags({}, {}, "t").topk_chunk == 0  # nothing implied for DiLoCo's own outer step

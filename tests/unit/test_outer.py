@@ -80,3 +80,18 @@ def test_kept_weights_rescale_only_when_something_is_missing():
     assert kept_weights(weights, [True, True, True]) == weights
     assert kept_weights(weights, [True, False, True]) == pytest.approx([0.2 / 0.7, 0.5 / 0.7])
     assert kept_weights(weights, [True, True]) == pytest.approx([0.4, 0.6])  # third worker inactive
+
+
+@pytest.mark.timeout(10)
+def test_sparselocos_outer_step_is_the_plain_averaged_step():
+    """θ ← θ − α · mean(m): torch's SGD without momentum, step after step (no state)."""
+    from diloco.core.outer import build_outer_opt
+
+    theta, ref = [torch.ones(3)], torch.ones(3, requires_grad=True)
+    opt, torch_opt = build_outer_opt("sparseloco", lr=0.8, momentum=0.9), torch.optim.SGD([ref], lr=0.8)
+    for g in (torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.5, 0.5, 0.0])):
+        opt.step(theta, [g])
+        ref.grad = g.clone()
+        torch_opt.step()
+        torch.testing.assert_close(theta[0], ref.detach(), rtol=0, atol=0)
+    assert opt.state_dict() == {}

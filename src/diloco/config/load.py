@@ -92,12 +92,32 @@ def _inline_model(values: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
+# What `--outer-opt sparseloco` sends unless told otherwise (SparseLoCo, Sarfi et al. 2025:
+# top-k per chunk of 4096 values in 2 bits, each worker's error-feedback accumulator decayed)
+SPARSELOCO_DEFAULTS = {
+    "codec": "topk",
+    "error_feedback": True,
+    "topk_chunk": 4096,
+    "topk_bits": 2,
+    "ef_decay": 0.95,
+}
+
+
+def _sparseloco(values: dict[str, Any]) -> dict[str, Any]:
+    """`--outer-opt sparseloco`'s message settings where none is given (a saved run's config.json
+    gives them all, so it is read as written)."""
+    outer = values.get("outer")
+    if isinstance(outer, dict) and outer.get("opt") == "sparseloco":
+        return {**SPARSELOCO_DEFAULTS, **values}
+    return values
+
+
 def from_dict(values: dict[str, Any], where: str = "the config") -> TrainConfig:
     """Build a config from nested dicts (a parsed TOML file, config.json, or CLI overrides).
 
     `model.name` picks a preset; the other model keys then override it.
     """
-    values = _inline_model(settings.lists_to_tuples(TrainConfig, upgrade(values)))
+    values = _sparseloco(_inline_model(settings.lists_to_tuples(TrainConfig, upgrade(values))))
     sections = {}
     for key, cls in _SECTIONS.items():
         sub = values.pop(key, {}) or {}

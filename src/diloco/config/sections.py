@@ -379,6 +379,7 @@ class CommunicationConfig:
     topk_chunk: int
     topk_bits: int
     error_feedback: bool
+    ef_decay: float
     download_codec: str
 
     def build_upload(self) -> Codec:
@@ -386,6 +387,7 @@ class CommunicationConfig:
         return build_codec(
             self.codec,
             error_feedback=self.error_feedback,
+            ef_decay=self.ef_decay,
             topk_fraction=self.topk_fraction,
             topk_chunk=self.topk_chunk,
             topk_bits=self.topk_bits,

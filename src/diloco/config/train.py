@@ -124,6 +124,14 @@ class TrainConfig:
         because="it keeps what a lossy codec leaves out, and fp32 leaves out nothing",
         help="a worker adds what its earlier messages left out to its next outer_grad (lossy codecs)",
     )
+    ef_decay: float = setting(
+        1.0,
+        flag="--ef-decay",
+        group="communication",
+        needs=("error_feedback", True),
+        help="what was left out decays by this factor each round before the next outer_grad joins it "
+        "(SparseLoCo's β; 1: kept whole)",
+    )
     download_codec: str = setting(
         "fp32",
         flag="--download-codec",

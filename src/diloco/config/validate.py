@@ -139,6 +139,20 @@ def _validate_communication(cfg: Any) -> None:
         raise UserError(
             f"error_feedback (--error-feedback) needs outer_grads; --method {cfg.method} sends none."
         )
+    settings.in_range(cfg, "ef_decay", lo=0.0, hi=1.0, lo_open=True)
+    if cfg.outer.opt == "sparseloco":
+        if cfg.method != "diloco":
+            raise UserError(
+                f"--outer-opt sparseloco is a synchronous DiLoCo method (its averaged step needs every "
+                f"worker's message of the round); use --method diloco, not {cfg.method}."
+            )
+        if cfg.codec != "topk" or not cfg.error_feedback:
+            raise UserError(
+                "--outer-opt sparseloco sends each worker's top-k of its error-feedback accumulator: "
+                f"it needs --codec topk with --error-feedback, got --codec {cfg.codec}"
+                + ("" if cfg.error_feedback else " without --error-feedback")
+                + "; drop those flags to take its defaults."
+            )
     for key in ("codec", "download_codec"):
         if settings.changed(cfg, key) and cfg.method in ("single", "dp"):
             raise UserError(

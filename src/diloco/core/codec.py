@@ -212,13 +212,13 @@ def build_codec(
     name: str,
     *,
     error_feedback: bool = False,
+    ef_decay: float = 1.0,
     topk_fraction: float = 0.01,
     topk_chunk: int = 0,
     topk_bits: int = 32,
 ) -> Codec:
     """The codec called `name`; the `topk_` settings are used by topk only."""
+    feedback = {"error_feedback": error_feedback, "ef_decay": ef_decay}
     if name == "topk":
-        return TopKCodec(
-            fraction=topk_fraction, chunk=topk_chunk, bits=topk_bits, error_feedback=error_feedback
-        )
-    return CODECS[name](error_feedback=error_feedback)
+        return TopKCodec(fraction=topk_fraction, chunk=topk_chunk, bits=topk_bits, **feedback)
+    return CODECS[name](**feedback)

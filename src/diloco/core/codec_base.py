@@ -27,8 +27,8 @@ class Codec:
     summable = False  # True: the decoded float32 messages are all-reduced (exact sums)
     lossy = True
 
-    def __init__(self, *, error_feedback: bool = False):
-        self.error_feedback = error_feedback
+    def __init__(self, *, error_feedback: bool = False, ef_decay: float = 1.0):
+        self.error_feedback, self.ef_decay = error_feedback, ef_decay
 
     def encode(self, tensors: list[torch.Tensor], state: dict[str, Any] | None = None) -> Encoded:
         """The message for `tensors`. `state` is the sending worker's own dict (None: stateless,
@@ -37,8 +37,11 @@ class Codec:
             _check_finite(tensors)
         with torch.no_grad():
             feedback = self.error_feedback and state is not None
-            if feedback and "residual" in state:
-                tensors = [t + r.to(t.device) for t, r in zip(tensors, state["residual"], strict=True)]
+            if feedback and "residual" in state:  # e ← β e + Δ (SparseLoCo's accumulator; β = 1: plain)
+                residual = [r.to(t.device) for t, r in zip(tensors, state["residual"], strict=True)]
+                if self.ef_decay != 1.0:
+                    residual = [r * self.ef_decay for r in residual]
+                tensors = [t + r for t, r in zip(tensors, residual, strict=True)]
             message = self._encode([t.detach() for t in tensors])
             if feedback:
                 decoded = self._decode(message)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 Tensors = list[torch.Tensor]
-OUTER_OPTS = ("nesterov", "sgd", "adam")  # --outer-opt (`build_outer_opt`)
+OUTER_OPTS = ("nesterov", "sgd", "adam", "sparseloco")  # --outer-opt (`build_outer_opt`)
 
 
 def weighted_average(outer_grads: list[Tensors], weights: list[float]) -> Tensors:
@@ -207,4 +207,6 @@ def build_outer_opt(
         return SGD(lr, momentum)
     if name == "adam":
         return Adam(lr, betas, eps)
+    if name == "sparseloco":  # θ ← θ − α · mean(m): the workers' decayed accumulators stand in for momentum
+        return SGD(lr, 0.0)
     raise ValueError(f"unknown outer optimizer {name!r}; use one of {', '.join(OUTER_OPTS)}")

@@ -33,9 +33,15 @@ class TopKCodec(Codec):
     name = "topk"
 
     def __init__(
-        self, *, fraction: float = 0.01, chunk: int = 0, bits: int = 32, error_feedback: bool = False
+        self,
+        *,
+        fraction: float = 0.01,
+        chunk: int = 0,
+        bits: int = 32,
+        error_feedback: bool = False,
+        ef_decay: float = 1.0,
     ):
-        super().__init__(error_feedback=error_feedback)
+        super().__init__(error_feedback=error_feedback, ef_decay=ef_decay)
         if not 0 < fraction <= 1:
             raise ValueError(f"the top-k fraction must be in (0, 1], got {fraction}")
         if chunk < 0 or bits not in TOPK_BITS:
