@@ -85,6 +85,11 @@ def topk_server(tmp_path):
     yield from _serving(tmp_path, codec="topk", topk_fraction=0.25)
 
 
+@pytest.fixture
+def chunked_topk_server(tmp_path):  # SparseLoCo's message layout
+    yield from _serving(tmp_path, codec="topk", topk_fraction=0.25, topk_chunk=64, topk_bits=2)
+
+
 def _serving(tmp_path, **overrides):
     """An async server with its main loop on a thread, on loopback; `overrides` of its config."""
     cfg = dataclasses.replace(
@@ -305,6 +310,34 @@ def test_a_topk_push_with_bad_indices_is_refused_as_malformed(topk_server):
         )
     rejects = [e for e in _events(rt) if e["kind"] == "reject"]
     assert [e["reason"] for e in rejects] == ["malformed", "malformed"]
+
+
+@pytest.mark.timeout(60)
+def test_a_chunked_topk_push_with_bad_offsets_sizes_or_bounds_is_refused_as_malformed(chunked_topk_server):
+    """Offsets repeated within a chunk and a negative bound are refused before θ as "malformed";
+    codes a byte short, or another chunk size in the header, do not have the run's message shapes
+    ("shape")."""
+    rt = chunked_topk_server
+    a = Client(rt.address).register()
+    codec = rt.side.codec
+    harms = {
+        "malformed": lambda m: m.payload.__setitem__(1, torch.zeros_like(m.payload[1])),
+        "shape": lambda m: m.payload.__setitem__(0, m.payload[0][:-1]),
+        "malformed ": lambda m: m.payload.__setitem__(2, -m.payload[2].abs() - 1),
+        "shape ": lambda m: m.meta.__setitem__("chunk", 128),
+    }
+    for reason, harm in harms.items():
+        job = a.job()
+        message = codec.encode(update(rt), None)
+        harm(message)
+        refused(
+            rt,
+            lambda m=message, j=job: a.push(j, m.to_bytes()),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            reason.strip(),
+        )
+    rejects = [e for e in _events(rt) if e["kind"] == "reject"]
+    assert [e["reason"] for e in rejects] == [r.strip() for r in harms]
 
 
 @pytest.mark.timeout(120)
