@@ -149,7 +149,7 @@ def test_a_next_jobs_expected_steps_are_what_fits_or_the_probe():
     assert expected_steps(29.0, 0.58, 50) == 50  # 50 × 0.58 fits 50 exactly, rounding aside
     assert expected_steps(29.0, 1.51, 50) == 19
     assert expected_steps(1.0, 3.33, 50) == 1  # at least one step
-    assert expected_steps(29.0, None, 50) == 5  # not measured yet: its next job is its probe
+    assert expected_steps(29.0, None, 50) == 50  # not measured yet (its probe may be running): H
 
 
 def test_a_deadline_is_h_steps_of_the_fastest_and_the_clock_gives_each_steps_time():

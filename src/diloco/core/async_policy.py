@@ -66,9 +66,10 @@ DEADLINE_CAP = 2
 
 def expected_steps(job_s: float, step_s: float | None, inner_steps: int) -> int:
     """The steps a worker's next deadline job of `job_s` seconds is expected to reserve, knowing
-    its seconds per step (None: not measured yet, so its next job is its probe)."""
+    its seconds per step (None: not measured yet; its probe may be in flight already, so as much
+    as the fastest worker's: H)."""
     if step_s is None:
-        return probe_steps(inner_steps)
+        return inner_steps
     return max(1, math.floor(job_s / step_s * (1 + 1e-9)))
 
 

@@ -59,8 +59,15 @@ class TopKCodec(Codec):
 
     def _rows(self, n: int) -> list[tuple[int, int]]:
         """(chunks, values in each) of a tensor of n values: whole chunks, then a shorter one."""
+        if n == 0:
+            return []
         c = self.chunk if 0 < self.chunk < n else n
         return [(r, length) for r, length in ((n // c, c), (1 if n % c else 0, n % c)) if r]
+
+    def _offset_bits(self, n: int) -> int:
+        """Bits of one offset in a tensor of n values: enough for its (first) chunk."""
+        rows = self._rows(n)
+        return index_bits(rows[0][1]) if rows else 1
 
     def tensor_message_bytes(self, n: int) -> int:
         if self.plain:
@@ -68,7 +75,7 @@ class TopKCodec(Codec):
         rows = self._rows(n)
         kept = sum(r * self.keep(length) for r, length in rows)
         values = 4 * kept if self.bits == 32 else packed_bytes(kept, self.bits) + 4 * sum(r for r, _ in rows)
-        return values + packed_bytes(kept, index_bits(rows[0][1]))
+        return values + packed_bytes(kept, self._offset_bits(n))
 
     def _encode(self, tensors: list[torch.Tensor]) -> Encoded:
         payload = []
@@ -78,7 +85,7 @@ class TopKCodec(Codec):
                 index = torch.topk(flat.abs(), self.keep(flat.numel()), sorted=False).indices.sort().values
                 payload += [flat[index], index.to(torch.int32)]
                 continue
-            offsets, values, at = [], [], 0
+            offsets, values, at = [torch.zeros(0, dtype=torch.long)], [flat.new_zeros(0, 1)], 0
             for r, length in self._rows(flat.numel()):
                 block = flat[at : at + r * length].view(r, length)
                 idx = (
@@ -87,7 +94,7 @@ class TopKCodec(Codec):
                 offsets.append(idx.reshape(-1))
                 values.append(block.gather(1, idx))
                 at += r * length
-            index = pack(torch.cat(offsets), index_bits(self._rows(flat.numel())[0][1]))
+            index = pack(torch.cat(offsets), self._offset_bits(flat.numel()))
             if self.bits == 32:
                 payload += [torch.cat([v.reshape(-1) for v in values]), index]
             else:
@@ -126,7 +133,7 @@ class TopKCodec(Codec):
     ) -> torch.Tensor:
         rows = self._rows(n)
         kept = sum(r * self.keep(length) for r, length in rows)
-        offsets = unpack(index, index_bits(rows[0][1]), kept)
+        offsets = unpack(index, self._offset_bits(n), kept)
         if self.bits == 32:
             if values.dtype != torch.float32 or values.shape != (kept,):
                 raise ValueError(f"a tensor of {n} values needs {kept} float32 values")

@@ -202,7 +202,7 @@ class AsyncDiLoCo(AsyncCheckpoint, InProcess):
         return [
             j["started_s"] + j["seconds"]
             for v, j in self._inflight.items()
-            if j["seconds"] and set_by[v] <= t
+            if j["seconds"] and not j.get("landed") and set_by[v] <= t
         ]
 
     def _probe(self, w: int, t: float) -> None:
@@ -257,9 +257,11 @@ class AsyncDiLoCo(AsyncCheckpoint, InProcess):
         heapq.heappush(self._heap, (arrival, w, w))
 
     def _landed(self, w: int, t: float) -> None:
-        """Worker w's push lands at t: the budget counts the steps it took (a deadline job's are
-        known now) and its headroom is let go, so workers waiting for room get their jobs."""
+        """Worker w's push lands at t: as on the server, the budget counts the steps it took (a
+        deadline job's are known now), its headroom is let go, its deadline no longer counts and
+        its speed is measured; then workers waiting for room get their jobs."""
         job = self._inflight[w]
+        job["landed"], job["estimate"] = True, self.estimators[w].update(job["compute_s"], job["steps"])
         if job["cap"]:
             self.dispatched += job["steps"] - job["reserved"]
             self.shard_steps[job["shard"]] += job["steps"] - job["reserved"]
@@ -278,7 +280,7 @@ class AsyncDiLoCo(AsyncCheckpoint, InProcess):
         self.applied += job["steps"]
         self.busy_s[w] += job["compute_s"]
         self._sim_time_s = t
-        estimate = self.estimators[w].update(job["compute_s"], job["steps"])
+        estimate = job["estimate"]  # measured when it landed (`_landed`)
         if job.get("expected"):
             self.scatter.add(t, *job["expected"])
         return Arrival(
@@ -327,11 +329,11 @@ class AsyncDiLoCo(AsyncCheckpoint, InProcess):
                 opens = self._due(w, None) if self._inflight[w]["seconds"] is not None else None
                 in_flight = [(lands, self._due(j, known[j])) for lands, _, j in self._heap]
                 close = grace_close(t, grace, in_flight, opens)
+            self._landed(w, t)  # each push as it lands: a job it frees may land in the window too
             while grace > 0 and self._heap and self._heap[0][0] <= close:
                 ta, _, wa = heapq.heappop(self._heap)
-                self._group.append((ta, wa))
-            for ta, wa in self._group:  # the steps they took are known: room for the waiting
                 self._landed(wa, ta)
+                self._group.append((ta, wa))
             self._restart = close
             self._pending = [w for _, w in self._group]
         ta, wa = self._group[len(self._group) - len(self._pending)]
