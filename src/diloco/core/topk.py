@@ -69,11 +69,14 @@ class TopKCodec(Codec):
         rows = self._rows(n)
         return index_bits(rows[0][1]) if rows else 1
 
+    def _kept(self, n: int) -> int:
+        """Values kept of a tensor of n values (every chunk its own ⌈fraction × length⌉)."""
+        return sum(r * self.keep(length) for r, length in self._rows(n))
+
     def tensor_message_bytes(self, n: int) -> int:
         if self.plain:
             return 8 * self.keep(n)
-        rows = self._rows(n)
-        kept = sum(r * self.keep(length) for r, length in rows)
+        rows, kept = self._rows(n), self._kept(n)
         values = 4 * kept if self.bits == 32 else packed_bytes(kept, self.bits) + 4 * sum(r for r, _ in rows)
         return values + packed_bytes(kept, self._offset_bits(n))
 
@@ -131,8 +134,7 @@ class TopKCodec(Codec):
     def _chunk_decode(
         self, n: int, values: torch.Tensor, index: torch.Tensor, *bounds: torch.Tensor
     ) -> torch.Tensor:
-        rows = self._rows(n)
-        kept = sum(r * self.keep(length) for r, length in rows)
+        rows, kept = self._rows(n), self._kept(n)
         offsets = unpack(index, self._offset_bits(n), kept)
         if self.bits == 32:
             if values.dtype != torch.float32 or values.shape != (kept,):
