@@ -60,7 +60,7 @@ bench-server: setup
 	$(PY) benchmarks/server_load.py
 	$(PY) benchmarks/server_async_vs_sync.py
 
-# Communication: a real shaped link (root; ~7 minutes) and bytes to quality (~55 minutes).
+# Communication: a real shaped link (root; ~7 minutes) and bytes to quality (~130 runs, ~7 h on 2 cores).
 bench-communication: setup
 	$(PY) benchmarks/wan.py
 	$(PY) benchmarks/bytes_to_loss.py

@@ -1,216 +1,340 @@
-"""Bytes to quality: how many bytes DiLoCo needs to reach data parallel's final validation loss,
-for each communication interval H and outer_grad codec, on the same model and data.
+"""Bytes to quality (issue 35): how few bytes DiLoCo and SparseLoCo need to reach data parallel's
+final validation loss, each method's outer lr tuned per H, from the reproduction's warm start.
 
-Data parallel (`--method dp`, k workers, `--steps` T steps of a k× batch, one gradient-sized
-message per worker per step) sets the target: its final validation loss on the fixed eval subset.
-Each DiLoCo run (k workers) may run up to 2T inner steps per worker; from its eval curve (every
-round) we read the bytes its workers had sent when it first reached the target, and the ratio to
-data parallel's bytes. Runs that never reach it say so (`reached: false`). Bytes are uploads,
-summed over workers, the real message sizes of each codec.
+The runs are reproduce_diloco.py's (its `Ctx`, `Tuned` grids, `Scheduler` and ledger,
+benchmarks/results/reproduce_ledger/): nano, k = 4 workers, S = 1,000 inner steps per worker,
+each run warm-started from the pretrained model of part dp (1,000 single-worker steps, seed
+1000 + seed). The target is part dp's warm data parallel (k = 4, S steps of a 4× batch): its
+final val_loss, seed by seed. A run already in the ledger (part dp's fp32 H = 50 grid, for one)
+is not run again.
 
-JSON: `dp_final_val_loss`, `dp_bytes_sent`, per run `final_val_loss`, `bytes_sent`,
-`bytes_to_target`, `bytes_ratio` (to dp's bytes), `steps_to_target`; `best_bytes_ratio` (the
-smallest ratio of any run that reached the target; target ≤ 1/1000); and at equal compute (the
-same 2T steps at H = 50) each codec's final loss against fp32 (`loss_gap` per codec;
-`fp4_ef_loss_gap` for fp4 with error feedback, target ≤ 0.005). A figure of loss against bytes
-goes to docs/figures/bytes_to_loss.png. Losses are deterministic for a seed (no timing), so
-the benchmark may share the machine; it takes ~55 minutes on 2 cores with the defaults.
+Methods (`--methods`), each at H ∈ {10, 50, 100, 250, 500} (`--hs`) unless said:
 
-    python benchmarks/bytes_to_loss.py                 # T = 500, k = 4, H in 50, 100, 250
-    python benchmarks/bytes_to_loss.py --quick         # a few minutes, tiny: checks the plumbing
+- `fp32`: DiLoCo, Nesterov outer optimizer, outer_grads in fp32.
+- `fp4_ef`: the same, fp4 with error feedback.
+- `topk10_ef`: chunked top-k (10% of each 4,096-value chunk, fp32 values) with error feedback.
+- `topk3_2bit_ef` (H = 50 only): chunked top-k 3%, 2-bit values, error feedback, Nesterov: the
+  bytes of `sparseloco3` with DiLoCo's global momentum, to tell what the decayed accumulator adds.
+- `sparseloco1`, `sparseloco3`, `sparseloco10`: `--outer-opt sparseloco` (chunked top-k of the
+  accumulator e ← 0.95 e + Δ, 2-bit values, no global momentum) at 1%, 3%, 10% density.
+
+Tuning: for each (method, H) the outer lr is the best final val_loss of a grid on seed 0
+(Nesterov arms {0.7, 1.0}, SparseLoCo {2, 4}; a grid grows past an edge its best sits on by
+×1.4 or ÷1.4, at most twice), then the best lr runs on 2 seeds (3 at H = 50, the targets' H).
+
+Bytes are uploads per worker, the real size of each message (summary.json's
+`bytes_sent_per_worker`; a round's bytes are the same every round). A run reaches the target at
+its first evaluation (a multiple of H) at or below data parallel's final loss of the same seed;
+its bytes then are (rounds done) × (bytes per round). A point (method, H) reaches the target when
+every seed does, and its `bytes_ratio` is the largest per-seed ratio to data parallel's bytes.
+
+JSON (benchmarks/results/bytes_to_loss.json): `dp_final_val_loss`, `dp_bytes_sent_per_worker`,
+`points` (per method and H: the lr grid on seed 0, the pick, the final val_loss over seeds, vs
+fp32 at that H paired, bytes, bytes to target and ratio), `frontier` (the points no other point
+beats on both final loss and bytes), `best_bytes_ratio` and `best_run`, and the issue's fields:
+`sparseloco_vs_fp32_pct_H50` (SparseLoCo 3%, 2-bit, H = 50, mean paired % vs fp32, 3 seeds),
+`sparseloco1_vs_fp32_pct_H50`, `chunked_topk10_ef_vs_fp32_pct` (H = 50), and from
+reproduce_diloco.py's part codec (from scratch, lr 0.7, 3 seeds) `pruning_half_vs_fp32_pct` and
+`pruning_half_ef_vs_fp32_pct`. Figure: docs/figures/bytes_to_loss.png, final loss against
+bytes sent on log axes, one curve per method (its points over H). Earlier results (issue 11's
+untuned, from-scratch version) are in bytes_to_loss_2026-11.json.
+
+    python benchmarks/bytes_to_loss.py                       # every point: ~130 runs, 2 at a time
+    python benchmarks/bytes_to_loss.py --hs 50               # the targets' H first
+    python benchmarks/bytes_to_loss.py --report-only         # the JSON and figure from the ledger
+    python benchmarks/bytes_to_loss.py --quick --hs 10 --methods fp32,sparseloco3  # plumbing
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-FIGURE = ROOT / "docs" / "figures" / "bytes_to_loss.png"
+import reproduce_diloco as rd
 
-# name -> extra flags; the H = 50 sweep runs all, the other H values the first and the last
-CODECS = {
-    "fp32": [],
-    "bf16": ["--codec", "bf16"],
-    "int8": ["--codec", "int8"],
-    "fp4": ["--codec", "fp4"],
-    "topk_ef": ["--codec", "topk", "--topk-fraction", "0.1", "--error-feedback"],
-    "int8_ef": ["--codec", "int8", "--error-feedback"],
-    "fp4_ef": ["--codec", "fp4", "--error-feedback"],
-    "fp4_ef_bf16_download": ["--codec", "fp4", "--error-feedback", "--download-codec", "bf16"],
+ROOT = rd.ROOT
+FIGURE = rd.FIGURES / "bytes_to_loss.png"
+K = 4
+HS = (10, 50, 100, 250, 500)
+NESTEROV_GRID, SPARSELOCO_GRID = (0.7, 1.0), (2.0, 4.0)
+CHUNK = ("--topk-chunk", "4096")
+# name -> (outer optimizer, flags, base lr grid, whether it runs at every H or the targets' only)
+METHODS: dict[str, tuple[str, tuple[str, ...], tuple[float, ...], bool]] = {
+    "fp32": ("nesterov", (), NESTEROV_GRID, True),
+    "fp4_ef": ("nesterov", ("--codec", "fp4", "--error-feedback"), NESTEROV_GRID, True),
+    "topk10_ef": (
+        "nesterov",
+        ("--codec", "topk", "--topk-fraction", "0.1", *CHUNK, "--error-feedback"),
+        NESTEROV_GRID,
+        True,
+    ),
+    "topk3_2bit_ef": (
+        "nesterov",
+        ("--codec", "topk", "--topk-fraction", "0.03", *CHUNK, "--topk-bits", "2", "--error-feedback"),
+        NESTEROV_GRID,
+        False,
+    ),
+    "sparseloco1": ("sparseloco", ("--topk-fraction", "0.01"), SPARSELOCO_GRID, True),
+    "sparseloco3": ("sparseloco", ("--topk-fraction", "0.03"), SPARSELOCO_GRID, True),
+    "sparseloco10": ("sparseloco", ("--topk-fraction", "0.1"), SPARSELOCO_GRID, True),
 }
 
 
 def _log(text: str) -> None:
-    print(f"[bytes_to_loss] {text}", file=sys.stderr, flush=True)
+    print(f"[bytes_to_loss] {time.strftime('%H:%M:%S')} {text}", file=sys.stderr, flush=True)
 
 
-def _train(out: Path, flags: list[str]) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "diloco", "train", "--out", str(out), *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    evals = [x for x in lines if x["kind"] == "eval" and x.get("split", "subset") == "subset"]
-    summary = json.loads((out / "summary.json").read_text())
-    return {"evals": evals, "summary": summary}
-
-
-def _to_target(evals: list[dict], target: float) -> tuple[int | None, int | None]:
-    for e in evals:
-        if e["val_loss"] <= target:
-            return e["bytes_sent"], e["inner_step"]
-    return None, None
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=500, help="data parallel's steps T (DiLoCo: up to 2T)")
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--hs", default="50,100,250", help="communication intervals H")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="tiny model and few steps: checks the plumbing")
-    ap.add_argument("--out", type=Path, default=RESULTS / "bytes_to_loss.json")
-    ap.add_argument("--plot-only", action="store_true", help="redraw the figure from --out's JSON")
-    args = ap.parse_args()
-    if args.plot_only:
-        _plot(json.loads(args.out.read_text()))
-        return
-    hs = [int(h) for h in args.hs.split(",")]
-    common = ["--workers", str(args.workers), "--seed", str(args.seed)]
-    if args.quick:
-        args.steps, hs = 20, [5, 10]
-        common += ["--seq-len", "32", "--batch-size", "4"]
-    T = args.steps
-    if any((2 * T) % h for h in hs) or T % 50 and not args.quick:
-        raise SystemExit(f"--steps {T} must be a multiple of 50 and 2T of every H in {hs}")
-    t0 = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="bytes_to_loss-"))
-    eval_h = 10 if args.quick else 50
-    _log(f"data parallel: {args.workers} workers, {T} steps")
-    dp = _train(
-        work / "dp",
-        [
-            *common,
-            "--method",
-            "dp",
-            "--inner-steps",
-            str(eval_h),
-            "--rounds",
-            str(T // eval_h),
-            "--threads",
-            "2",
-        ],
+def context(args: argparse.Namespace) -> rd.Ctx:
+    """reproduce_diloco's settings for this benchmark: part dp's warm start, steps and ledger."""
+    ns = argparse.Namespace(
+        quick=args.quick,
+        ks=(K,),
+        starts=("warm",),
+        lr_grid=rd.OUTER_LR_GRID,
+        serial_ks=(),
+        model="nano",
+        steps=rd.QUICK_STEPS if args.quick else 1000,
+        H=rd.QUICK_H if args.quick else 50,
+        hs=args.hs,
+        h_k=K,
+        seeds=3,
+        pretrain_steps=rd.QUICK_STEPS if args.quick else 1000,
+        jobs=args.jobs,
+        workdir=args.workdir,
+        ledger=args.ledger / "runs.jsonl",
     )
-    target = dp["summary"]["final_subset_val_loss"]
-    dp_bytes = dp["summary"]["bytes_sent"]
-    _log(f"data parallel: final subset val loss {target:.4f}, {dp_bytes / 1e6:.1f} MB sent")
-    runs = {}
-    plan = [(h, name) for h in hs for name in (CODECS if h == hs[0] else ("fp32", "fp4_ef"))]
-    for i, (h, name) in enumerate(plan):
-        label = f"H{h}_{name}"
-        _log(f"[{i + 1}/{len(plan)}] DiLoCo H={h} {name}: {2 * T} inner steps per worker")
-        flags = [
-            *common,
-            "--inner-steps",
-            str(h),
-            "--rounds",
-            str(2 * T // h),
-            "--procs",
-            "2",
-            "--threads",
-            "1",
-        ]
-        r = _train(work / label, [*flags, *CODECS[name]])
-        to_bytes, to_steps = _to_target(r["evals"], target)
-        runs[label] = {
-            "H": h,
-            "codec": name,
-            "final_val_loss": r["summary"]["final_subset_val_loss"],
-            "bytes_sent": r["summary"]["bytes_sent"],
-            "reached": to_bytes is not None,
-            "bytes_to_target": to_bytes,
-            "steps_to_target": to_steps,
-            "bytes_ratio": to_bytes / dp_bytes if to_bytes is not None else None,
-            "curve": [(e["bytes_sent"], e["val_loss"]) for e in r["evals"]],
-        }
-        _log(
-            f"  final {runs[label]['final_val_loss']:.4f}; "
-            + (
-                f"reached at step {to_steps}, bytes ratio {to_bytes / dp_bytes:.2e}"
-                if to_bytes
-                else "not reached"
-            )
+    return rd.Ctx(ns)
+
+
+def plan(ctx: rd.Ctx, methods: list[str], hs: tuple[int, ...]) -> dict[tuple[str, int], rd.Tuned]:
+    """One tuned grid per (method, H), the targets' H first (the scheduler keeps this order)."""
+    target_h = ctx.H
+    out: dict[tuple[str, int], rd.Tuned] = {}
+    for H in sorted(hs, key=lambda h: (h != target_h, h)):
+        for name in methods:
+            opt, flags, grid, everywhere = METHODS[name]
+            if not everywhere and H != target_h:
+                continue
+            note = "" if name == "fp32" else f" {name}"
+
+            def make(lr: float, s: int, H=H, opt=opt, flags=flags, note=note) -> rd.Run:
+                return ctx.diloco(s, k=K, H=H, lr=lr, opt=opt, warm=True, extra=flags, note=note)
+
+            seeds = ctx.seeds if H == target_h else ctx.seeds[:2]
+            out[name, H] = rd.Tuned(make, grid, seeds)
+    return out
+
+
+def to_target(steps: list[int], losses: list[float], target: float) -> int | None:
+    """The first evaluated step whose loss is at or below `target` (None: never)."""
+    return next((s for s, v in zip(steps, losses, strict=True) if v <= target), None)
+
+
+def point(ctx: rd.Ctx, name: str, H: int, t: rd.Tuned, dp: dict) -> dict:
+    """One (method, H): the grid, the pick, the seeds' losses and the bytes to the target."""
+    lr = t.best(ctx)
+    row: dict = {"method": name, "H": H, "lr_grid_seed0": t.table(ctx), "outer_lr": lr}
+    row["outer_lr_at_grid_edge"] = t.at_edge(ctx)
+    if lr is None:
+        return {**row, "val_loss": None, "reached": None}
+    runs = t.runs(ctx)
+    row.update(rd.entry(ctx, runs))
+    per_seed_ratio: dict[str, float | None] = {}
+    no_curve = []
+    for r in runs:
+        res = ctx.result(r)
+        target = (dp.get("per_seed") or {}).get(str(r.seed))
+        if rd._loss(res) is None or target is None or not dp.get("bytes_sent_per_worker"):
+            continue
+        steps, losses = ctx.curve(r.name)
+        if not steps:  # a row rebuilt by hand before the ledger kept curves
+            no_curve.append(r.name)
+            continue
+        per_round = res["bytes_sent_per_worker"] / (ctx.steps // H)
+        step = to_target(steps, losses, target)
+        per_seed_ratio[str(r.seed)] = (
+            None if step is None else round(per_round * (step // H) / dp["bytes_sent_per_worker"], 8)
         )
-    fp32 = runs[f"H{hs[0]}_fp32"]["final_val_loss"]
-    gaps = {name: runs[f"H{hs[0]}_{name}"]["final_val_loss"] / fp32 - 1 for name in CODECS}
-    reached = [r["bytes_ratio"] for r in runs.values() if r["reached"]]
-    result = {
+    if no_curve:
+        row["no_curve"] = no_curve
+    done = len(per_seed_ratio) == len(runs)
+    row["bytes_ratio_by_seed"] = per_seed_ratio
+    row["reached"] = done and all(v is not None for v in per_seed_ratio.values()) if done else None
+    row["bytes_ratio"] = max(per_seed_ratio.values()) if row["reached"] else None
+    return row
+
+
+def frontier(points: list[dict]) -> list[str]:
+    """The points no other point beats on both mean final loss and bytes sent (by bytes)."""
+    have = sorted(
+        (p for p in points if p.get("val_loss") and p.get("bytes_sent_per_worker")),
+        key=lambda p: (p["bytes_sent_per_worker"], p["val_loss"]["mean"]),
+    )
+    out, best = [], float("inf")
+    for p in have:
+        if p["val_loss"]["mean"] < best:
+            best = p["val_loss"]["mean"]
+            out.append(f"{p['method']} H={p['H']}")
+    return out
+
+
+def pct(e: dict | None, key: str = "vs_fp32_paired") -> float | None:
+    """The mean paired difference in percent (None until every seed ran)."""
+    s = (e or {}).get(key)
+    return None if not s or s["n"] < 2 else round(100 * s["mean"], 3)
+
+
+def report(ctx: rd.Ctx, tuned: dict[tuple[str, int], rd.Tuned]) -> dict:
+    dp = rd.entry(ctx, [ctx.dp(K, s, warm=True) for s in ctx.seeds])
+    points = {f"{name} H={H}": point(ctx, name, H, t, dp) for (name, H), t in tuned.items()}
+    for p in points.values():  # each against fp32 at its H, seed by seed
+        base = points.get(f"fp32 H={p['H']}")
+        if p.get("val_loss") and base and base.get("val_loss"):
+            rd.versus(p, base, "vs_fp32")
+    reached = {k: p["bytes_ratio"] for k, p in points.items() if p.get("bytes_ratio") is not None}
+    best = min(reached, key=reached.get) if reached else None
+    th = ctx.H
+    names = ("fp32", "topk50", "topk50_ef")  # part codec's runs: from scratch, lr 0.7
+    codec = {n: [ctx.diloco(s, extra=tuple(rd.CODECS[n])) for s in ctx.seeds] for n in names}
+    fp32 = rd.entry(ctx, codec["fp32"])
+    prune = {n: rd.versus(rd.entry(ctx, codec[n]), fp32, "vs_fp32") for n in ("topk50", "topk50_ef")}
+    sl3 = pct(points.get(f"sparseloco3 H={th}"))
+    tk10 = pct(points.get(f"topk10_ef H={th}"))
+    best_ratio = reached.get(best) if best else None
+    return {
         "benchmark": "bytes_to_loss",
-        "workers": args.workers,
-        "dp_steps": T,
-        "diloco_steps": 2 * T,
-        "quick": args.quick,
-        "dp_final_val_loss": target,
-        "dp_bytes_sent": dp_bytes,
-        "dp_curve": [(e["bytes_sent"], e["val_loss"]) for e in dp["evals"]],
-        "runs": runs,
-        "best_bytes_ratio": min(reached) if reached else None,
-        "best_run": min((k for k, r in runs.items() if r["reached"]), key=lambda k: runs[k]["bytes_ratio"])
-        if reached
-        else None,
-        "loss_gap": gaps,
-        "fp4_ef_loss_gap": gaps["fp4_ef"],
-        "duration_s": round(time.perf_counter() - t0, 1),
+        "quick": ctx.quick,
+        "model": "tiny (quick.toml)" if ctx.quick else ctx.model,
+        "workers": K,
+        "steps_per_worker": ctx.steps,
+        "start": "warm (reproduce_diloco.py part dp's pretrained model, seed 1000 + seed)",
+        "hs": list(ctx.hs),
+        "seeds_at_target_H": len(ctx.seeds),
+        "seeds_elsewhere": 2,
+        "dp": dp,
+        "dp_final_val_loss": rd.mean(dp),
+        "dp_bytes_sent_per_worker": dp.get("bytes_sent_per_worker"),
+        "points": points,
+        "frontier": frontier(list(points.values())),
+        "best_bytes_ratio": best_ratio,
+        "best_bytes_ratio_inverse": round(1 / best_ratio) if best_ratio else None,
+        "best_run": best,
+        "sparseloco_vs_fp32_pct_H50": sl3,
+        "sparseloco1_vs_fp32_pct_H50": pct(points.get(f"sparseloco1 H={th}")),
+        "chunked_topk10_ef_vs_fp32_pct": tk10,
+        "pruning": {"fp32": fp32, **prune},
+        "pruning_half_vs_fp32_pct": pct(prune["topk50"]),
+        "pruning_half_ef_vs_fp32_pct": pct(prune["topk50_ef"]),
+        "targets": {
+            "sparseloco_at_most_fp32_H50": None if sl3 is None else sl3 <= 0,
+            "best_bytes_ratio_at_most_1_3000": None if best_ratio is None else best_ratio <= 1 / 3000,
+            "chunked_topk10_ef_within_1pct": None if tk10 is None else abs(tk10) <= 1,
+        },
+        "note": "ratios are bytes to reach data parallel's final loss ÷ data parallel's bytes "
+        "(uploads per worker); vs_fp32 is (x − fp32) / fp32 at the same H, per seed (paired); "
+        "pruning_* come from reproduce_diloco.py's part codec (from scratch, outer lr 0.7)",
     }
-    _plot(result)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
 
 
-def _plot(result: dict, path: Path = FIGURE) -> None:
-    """Loss against bytes sent: data parallel in black, a colour per codec, a line style per H."""
+def plot(result: dict, path: Path) -> bool:
+    """Final loss against bytes sent, log axes, one curve per method over H; data parallel a star."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    xs, ys = zip(*[(b, v) for b, v in result["dp_curve"] if b > 0], strict=True)
-    ax.plot(xs, ys, "k-", lw=2, label="data parallel")
-    colours = {name: f"C{i}" for i, name in enumerate(CODECS)}
-    hs = sorted({r["H"] for r in result["runs"].values()})
-    styles = dict(zip(hs, ["-", "--", ":", "-."], strict=False))
-    for r in result["runs"].values():
-        pts = [(b, v) for b, v in r["curve"] if b > 0]
-        if pts:
-            xs, ys = zip(*pts, strict=True)
-            ax.plot(
-                xs, ys, styles[r["H"]], color=colours[r["codec"]], lw=1.2, label=f"H={r['H']} {r['codec']}"
-            )
-    ax.axhline(result["dp_final_val_loss"], color="k", ls=":", lw=1)
+    drawn = False
+    for i, name in enumerate(METHODS):
+        pts = sorted(
+            (p["bytes_sent_per_worker"] * K, p["val_loss"]["mean"], p["H"])
+            for p in result["points"].values()
+            if p["method"] == name and p.get("val_loss") and p.get("bytes_sent_per_worker")
+        )
+        if not pts:
+            continue
+        xs, ys, hs = zip(*pts, strict=True)
+        ax.plot(xs, ys, "o-", color=f"C{i}", lw=1.2, ms=4, label=name)
+        for x, y, h in pts:
+            ax.annotate(f"{h}", (x, y), fontsize=6, xytext=(2, 2), textcoords="offset points")
+        drawn = True
+    dp = result["dp_final_val_loss"]
+    if dp is not None and result["dp_bytes_sent_per_worker"]:
+        ax.plot([result["dp_bytes_sent_per_worker"] * K], [dp], "k*", ms=10, label="data parallel")
+        ax.axhline(dp, color="k", ls=":", lw=1)
+    if not drawn:
+        plt.close(fig)
+        return False
     ax.set_xscale("log")
-    ax.set_xlabel("bytes sent by all workers")
-    ax.set_ylabel("validation loss (eval subset)")
-    ax.set_ylim(top=min(3.2, ax.get_ylim()[1]))
-    ax.set_title(f"{result['workers']} workers: loss against bytes sent (dotted: data parallel's final loss)")
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes sent by all workers (uploads)")
+    ax.set_ylabel("final validation loss")
+    ax.set_title(f"{K} workers, warm start, outer lr tuned per point (labels: H)")
+    ax.legend(fontsize=7)
     fig.tight_layout()
-    if not result["quick"]:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
+
+
+def _names(text: str) -> list[str]:
+    names = [w.strip() for w in text.split(",") if w.strip()]
+    bad = [n for n in names if n not in METHODS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"unknown method {bad}: choose from {', '.join(METHODS)}")
+    return names
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--methods", type=_names, default=list(METHODS), help=", ".join(METHODS))
+    ap.add_argument("--hs", type=rd._ints, help="the H values, a comma list (default 10,50,100,250,500)")
+    ap.add_argument("--jobs", type=int, default=2, help="diloco train subprocesses at once (one core each)")
+    ap.add_argument("--quick", action="store_true", help="a tiny model and few steps: checks the plumbing")
+    ap.add_argument("--workdir", type=Path, help="run folders (default reproduce_diloco.py's)")
+    ap.add_argument("--ledger", type=Path, help="the ledger's folder (default reproduce_diloco.py's)")
+    ap.add_argument("--out", type=Path, help="the JSON (default benchmarks/results/bytes_to_loss.json)")
+    ap.add_argument("--report-only", action="store_true", help="no new runs: the JSON and figure")
+    args = ap.parse_args()
+    steps = rd.QUICK_STEPS if args.quick else 1000
+    args.hs = tuple(args.hs or ((5, 10, 20, 40) if args.quick else HS))
+    bad = [h for h in args.hs if h < 1 or steps % h]
+    if bad or args.jobs < 1:
+        got = ", ".join(map(str, bad)) or "none"
+        ap.error(f"every H must divide the {steps} steps per worker (not: {got}); --jobs ≥ 1")
+    suffix = "_quick" if args.quick else ""
+    args.workdir = args.workdir or rd.RESULTS / f"reproduce{suffix}_runs"
+    where = args.workdir if args.quick else rd.RESULTS
+    args.ledger = args.ledger or (where / "_ledger" if args.quick else where / "reproduce_ledger")
+    out = args.out or where / "bytes_to_loss.json"
+    figure = args.workdir / "figures" / "bytes_to_loss.png" if args.quick else FIGURE
+    ctx = context(args)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        ctx.config_path.write_text(rd.QUICK_CONFIG)
+    tuned = plan(ctx, args.methods, args.hs)
+    t0 = time.perf_counter()
+    if not args.report_only:
+        what = f"{', '.join(args.methods)} × H {args.hs}"
+        _log(f"{len(tuned)} points ({what}); {args.jobs} jobs; runs in {args.workdir}")
+        target = rd.Plan(runs=[ctx.dp(K, s, warm=True) for s in ctx.seeds])
+        n = rd.Scheduler(ctx, lambda *_: None).execute(
+            {"dp": target, "bytes": rd.Plan(tuned=list(tuned.values()))}
+        )
+        _log(f"{n} new runs in {time.perf_counter() - t0:.0f} s")
+    result = report(ctx, tuned)
+    result["figure"] = str(figure.relative_to(ROOT)) if figure.is_relative_to(ROOT) else str(figure)
+    if not plot(result, figure):
+        result["figure"] = None
+    text = json.dumps(result, indent=2)
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+    _log(f"saved {out}")
 
 
 if __name__ == "__main__":

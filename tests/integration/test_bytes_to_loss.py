@@ -1,0 +1,150 @@
+"""benchmarks/bytes_to_loss.py: its plan reuses the reproduction's runs, its bytes-to-target
+arithmetic matches a hand computation on a ledger written here, and its command line refuses a
+bad H (exit 2, nothing written). No run is started (the runs are the benchmark's job)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up there; bytes_to_loss imports rd
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def b2l():
+    _load("reproduce_diloco")
+    return _load("bytes_to_loss")
+
+
+def _ctx(b2l, tmp_path: Path, hs=(10, 50)):
+    args = argparse.Namespace(quick=False, hs=hs, jobs=1, workdir=tmp_path, ledger=tmp_path)
+    return b2l.context(args)
+
+
+@pytest.mark.timeout(60)
+def test_plan_reuses_part_dp_runs_and_runs_the_targets_H_on_three_seeds(b2l, tmp_path):
+    rd = sys.modules["reproduce_diloco"]
+    ctx = _ctx(b2l, tmp_path)
+    tuned = b2l.plan(ctx, list(b2l.METHODS), (10, 50))
+    assert list(tuned)[0] == ("fp32", 50)  # the targets' H first
+    assert ("topk3_2bit_ef", 50) in tuned and ("topk3_2bit_ef", 10) not in tuned
+    assert len(tuned) == 2 * len(b2l.METHODS) - 1
+    # fp32 at H = 50 is part dp's warm k = 4 DiLoCo run, by name: the ledger's results count
+    part_dp, _ = rd.part_dp(ctx)
+    dp_names = {r.name for t in part_dp.tuned for r in t.grid_runs(ctx)}
+    assert {r.name for r in tuned["fp32", 50].grid_runs(ctx)} <= dp_names
+    assert tuned["fp32", 50].seeds == [0, 1, 2] and tuned["fp32", 10].seeds == [0, 1]
+    flags = tuned["sparseloco3", 10].make(2.0, 0).flags
+    assert flags[flags.index("--outer-opt") + 1] == "sparseloco"
+    assert flags[flags.index("--topk-fraction") + 1] == "0.03"
+    assert "--init-from" not in flags and tuned["sparseloco3", 10].make(2.0, 0).init is not None
+
+
+def _row(run, val_loss: float, bytes_per_worker: int, curve: list) -> dict:
+    return {
+        "name": run.name,
+        "label": run.label,
+        "flags": list(run.flags),
+        "init": run.init.name if run.init else None,
+        "summary": {"val_loss": val_loss, "bytes_sent_per_worker": bytes_per_worker, "inner_steps": 4000},
+        "curve": curve,
+        "elapsed_s": 1.0,
+        "recorded": "2026-12-04T00:00:00",
+    }
+
+
+def _write(tmp_path: Path, rows: list[dict]) -> None:
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _dp_rows(ctx) -> list[dict]:
+    """Data parallel ends at 2.0 (seed 0), 2.1 (1), 2.2 (2), having sent 1,000,000 bytes a worker."""
+    return [_row(ctx.dp(4, s, warm=True), v, 1_000_000, []) for s, v in enumerate((2.0, 2.1, 2.2))]
+
+
+@pytest.mark.timeout(60)
+def test_a_best_lr_on_the_grid_edge_widens_the_grid(b2l, tmp_path):
+    ctx = _ctx(b2l, tmp_path, hs=(100,))
+    t = b2l.plan(ctx, ["sparseloco3"], (100,))["sparseloco3", 100]
+    _write(tmp_path, _dp_rows(ctx) + [_row(t.make(lr, 0), v, 5000, []) for lr, v in ((2.0, 2.5), (4.0, 1.9))])
+    ctx = _ctx(b2l, tmp_path, hs=(100,))  # reads the ledger
+    p = b2l.report(ctx, b2l.plan(ctx, ["sparseloco3"], (100,)))["points"]["sparseloco3 H=100"]
+    assert p["lr_grid_seed0"] == {"2": 2.5, "4": 1.9, "5.6": None}  # 4 on the edge: 5.6 next
+    assert p["outer_lr"] is None and p["val_loss"] is None  # no pick until the grid has run
+
+
+@pytest.mark.timeout(60)
+def test_bytes_to_target_by_hand(b2l, tmp_path):
+    """SparseLoCo 3% at H = 100 sends 5,000 bytes a worker in 10 rounds: 500 a round. Its grid on
+    seed 0 is 2 → 2.5, 4 → 1.9, widened to 5.6 → 2.3 (4 is inside now). Seed 0 first reaches
+    data parallel's 2.0 at step 300 (3 rounds, 1,500 bytes: ratio 0.0015); seed 1 reaches 2.1 at
+    step 700 (3,500 bytes: 0.0035). The point's ratio is the larger, 1/286."""
+    ctx = _ctx(b2l, tmp_path, hs=(100,))
+    t = b2l.plan(ctx, ["sparseloco3"], (100,))["sparseloco3", 100]
+    rows = _dp_rows(ctx) + [
+        _row(t.make(2.0, 0), 2.5, 5000, [[0, 3.0], [1000, 2.5]]),
+        _row(t.make(5.6, 0), 2.3, 5000, [[0, 3.0], [1000, 2.3]]),
+        _row(t.make(4.0, 0), 1.9, 5000, [[0, 3.0], [100, 2.5], [200, 2.05], [300, 1.99], [1000, 1.9]]),
+        _row(t.make(4.0, 1), 2.0, 5000, [[0, 3.0], [600, 2.2], [700, 2.1], [1000, 2.0]]),
+    ]
+    _write(tmp_path, rows)
+    ctx = _ctx(b2l, tmp_path, hs=(100,))
+    result = b2l.report(ctx, b2l.plan(ctx, ["sparseloco3"], (100,)))
+    p = result["points"]["sparseloco3 H=100"]
+    assert p["outer_lr"] == 4.0 and p["outer_lr_at_grid_edge"] is False
+    assert p["per_seed"] == {"0": 1.9, "1": 2.0}
+    assert p["bytes_ratio_by_seed"] == {"0": 0.0015, "1": 0.0035}
+    assert p["reached"] is True and p["bytes_ratio"] == 0.0035
+    assert result["best_run"] == "sparseloco3 H=100" and result["best_bytes_ratio_inverse"] == 286
+    assert result["dp_final_val_loss"] == pytest.approx(2.1)
+    assert result["frontier"] == ["sparseloco3 H=100"]
+
+
+@pytest.mark.timeout(30)
+def test_frontier_keeps_points_nothing_beats(b2l):
+    def pt(name, H, loss, b):
+        return {"method": name, "H": H, "val_loss": {"mean": loss}, "bytes_sent_per_worker": b}
+
+    points = [pt("a", 10, 2.0, 1000), pt("b", 50, 2.1, 100), pt("c", 50, 2.2, 200), pt("d", 500, 2.5, 10)]
+    assert b2l.frontier(points) == ["d H=500", "b H=50", "a H=10"]  # c: b is cheaper and better
+    assert b2l.to_target([0, 50, 100], [3.0, 2.0, 1.0], 2.0) == 50
+    assert b2l.to_target([0, 50], [3.0, 2.5], 2.0) is None
+
+
+@pytest.mark.timeout(120)
+def test_cli_report_only_and_bad_H(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    where = ["--workdir", str(tmp_path / "runs"), "--ledger", str(tmp_path / "ledger")]
+    where += ["--out", str(tmp_path / "o.json")]
+    bad = subprocess.run(
+        [sys.executable, str(BENCH / "bytes_to_loss.py"), "--hs", "7", *where],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "every H must divide the 1000 steps" in bad.stderr
+    assert list(tmp_path.iterdir()) == []
+    ok = subprocess.run(
+        [sys.executable, str(BENCH / "bytes_to_loss.py"), "--report-only", "--hs", "50", *where],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    out = json.loads((tmp_path / "o.json").read_text())
+    assert set(out["points"]) == {f"{m} H=50" for m in ("fp32", "fp4_ef", "topk10_ef", "topk3_2bit_ef")} | {
+        f"sparseloco{d} H=50" for d in (1, 3, 10)
+    }
+    assert out["best_bytes_ratio"] is None and out["figure"] is None  # nothing has run
