@@ -359,6 +359,8 @@ def _user_inputs(tmp_path):
         (["--data", "tiny.txt", "--shards", "genre"], "use --shards by-source"),
         (["--text-field", "body"], "add --data PATH"),
         (["--data", "tiny.txt", "--val-data", "tiny.txt", "--val-fraction", "0.1"], "give one of them"),
+        (["--eval-on", "tune"], "needs --tune-fraction above 0"),
+        (["--tune-fraction", "0.5"], "--tune-fraction"),
     ],
 )
 def test_bad_user_data_tokenizer_or_model_exits_2_and_writes_nothing(

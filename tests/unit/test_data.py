@@ -1,3 +1,4 @@
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,7 +12,8 @@ from diloco.data.recipe import training_corpus
 from diloco.data.shards import KMEANS_UNIT_TOKENS, genre_groups, kmeans_units, make_shards, plan_shards
 from diloco.data.text import load_corpus
 from diloco.data.tokenizer import ByteTokenizer
-from diloco.data.tokens import tail_cut
+from diloco.data.formats import Document
+from diloco.data.tokens import TRAIN, TUNE, VAL, pieces, tail_cut
 from diloco.errors import UserError
 
 
@@ -47,6 +49,42 @@ def test_validation_is_the_last_five_percent_of_every_work_and_never_trained_on(
     assert (train + held).encode() == works[0].text
     assert len(held) == int(len(works[0].text) * 0.05)
     assert bytes(val.numpy()[: len(held)].tolist()) == held.encode()  # the first work's tail comes first
+
+
+def test_a_tuning_split_is_the_end_of_every_training_text_and_leaves_validation_as_it_was():
+    """--tune-fraction 0.1: each work is its training head, then a tuning tail of a tenth of
+    what it trained on before, then the validation tail as before; the shards skip the tuning
+    text, validation stays the same tokens, and --eval-on tune scores the tuning text."""
+    from diloco.data.recipe import validation
+
+    works = load_corpus()
+    plain = TrainConfig()
+    cfg = dataclasses.replace(plain, data=dataclasses.replace(plain.data, tune_fraction=0.1))
+    corpus, before = training_corpus(cfg, ByteTokenizer(), False), _corpus()
+    assert np.array_equal(corpus.split(VAL).numpy(), before.split(VAL).numpy())
+    train, _ = tail_cut(works[0].text.decode(), 0.05)
+    _, tune = tail_cut(train, 0.1)
+    assert len(tune) == int(len(train.encode()) * 0.1)
+    assert bytes(corpus.split(TUNE).numpy()[: len(tune)].tolist()) == tune.encode()  # the first work's
+    assert len(corpus.split(TUNE)) == sum(int(len(tail_cut(w.text.decode(), 0.05)[0]) * 0.1) for w in works)
+    assert len(corpus.split(TRAIN)) + len(corpus.split(TUNE)) == len(before.split(TRAIN))
+    shards, _ = make_shards(corpus, plan_shards(corpus, 2, kind="genre", seed=0))
+    assert sum(len(s) for s in shards) == len(corpus.split(TRAIN))  # genre shards: every training token
+    assert np.array_equal(validation(cfg, ByteTokenizer(), False).numpy(), before.split(VAL).numpy())
+    tuned = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_on="tune"))
+    assert np.array_equal(validation(tuned, ByteTokenizer(), False).numpy(), corpus.split(TUNE).numpy())
+
+
+def test_a_tuning_split_of_whole_documents_takes_the_tail_of_each_training_document():
+    docs = [Document("a" * 100, "x"), Document("b" * 50, "y")]
+    got = list(pieces(docs, val_fraction=0.5, whole=True, held=[0, 1], tune_fraction=0.2))
+    assert [(p.text, p.val, p.ends_document) for p in got] == [
+        ("a" * 80, TRAIN, False),
+        ("a" * 20, TUNE, True),
+        ("b" * 50, VAL, True),
+    ]
+    plain = list(pieces(docs, val_fraction=0.5, whole=True, held=[0, 1]))
+    assert [(p.text, p.val, p.ends_document) for p in plain] == [("a" * 100, TRAIN, True), ("b" * 50, VAL, True)]
 
 
 @pytest.mark.parametrize("kind", ["genre", "kmeans", "by-source"])

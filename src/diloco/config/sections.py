@@ -25,15 +25,7 @@ HETEROGENEITY = {"none": 1.0, "slight": 1.5, "moderate": 3.0, "very": 6.0}
 SHARDINGS = ("iid", "genre", "kmeans", "by-source")
 CODECS = tuple(_CODECS)  # the names of core.codec's codecs
 
-PRESETS = (
-    "nano",
-    "micro",
-    "20m",
-    "60m",
-    "150m",
-    "1b",
-    "10b",
-)  # the keys of MODEL_PRESETS (below), which needs ModelConfig
+PRESETS = ("nano", "micro", "20m", "60m", "150m", "1b", "10b")  # MODEL_PRESETS' keys (below)
 # `needs` of settings that apply to one runtime or method only (the simulator's clock: not real time)
 ON_SIM, ON_COLLECTIVE, ON_SERVER = ("runtime", "sim"), ("runtime", "collective"), ("runtime", "server")
 ON_SIM_OR_COLLECTIVE = ("runtime", "in", ("sim", "collective"))  # emulated devices (runtime/clock.py)
@@ -161,6 +153,11 @@ class DataConfig:
         flag="--val-fraction",
         help="held out for validation: the end of every work, or whole documents of --data",
     )
+    # a tuning split: pick hyperparameters on text that is neither trained on nor reported
+    tune_fraction: float = setting(
+        0.0, flag="--tune-fraction", help="held out of training for tuning: the end of every training text"
+    )
+    eval_on: str = setting("val", flag="--eval-on", choices=("val", "tune"), help="the split evals score")
     eval_windows: int = setting(64, help="windows in the fixed validation subset used by periodic evals")
 
 
@@ -170,7 +167,7 @@ class InnerConfig:
 
     # the paper's 4e-4 is for 150M models and 88k steps
     lr: float = setting(1e-3, flag="--inner-lr", help="peak inner AdamW learning rate")
-    warmup_steps: int = 30
+    warmup_steps: int = setting(30, flag="--warmup-steps", help="linear warm-up steps of the inner lr")
     min_lr_ratio: float = setting(0.1, help="cosine floor as a fraction of lr")
     weight_decay: float = 0.1
     beta1: float = 0.9

@@ -232,6 +232,9 @@ def _validate_data(cfg: Any) -> None:
             "genre shards are the bundled corpus's genres; with --data use --shards by-source "
             "(each file, or each value of --source-field, a source)."
         )
+    settings.in_range(cfg, "data.tune_fraction", lo=0.0, hi=0.5, hi_open=True)
+    if d.eval_on == "tune" and not d.tune_fraction:
+        raise UserError("--eval-on tune scores the tuning split, which needs --tune-fraction above 0.")
     if d.val_data and settings.changed(cfg, "data.val_fraction"):
         raise UserError("--val-data and --val-fraction both choose the validation text; give one of them.")
     for key in ("data.paths", "data.val_data"):

@@ -28,7 +28,7 @@ from diloco.data.text import (
     user_text,
 )
 from diloco.data.tokenizer import Tokenizer
-from diloco.data.tokens import Corpus, View
+from diloco.data.tokens import TUNE, VAL, Corpus, View
 from diloco.errors import UserError
 
 
@@ -65,7 +65,9 @@ def prepare_data(
             "train a new run on it (diloco train with another --out"
             + (f"; --init-from {run_dir} starts from this run's model)" if finished else ")"),
         )
-    train = training_pieces(text, d.val_fraction, separate_val=bool(d.val_data))
+    train = training_pieces(
+        text, d.val_fraction, separate_val=bool(d.val_data), tune_fraction=d.tune_fraction
+    )
     tokenizer = load_tokenizer(d, text, train, run_dir)
     corpus = training_corpus(cfg, tokenizer, progress, text=text, train=train)
     k = 1 if cfg.method == "single" else cfg.num_workers
@@ -162,21 +164,28 @@ def training_corpus(
     pieces of `text`, `training_pieces`) is given when the caller already made it."""
     d = cfg.data
     text = text or training_text(cfg)
-    train = train or training_pieces(text, d.val_fraction, separate_val=bool(d.val_data))
+    train = train or training_pieces(
+        text, d.val_fraction, separate_val=bool(d.val_data), tune_fraction=d.tune_fraction
+    )
     # a new way of holding documents out must not reuse an old cache entry
     split = {"val_fraction": d.val_fraction, "separate_val": bool(d.val_data), "rule": RULES["val_split"]}
+    if d.tune_fraction:  # none: the key it always had
+        split["tune_fraction"] = d.tune_fraction
     return tokenised(text, train, tokenizer, split, d, progress)
 
 
 def validation(
     cfg: TrainConfig, tokenizer: Tokenizer, progress: bool | None, *, corpus: Corpus | None = None
 ) -> View:
-    """The run's validation tokens: --val-data, or what its training text holds out."""
+    """The run's validation tokens: --val-data, or what its training text holds out; with
+    `--eval-on tune`, the tuning split its training text holds out."""
     d = cfg.data
+    if d.eval_on == "tune":
+        return (corpus or training_corpus(cfg, tokenizer, progress)).split(TUNE)
     if d.val_data:
         val_text = user_text(d.val_data, text_field=d.text_field, source_field="")
-        return eval_corpus(val_text, tokenizer, d, progress).split(True)
-    return (corpus or training_corpus(cfg, tokenizer, progress)).split(True)
+        return eval_corpus(val_text, tokenizer, d, progress).split(VAL)
+    return (corpus or training_corpus(cfg, tokenizer, progress)).split(VAL)
 
 
 def sampler(cfg: TrainConfig, shards: list[View], i: int, batch_multiple: int = 1) -> ShardSampler:

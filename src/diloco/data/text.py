@@ -7,7 +7,8 @@ Validation:
   choice survives added files), or the end of every document when that picks less than half of
   `val_fraction` of the text (a few short documents) or more than twice it (a handful of books);
   or all of --val-data.
-No worker ever trains on it.
+No worker ever trains on it. With --tune-fraction, the end of every training text is a tuning
+split (held out of training, and of validation), which `--eval-on tune` scores instead.
 
     python -c "from diloco.data.text import load_corpus; print(len(load_corpus()))"
 """
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from diloco.data.formats import Document
 from diloco.data.tokens import (
+    TRAIN,
     Corpus,
     Piece,
     cache_root,
@@ -116,21 +118,26 @@ def _folder_size(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def training_pieces(text: Text, val_fraction: float, *, separate_val: bool) -> Callable[[], Iterator[Piece]]:
+def training_pieces(
+    text: Text, val_fraction: float, *, separate_val: bool, tune_fraction: float = 0.0
+) -> Callable[[], Iterator[Piece]]:
     """The pieces of a run's training text: the bundled corpus holds out the tail of every work;
     user data holds out whole documents (`is_val_document`: about `val_fraction` of them), or
     the tail of each one when that rule's share of the text is not within a factor
     VAL_SHARE_LIMIT of `val_fraction` (too few documents for the rule: two books, one held out,
     would hold out half; 91 rows of which the hash picks one short one, almost nothing); with a
-    separate validation text, none."""
+    separate validation text, none. With `tune_fraction`, the end of each training piece is
+    tuning text (`pieces`)."""
     held = bytearray()  # per document: validation? (decided once, on the first call)
     share = [0.0]  # the held documents' share of the text (characters)
 
+    cut = partial(pieces, tune_fraction=tune_fraction)
+
     def make() -> Iterator[Piece]:
         if separate_val:
-            return pieces(text.documents(), val_fraction=0.0, whole=True)
+            return cut(text.documents(), val_fraction=0.0, whole=True)
         if text.bundled:
-            return pieces(text.documents(), val_fraction=val_fraction, whole=False)
+            return cut(text.documents(), val_fraction=val_fraction, whole=False)
         if not held:
             sizes = []
             for doc in text.documents():
@@ -138,7 +145,7 @@ def training_pieces(text: Text, val_fraction: float, *, separate_val: bool) -> C
                 sizes.append(len(doc.text))
             share[0] = sum(n for n, h in zip(sizes, held, strict=True) if h) / max(1, sum(sizes))
         whole = val_fraction / VAL_SHARE_LIMIT <= share[0] <= VAL_SHARE_LIMIT * val_fraction and share[0] < 1
-        return pieces(text.documents(), val_fraction=val_fraction, whole=whole, held=held)
+        return cut(text.documents(), val_fraction=val_fraction, whole=whole, held=held)
 
     return make
 
@@ -154,11 +161,12 @@ def load_tokenizer(cfg: DataConfig, text: Text, train: Callable[[], Iterator[Pie
     if kind != "bpe":
         return tk.build_tokenizer(cfg.tokenizer, lambda: ())
     root = cache_root(cfg.cache_dir)
-    name = "bpe-" + digest(text.fingerprint, cfg.val_fraction, bool(cfg.val_data), arg)
+    tune = (cfg.tune_fraction,) if cfg.tune_fraction else ()  # none: the name it always had
+    name = "bpe-" + digest(text.fingerprint, cfg.val_fraction, bool(cfg.val_data), arg, *tune)
     path = root / f"{name}.json"
     with locked(root, name):
         if not path.is_file():
-            trained = tk.train_bpe((p.text for p in train() if not p.val), arg)
+            trained = tk.train_bpe((p.text for p in train() if p.val == TRAIN), arg)
             tmp = root / f"{name}.tmp-{os.getpid()}"
             tmp.mkdir(exist_ok=True)
             os.replace(trained.save(tmp), path)

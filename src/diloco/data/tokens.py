@@ -143,7 +143,7 @@ class Corpus:
     length: np.ndarray
     doc: np.ndarray
     source: np.ndarray
-    val: np.ndarray
+    val: np.ndarray  # which split a piece is in: TRAIN, VAL or TUNE (older caches: a bool, VAL or not)
     meta: dict
 
     @property
@@ -154,8 +154,9 @@ class Corpus:
         pieces = np.asarray(list(pieces) if not isinstance(pieces, np.ndarray) else pieces, np.int64)
         return View(self.file, self.start[pieces], self.length[pieces])
 
-    def split(self, val: bool) -> View:
-        return self.view(np.flatnonzero(self.val == val))
+    def split(self, part: int) -> View:
+        """The pieces of one split: TRAIN, VAL or TUNE."""
+        return self.view(np.flatnonzero(self.val == part))
 
     def doc_sizes(self) -> np.ndarray:
         """Tokens per document (all its pieces)."""
@@ -167,7 +168,8 @@ class Corpus:
         return out
 
 
-# --- splitting documents into training and validation pieces -----------------------------------
+# --- splitting documents into training, validation and tuning pieces ---------------------------
+TRAIN, VAL, TUNE = 0, 1, 2  # the splits; tuning text is held out of training and of validation
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,7 @@ class Piece:
     text: str
     source: str
     doc: int
-    val: bool
+    val: int  # TRAIN, VAL or TUNE
     ends_document: bool
 
 
@@ -204,19 +206,35 @@ def pieces(
     whole: bool,
     all_val: bool = False,
     held: Sequence[int] | None = None,
+    tune_fraction: float = 0.0,
 ) -> Iterator[Piece]:
     """The pieces of `docs`: whole documents picked by `is_val_document` (or by `held`, its
     answers computed already), or (whole=False) every document's head and tail (`tail_cut`);
-    with all_val every document is validation."""
+    with all_val every document is validation. With `tune_fraction`, the end of each training
+    piece (that fraction of it) is tuning text."""
     for i, d in enumerate(docs):
         if all_val or whole:
             val = all_val or (held[i] if held is not None else is_val_document(d.text, val_fraction))
-            yield Piece(d.text, d.source, i, bool(val), True)
+            if val:
+                yield Piece(d.text, d.source, i, VAL, True)
+            else:
+                yield from _train_pieces(d, i, d.text, tune_fraction, ends_document=True)
         else:
             head, tail = tail_cut(d.text, val_fraction)
-            yield Piece(head, d.source, i, False, not tail)
+            yield from _train_pieces(d, i, head, tune_fraction, ends_document=not tail)
             if tail:
-                yield Piece(tail, d.source, i, True, True)
+                yield Piece(tail, d.source, i, VAL, True)
+
+
+def _train_pieces(d: Document, i: int, text: str, tune_fraction: float, *, ends_document: bool):
+    """A document's training text: one piece, or its head and, with a tuning split, its tail."""
+    if not tune_fraction:
+        yield Piece(text, d.source, i, TRAIN, ends_document)
+        return
+    head, tune = tail_cut(text, tune_fraction)
+    yield Piece(head, d.source, i, TRAIN, ends_document and not tune)
+    if tune:
+        yield Piece(tune, d.source, i, TUNE, ends_document)
 
 
 # --- building and loading a cache entry ---------------------------------------------------------
@@ -313,7 +331,7 @@ def _build(folder: Path, items: Iterable[Piece], tokenizer, *, key, total_chars,
         length=length,
         doc=doc,
         source=np.asarray(cols["source"], np.int64),
-        val=np.asarray(cols["val"], np.int64).astype(bool),
+        val=np.asarray(cols["val"], np.int8),
     )
     meta = {
         "format": FORMAT,
