@@ -39,16 +39,16 @@ def _ctx(b2l, tmp_path: Path, hs=(10, 50)):
 
 @pytest.mark.timeout(60)
 def test_plan_reuses_part_dp_runs_and_runs_the_targets_H_on_three_seeds(b2l, tmp_path):
-    rd = sys.modules["reproduce_diloco"]
     ctx = _ctx(b2l, tmp_path)
     tuned = b2l.plan(ctx, list(b2l.METHODS), (10, 50))
     assert list(tuned)[0] == ("fp32", 50)  # the targets' H first
     assert ("topk3_2bit_ef", 50) in tuned and ("topk3_2bit_ef", 10) not in tuned
     assert len(tuned) == 2 * len(b2l.METHODS) - 1
-    # fp32 at H = 50 is part dp's warm k = 4 DiLoCo run, by name: the ledger's results count
-    part_dp, _ = rd.part_dp(ctx)
-    dp_names = {r.name for t in part_dp.tuned for r in t.grid_runs(ctx)}
-    assert {r.name for r in tuned["fp32", 50].grid_runs(ctx)} <= dp_names
+    # fp32 at H = 50 is the reproduction's warm k = 4 DiLoCo run (before issue 36's tuning
+    # rules), by name: the ledger's results count (lr 1, seed 0 is a row of the committed ledger)
+    names = [r.name for r in tuned["fp32", 50].grid_runs(ctx)]
+    assert names == [ctx.diloco(0, k=4, lr=lr, warm=True).name for lr in (0.7, 1.0)]
+    assert names[1] == "diloco-k4-H50-s0-b96fc9acd6b4"
     assert tuned["fp32", 50].seeds == [0, 1, 2] and tuned["fp32", 10].seeds == [0, 1]
     flags = tuned["sparseloco3", 10].make(2.0, 0).flags
     assert flags[flags.index("--outer-opt") + 1] == "sparseloco"

@@ -90,3 +90,74 @@ def test_part_H_runs_diloco_and_data_parallel_at_h_k(tmp_path, h_k):
         f"dp k={h_k} s0",
         f"dp k={h_k} s1",
     ]
+
+
+def _ctx(mod, tmp_path, **kw):
+    args = argparse.Namespace(
+        quick=False, ks=(4,), starts=("warm",), lr_grid=(0.7, 1.0), serial_ks=(4,), model="nano",
+        steps=1000, H=50, hs=(50,), h_k=4, seeds=3, pretrain_steps=1000, jobs=1,
+        workdir=tmp_path, ledger=tmp_path / "runs.jsonl", **kw,
+    )  # fmt: skip
+    return mod.Ctx(args)
+
+
+def _flag(run, name):
+    flags = list(run.flags)
+    return flags[flags.index(name) + 1] if name in flags else None
+
+
+@pytest.mark.timeout(60)
+def test_part_dp_tunes_every_arm_on_the_tuning_seed_and_split_only(tmp_path):
+    """Issue 36's rules: every run of part dp holds the tuning split out; the grids (data
+    parallel's and single's inner lr × warm-up, DiLoCo's outer lr) run on the tuning seed and
+    score the tuning split; nothing run on a reported seed scores it."""
+    mod = _module()
+    ctx = _ctx(mod, tmp_path)
+    plan, _ = mod.part_dp(ctx)
+    grids = list({r.name: r for t in plan.tuned for r in t.grid_runs(ctx)}.values())  # serial: single's
+    assert len(grids) == 2 * 4 + 2 * 4 + 2  # dp and single: 4 lrs × 2 warm-ups; DiLoCo: 2 outer lrs
+    for r in grids:
+        assert r.seed == mod.TUNE_SEED and _flag(r, "--eval-on") == "tune", r.label
+        assert _flag(r, "--tune-fraction") == "0.05" and _flag(r.init, "--tune-fraction") == "0.05"
+    lrs = {
+        (_flag(r, "--inner-lr"), _flag(r, "--warmup-steps")) for r in grids if _flag(r, "--method") == "dp"
+    }
+    assert lrs == {(lr, w) for lr in ("0.0005", "0.001", "0.002", "0.004") for w in ("30", "100")}
+    assert not [r for r in plan.all_runs(ctx) if r.seed != mod.TUNE_SEED and "--eval-on" in r.flags]
+
+
+@pytest.mark.timeout(60)
+def test_a_choice_picks_the_best_warmup_and_lr_then_runs_the_reported_seeds(tmp_path):
+    """Data parallel's tuning losses by hand: warm-up 100 at lr 2e-3 is best (1.5), inside its
+    grid; warm-up 30's best, 4e-3, is on its edge, so its grid widens to 8e-3 first, which is
+    worse (1.9). The pick is then run on seeds 0, 1, 2, and part H500's data parallel follows it."""
+    mod = _module()
+    ctx = _ctx(mod, tmp_path)
+    _, dp, _ = mod.dp_arms(ctx, 4, True)
+    losses = {
+        30: {5e-4: 2.4, 1e-3: 2.2, 2e-3: 2.0, 4e-3: 1.8, 8e-3: 1.9},
+        100: {5e-4: 2.3, 1e-3: 1.9, 2e-3: 1.5, 4e-3: 1.7},
+    }
+    rows = []
+    for w, by_lr in losses.items():
+        t = dp.options[f"warmup {w}"]
+        for lr, v in by_lr.items():
+            r = t.tune(lr)
+            rows.append(
+                {"name": r.name, "label": r.label, "flags": list(r.flags), "summary": {"val_loss": v}}
+            )
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ctx = _ctx(mod, tmp_path)
+    _, dp, _ = mod.dp_arms(ctx, 4, True)
+    assert dp.options["warmup 30"].grid(ctx) == (5e-4, 1e-3, 2e-3, 4e-3, 8e-3)
+    assert dp.pick(ctx) == "warmup 100" and mod._picked(dp, ctx) == (2e-3, 100)
+    runs = dp.runs(ctx)
+    assert [r.seed for r in runs] == [0, 1, 2]
+    assert {(_flag(r, "--inner-lr"), _flag(r, "--warmup-steps"), _flag(r, "--eval-on")) for r in runs} == {
+        ("0.002", "100", None)
+    }
+    plan, _ = mod.part_H500(ctx)
+    follow = plan.tuned[0].runs(ctx)
+    assert [(_flag(r, "--inner-lr"), _flag(r, "--rounds"), r.seed) for r in follow] == [
+        ("0.002", "200", s) for s in (0, 1, 2)
+    ]  # 10,000 steps at H = 50

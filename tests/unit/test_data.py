@@ -8,11 +8,11 @@ import torch
 
 from diloco.config import TrainConfig
 from diloco.data.batches import ShardSampler, ShardSet, eval_windows
+from diloco.data.formats import Document
 from diloco.data.recipe import training_corpus
 from diloco.data.shards import KMEANS_UNIT_TOKENS, genre_groups, kmeans_units, make_shards, plan_shards
 from diloco.data.text import load_corpus
 from diloco.data.tokenizer import ByteTokenizer
-from diloco.data.formats import Document
 from diloco.data.tokens import TRAIN, TUNE, VAL, pieces, tail_cut
 from diloco.errors import UserError
 
@@ -84,7 +84,7 @@ def test_a_tuning_split_of_whole_documents_takes_the_tail_of_each_training_docum
         ("b" * 50, VAL, True),
     ]
     plain = list(pieces(docs, val_fraction=0.5, whole=True, held=[0, 1]))
-    assert [(p.text, p.val, p.ends_document) for p in plain] == [("a" * 100, TRAIN, True), ("b" * 50, VAL, True)]
+    assert [(p.text, p.val) for p in plain] == [("a" * 100, TRAIN), ("b" * 50, VAL)]
 
 
 @pytest.mark.parametrize("kind", ["genre", "kmeans", "by-source"])
