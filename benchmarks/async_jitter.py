@@ -256,7 +256,7 @@ def warm_start(pretrain: Path) -> None:
 
 def compare(args, ledger: Ledger, lrs: dict[str, float]) -> dict:
     seeds = list(range(args.seeds))
-    methods = args.methods.split(",")
+    methods = list(dict.fromkeys(["sync", *args.methods.split(",")]))  # sync: every figure's baseline
     pretrain = ledger.runs / "pretrain"
     result: dict = {
         "benchmark": "async_jitter",
