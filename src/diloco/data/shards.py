@@ -136,7 +136,7 @@ def kmeans_units(corpus: Corpus) -> tuple[View, list[tuple[int, int]]]:
 def _training_stream(corpus: Corpus) -> tuple[View, np.ndarray]:
     """The training pieces as one sequence (they are in document order) and each document's
     training tokens in it."""
-    train = np.flatnonzero(corpus.val == TRAIN)
+    train = np.flatnonzero(corpus.mask(TRAIN))
     weights = corpus.length[train]
     sizes = np.bincount(corpus.doc[train], weights=weights, minlength=corpus.meta["documents"])
     return corpus.view(train), sizes.astype(np.int64)
@@ -153,7 +153,7 @@ def shard_units(corpus: Corpus, kind: str) -> tuple[View, list[tuple[int, int]]]
             (b * IID_BLOCK_TOKENS, (b + 1) * IID_BLOCK_TOKENS) for b in range(len(stream) // IID_BLOCK_TOKENS)
         ]
     ends = np.cumsum(sizes)
-    docs = np.unique(corpus.doc[corpus.val == TRAIN])  # documents with training text (not held out whole)
+    docs = np.unique(corpus.doc[corpus.mask(TRAIN)])  # documents with training text (not held out whole)
     return stream, list(zip((ends - sizes)[docs].tolist(), ends[docs].tolist(), strict=True))
 
 
@@ -181,7 +181,7 @@ def plan_shards(
         texts = [decode(stream[torch.arange(a, b)].numpy()) for a, b in units]
         groups = kmeans_groups(texts, k, seed)
     else:
-        docs = np.unique(corpus.doc[corpus.val == TRAIN])  # the documents `shard_units` made units of
+        docs = np.unique(corpus.doc[corpus.mask(TRAIN)])  # the documents `shard_units` made units of
         what = "works" if kind == "genre" else "documents with training text"
         if k > len(docs):
             raise UserError(

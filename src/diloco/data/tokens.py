@@ -143,8 +143,13 @@ class Corpus:
     length: np.ndarray
     doc: np.ndarray
     source: np.ndarray
-    val: np.ndarray  # which split a piece is in: TRAIN, VAL or TUNE (older caches: a bool, VAL or not)
+    val: np.ndarray  # bool: a validation piece
     meta: dict
+    tune: np.ndarray | None = None  # bool: a tuning piece (caches before the tuning split: none)
+
+    def __post_init__(self):
+        if self.tune is None:
+            self.tune = np.zeros_like(self.val, dtype=bool)
 
     @property
     def sources(self) -> list[str]:
@@ -154,9 +159,13 @@ class Corpus:
         pieces = np.asarray(list(pieces) if not isinstance(pieces, np.ndarray) else pieces, np.int64)
         return View(self.file, self.start[pieces], self.length[pieces])
 
+    def mask(self, part: int) -> np.ndarray:
+        """Which pieces are in one split: TRAIN, VAL or TUNE (True and False: VAL and TRAIN)."""
+        return {TRAIN: ~(self.val | self.tune), VAL: self.val, TUNE: self.tune}[int(part)]
+
     def split(self, part: int) -> View:
         """The pieces of one split: TRAIN, VAL or TUNE."""
-        return self.view(np.flatnonzero(self.val == part))
+        return self.view(np.flatnonzero(self.mask(part)))
 
     def doc_sizes(self) -> np.ndarray:
         """Tokens per document (all its pieces)."""
@@ -331,7 +340,8 @@ def _build(folder: Path, items: Iterable[Piece], tokenizer, *, key, total_chars,
         length=length,
         doc=doc,
         source=np.asarray(cols["source"], np.int64),
-        val=np.asarray(cols["val"], np.int8),
+        val=np.asarray(cols["val"], np.int64) == VAL,
+        tune=np.asarray(cols["val"], np.int64) == TUNE,
     )
     meta = {
         "format": FORMAT,
@@ -350,7 +360,7 @@ def _load(folder: Path) -> Corpus | None:
     try:
         meta = json.loads((folder / "meta.json").read_text())
         with np.load(folder / "pieces.npz") as z:
-            cols = {k: z[k] for k in ("start", "length", "doc", "source", "val")}
+            cols = {k: z[k] for k in ("start", "length", "doc", "source", "val", "tune") if k in z}
         path = folder / "tokens.bin"
         if (
             meta.get("format") != FORMAT
