@@ -285,10 +285,11 @@ def compare(args, ledger: Ledger, lrs: dict[str, float]) -> dict:
             prefix = "" if scenario == "scratch" else "warm_"
             result[f"{prefix}j{j:g}"] = table
             asyn = [m for m in methods if METHODS[m][0] == "async"]
-            best = min(asyn, key=lambda m: table[m]["val_loss"]["mean"])
-            result[f"{prefix}best_async_method_j{j:g}"] = best
-            result[f"{prefix}best_async_vs_sync_pct_j{j:g}"] = table[best]["vs_sync_pct"]
-            result[f"{prefix}best_async_min_speedup_j{j:g}"] = table[best]["min_speedup"]
+            if asyn:
+                best = min(asyn, key=lambda m: table[m]["val_loss"]["mean"])
+                result[f"{prefix}best_async_method_j{j:g}"] = best
+                result[f"{prefix}best_async_vs_sync_pct_j{j:g}"] = table[best]["vs_sync_pct"]
+                result[f"{prefix}best_async_min_speedup_j{j:g}"] = table[best]["min_speedup"]
             if "sync_dylu" in table:
                 result[f"{prefix}sync_dylu_vs_sync_pct_j{j:g}"] = table["sync_dylu"]["vs_sync_pct"]
                 result[f"{prefix}sync_dylu_min_speedup_j{j:g}"] = table["sync_dylu"]["min_speedup"]

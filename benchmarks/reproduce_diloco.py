@@ -57,7 +57,8 @@ Parts (`--part`, repeatable or a comma list; default all):
   pruning claim), vs fp32, k = 4.
 - `H500`: the paper's headline interval: nano, warm, k = 4, H500_STEPS (10,000) steps per worker,
   DiLoCo at H = 50 and 500 (each its own outer-lr grid {0.5, 0.7, 1.0}, tuned by part dp's rules)
-  against data parallel at part dp's tuned settings; also its own JSON
+  against data parallel re-tuned at these steps around part dp's pick (inner lr ÷2, ×1, ×2 at its
+  warm-up); also its own JSON
   (reproduce_diloco_H500.json: `h500_vs_dp_gap`, `h500_bytes_ratio_vs_dp`, `h50_vs_dp_gap`) and
   a figure of loss against outer rounds.
 
@@ -285,9 +286,11 @@ class Choice:
         return [r for t in self.options.values() for r in t.grid_runs(ctx)]
 
     def pick(self, ctx: Ctx) -> str | None:
-        losses = {name: t.best_loss(ctx) for name, t in self.options.items()}
-        if any(t.best(ctx) is None for t in self.options.values()):
+        """The option whose best tuning loss is lowest, once every grid has finished (an option
+        whose runs all failed drops out); None before."""
+        if any(not all(ctx.finished(r) for r in t.grid_runs(ctx)) for t in self.options.values()):
             return None
+        losses = {name: t.best_loss(ctx) for name, t in self.options.items()}
         ranked = [(v, name) for name, v in losses.items() if v is not None]
         return min(ranked)[1] if ranked else None
 
@@ -323,11 +326,55 @@ class Follow:
 
 
 @dataclass
+class Around:
+    """An inner-lr grid centred on another arm's pick (×/÷ INNER_GRID_STEP, at its warm-up), made
+    once the pick is known: part H500's data parallel re-tunes around part dp's pick at its own
+    steps, as its DiLoCo arms re-tune their outer lr. Scheduled like a `Tuned`."""
+
+    source: Choice
+    make: Callable[[float, int, int], Run]  # (lr, warmup, seed) -> a reported run
+    tune: Callable[[float, int], Run]  # (lr, warmup) -> a tuning run
+    seeds: list[int]
+
+    def inner(self, ctx: Ctx) -> Tuned | None:
+        picked = _picked(self.source, ctx)
+        if picked is None:
+            return None
+        lr, w = picked
+        base = (float(f"{lr / INNER_GRID_STEP:.2g}"), lr, float(f"{lr * INNER_GRID_STEP:.2g}"))
+        return Tuned(
+            functools.partial(lambda lr, s, w: self.make(lr, w, s), w=w),
+            base,
+            self.seeds,
+            tune=functools.partial(lambda lr, w: self.tune(lr, w), w=w),
+            step=INNER_GRID_STEP,
+        )
+
+    def grid_runs(self, ctx: Ctx) -> list[Run]:
+        t = self.inner(ctx)
+        return self.source.grid_runs(ctx) + (t.grid_runs(ctx) if t else [])
+
+    def runs(self, ctx: Ctx) -> list[Run]:
+        t = self.inner(ctx)
+        return t.runs(ctx) if t else []
+
+    def report(self, ctx: Ctx) -> dict:
+        t = self.inner(ctx)
+        return {
+            "around": self.source.report(ctx),
+            "grid": t.table(ctx) if t else None,
+            "lr": t.best(ctx) if t else None,
+            "warmup": _picked(self.source, ctx)[1] if t else None,
+            "lr_at_grid_edge": t.at_edge(ctx) if t else None,
+        }
+
+
+@dataclass
 class Plan:
     """What one part runs: fixed runs, and tuned ones whose other seeds wait for the grid."""
 
     runs: list[Run] = field(default_factory=list)
-    tuned: list[Tuned | Choice | Follow] = field(default_factory=list)
+    tuned: list[Tuned | Choice | Follow | Around] = field(default_factory=list)
     later: list[Run] = field(default_factory=list)  # references, run after the others of their kind
 
     def all_runs(self, ctx: Ctx) -> list[Run]:
@@ -413,6 +460,7 @@ class Ctx:
         self.config_path = self.workdir / "quick.toml"
         self.ledger = Ledger(args.ledger)
         self._results: dict[str, dict | None] = {}
+        self.rerun: set[str] = set()  # runs the ledger has but that run again (a row without a curve)
 
     # naming and flags
     def make(self, slug: str, label: str, seed: int, flags: list, init: Run | None = None) -> Run:
@@ -550,6 +598,8 @@ class Ctx:
             and (d / "model.safetensors").is_file()
         ):
             return True
+        if run.name in self.rerun:
+            return False
         row = self.ledger.rows.get(run.name)
         return row is not None and (not model or "failed" in row)
 
@@ -597,6 +647,9 @@ class Ctx:
         row: dict = {"name": run.name, "label": run.label, "flags": list(run.flags)}
         row["init"] = run.init.name if run.init else None
         if res.pop("failed", False):
+            if run.name in self.rerun and old is not None and "failed" not in old:
+                _log(f"NOTE {run.label} [{run.name}]: its run again failed; the ledger keeps its row")
+                return
             row["failed"] = {k: v for k, v in res.items() if k != "cmd"}
         else:
             row["elapsed_s"] = res.pop("elapsed_s", None)
@@ -1230,16 +1283,16 @@ def part_codec(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
 
 def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     """The paper's headline interval: nano, warm, k = 4, H500_STEPS steps per worker (20 rounds
-    at H = 500, 200 at H = 50); data parallel at part dp's tuned settings (k = 4, warm), DiLoCo at
-    each H with its own outer-lr grid on the tuning seed and split."""
+    at H = 500, 200 at H = 50); data parallel re-tuned at these steps around part dp's pick (k =
+    4, warm), DiLoCo at each H with its own outer-lr grid; both on the tuning seed and split."""
     steps, hs = ctx.h500_steps, ctx.h500_hs
     _, dp_choice, _ = dp_arms(ctx, K, True)
-
-    def dp_runs(ctx: Ctx) -> list[Run]:
-        lr, w = _picked(dp_choice, ctx)
-        return [ctx.dp(K, s, True, fair=True, lr=lr, warmup=w, steps=steps) for s in ctx.seeds]
-
-    dp = Follow(dp_choice, dp_runs)
+    dp = Around(
+        dp_choice,
+        lambda lr, w, s: ctx.dp(K, s, True, fair=True, lr=lr, warmup=w, steps=steps),
+        lambda lr, w: ctx.dp(K, TUNE_SEED, True, fair=True, tuning=True, lr=lr, warmup=w, steps=steps),
+        ctx.seeds,
+    )
     tuned = {
         H: Tuned(
             functools.partial(
@@ -1258,7 +1311,7 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     }
 
     def report() -> dict:
-        base = entry(ctx, dp.runs(ctx), **dp_choice.report(ctx))
+        base = entry(ctx, dp.runs(ctx), tuning=dp.report(ctx))
         by_H = {}
         for H, t in tuned.items():
             lr = t.best(ctx)
@@ -1283,8 +1336,8 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             if gap is None or br is None
             else bool(gap <= 0.02 and br >= 400),
             "claim": "DiLoCo at H = 500 ends below data parallel while communicating 500x less",
-            "note": "data parallel takes part dp's tuned inner lr and warm-up (k = 4, warm); each H its "
-            "own outer-lr grid on the tuning seed and split (part dp's tuning rules)",
+            "note": "data parallel re-tunes its inner lr at these steps over part dp's pick ×/÷2 (at "
+            "part dp's warm-up); each H its own outer-lr grid; both on the tuning seed and split",
         }
 
     return Plan(tuned=[dp, *tuned.values()]), report
@@ -1370,7 +1423,8 @@ def _dp_curve_start(ctx: Ctx, r: dict) -> str:
     row = r["per_k"][str(r["headline_k"])]
     starts = [s for s in ("warm", "scratch") if s in row]
     for start in starts:
-        if all(ctx.curve(e["runs"][0])[0] for e in (row[start][m] for m in ("single", "dp", "diloco"))):
+        entries = [row[start][m] for m in ("single", "dp", "diloco")]
+        if all(e.get("runs") and ctx.curve(e["runs"][0])[0] for e in entries):
             return start
     return starts[0]
 

@@ -62,7 +62,12 @@ def _row(run, val_loss: float, bytes_per_worker: int, curve: list) -> dict:
         "label": run.label,
         "flags": list(run.flags),
         "init": run.init.name if run.init else None,
-        "summary": {"val_loss": val_loss, "bytes_sent_per_worker": bytes_per_worker, "inner_steps": 4000},
+        "summary": {
+            "val_loss": val_loss,
+            "final_subset_val_loss": val_loss + 0.01,  # the fixed subset's, what curves are read against
+            "bytes_sent_per_worker": bytes_per_worker,
+            "inner_steps": 4000,
+        },
         "curve": curve,
         "elapsed_s": 1.0,
         "recorded": "2026-12-04T00:00:00",
@@ -92,16 +97,17 @@ def test_a_best_lr_on_the_grid_edge_widens_the_grid(b2l, tmp_path):
 @pytest.mark.timeout(60)
 def test_bytes_to_target_by_hand(b2l, tmp_path):
     """SparseLoCo 3% at H = 100 sends 5,000 bytes a worker in 10 rounds: 500 a round. Its grid on
-    seed 0 is 2 → 2.5, 4 → 1.9, widened to 5.6 → 2.3 (4 is inside now). Seed 0 first reaches
-    data parallel's 2.0 at step 300 (3 rounds, 1,500 bytes: ratio 0.0015); seed 1 reaches 2.1 at
-    step 700 (3,500 bytes: 0.0035). The point's ratio is the larger, 1/286."""
+    seed 0 is 2 → 2.5, 4 → 1.9, widened to 5.6 → 2.3 (4 is inside now). Data parallel's final
+    subset losses are 2.01 (seed 0) and 2.11 (seed 1). Seed 0 first reaches 2.01 at step 300 (3
+    rounds, 1,500 bytes: ratio 0.0015; 2.05 at step 200 is above it); seed 1 reaches 2.11 at step
+    700 (3,500 bytes: 0.0035). The point's ratio is the larger, 1/286."""
     ctx = _ctx(b2l, tmp_path, hs=(100,))
     t = b2l.plan(ctx, ["sparseloco3"], (100,))["sparseloco3", 100]
     rows = _dp_rows(ctx) + [
         _row(t.make(2.0, 0), 2.5, 5000, [[0, 3.0], [1000, 2.5]]),
         _row(t.make(5.6, 0), 2.3, 5000, [[0, 3.0], [1000, 2.3]]),
         _row(t.make(4.0, 0), 1.9, 5000, [[0, 3.0], [100, 2.5], [200, 2.05], [300, 1.99], [1000, 1.9]]),
-        _row(t.make(4.0, 1), 2.0, 5000, [[0, 3.0], [600, 2.2], [700, 2.1], [1000, 2.0]]),
+        _row(t.make(4.0, 1), 2.0, 5000, [[0, 3.0], [600, 2.2], [700, 2.105], [1000, 2.0]]),
     ]
     _write(tmp_path, rows)
     ctx = _ctx(b2l, tmp_path, hs=(100,))

@@ -130,7 +130,8 @@ def test_part_dp_tunes_every_arm_on_the_tuning_seed_and_split_only(tmp_path):
 def test_a_choice_picks_the_best_warmup_and_lr_then_runs_the_reported_seeds(tmp_path):
     """Data parallel's tuning losses by hand: warm-up 100 at lr 2e-3 is best (1.5), inside its
     grid; warm-up 30's best, 4e-3, is on its edge, so its grid widens to 8e-3 first, which is
-    worse (1.9). The pick is then run on seeds 0, 1, 2, and part H500's data parallel follows it."""
+    worse (1.9). The pick is then run on seeds 0, 1, 2, and part H500's data parallel re-tunes
+    around it (÷2, ×1, ×2) at its own steps."""
     mod = _module()
     ctx = _ctx(mod, tmp_path)
     _, dp, _ = mod.dp_arms(ctx, 4, True)
@@ -157,7 +158,43 @@ def test_a_choice_picks_the_best_warmup_and_lr_then_runs_the_reported_seeds(tmp_
         ("0.002", "100", None)
     }
     plan, _ = mod.part_H500(ctx)
-    follow = plan.tuned[0].runs(ctx)
-    assert [(_flag(r, "--inner-lr"), _flag(r, "--rounds"), r.seed) for r in follow] == [
-        ("0.002", "200", s) for s in (0, 1, 2)
-    ]  # 10,000 steps at H = 50
+    around = plan.tuned[0]  # H500's data parallel re-tunes around the pick at 10,000 steps
+    new = [r for r in around.grid_runs(ctx) if _flag(r, "--rounds") == "200"]  # H = 50
+    assert [
+        (_flag(r, "--inner-lr"), _flag(r, "--warmup-steps"), r.seed, _flag(r, "--eval-on")) for r in new
+    ] == [(lr, "100", mod.TUNE_SEED, "tune") for lr in ("0.001", "0.002", "0.004")]
+    assert around.runs(ctx) == []  # until its own grid has run
+
+
+@pytest.mark.timeout(60)
+def test_a_run_marked_to_run_again_keeps_its_ledger_row_if_it_fails(tmp_path):
+    mod = _module()
+    ctx = _ctx(mod, tmp_path)
+    run = ctx.dp(4, 0, True)
+    row = {"name": run.name, "label": run.label, "flags": list(run.flags), "summary": {"val_loss": 1.75}}
+    (tmp_path / "runs.jsonl").write_text(json.dumps(row) + "\n")
+    ctx = _ctx(mod, tmp_path)
+    assert ctx.finished(run)
+    ctx.rerun.add(run.name)
+    assert not ctx.finished(run)  # the scheduler runs it again
+    (tmp_path / run.name).mkdir()
+    (tmp_path / run.name / "failed.json").write_text(json.dumps({"returncode": 1}))
+    ctx.keep(run)
+    assert ctx.ledger.rows[run.name]["summary"] == {"val_loss": 1.75}
+
+
+@pytest.mark.timeout(60)
+def test_a_choice_whose_one_option_failed_whole_picks_the_other(tmp_path):
+    mod = _module()
+    ctx = _ctx(mod, tmp_path)
+    _, dp, _ = mod.dp_arms(ctx, 4, True)
+    rows = []
+    for w, fail in ((30, True), (100, False)):
+        for lr, v in zip(mod.INNER_LR_GRID, (2.3, 1.9, 2.0, 2.1), strict=True):
+            r = dp.options[f"warmup {w}"].tune(lr)
+            row = {"name": r.name, "label": r.label, "flags": list(r.flags)}
+            rows.append({**row, "failed": {"returncode": 1}} if fail else {**row, "summary": {"val_loss": v}})
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ctx = _ctx(mod, tmp_path)
+    _, dp, _ = mod.dp_arms(ctx, 4, True)
+    assert dp.pick(ctx) == "warmup 100" and mod._picked(dp, ctx) == (1e-3, 100)
