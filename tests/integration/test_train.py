@@ -178,3 +178,24 @@ def test_data_parallel_writes_one_inner_line_per_round_for_the_whole_batch(tiny)
     inner = [m for m in read_metrics(cfg.out) if m["kind"] == "inner"]
     assert [(m["inner_step"], m["worker"]) for m in inner] == [(4, 0), (8, 0), (12, 0)]
     assert inner[-1]["bytes_sent"] == summary["bytes_sent_per_worker"] == 12 * summary["params"] * 4
+
+
+@pytest.mark.timeout(120)
+def test_a_tuning_run_trains_the_same_and_scores_the_tuning_split(tmp_path, capsys, monkeypatch):
+    """--eval-on tune changes what the evaluations score, not what is trained: two runs holding
+    the same tuning split out end with the same parameters, and only the tuning run's summary
+    names the split its val_loss scored."""
+    from diloco.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.toml").write_text("[model]\nn_layer = 1\nn_head = 2\nd_model = 16\n")
+    flags = ["--config", "tiny.toml", "--seq-len", "16", "--batch-size", "2", "--inner-steps", "2"]
+    flags += ["--rounds", "2", "--workers", "2", "--procs", "1", "--no-progress", "--tune-fraction", "0.05"]
+    assert main(["train", *flags, "--out", "val"]) == 0
+    assert main(["train", *flags, "--eval-on", "tune", "--out", "tune"]) == 0
+    out = capsys.readouterr().out
+    assert "(whole tuning split)" in out and "(whole validation split)" in out
+    assert _same_params(tmp_path / "val", tmp_path / "tune")
+    val, tune = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("val", "tune"))
+    assert tune["eval_split"] == "tune" and "eval_split" not in val
+    assert tune["val_loss"] != val["val_loss"]

@@ -53,6 +53,7 @@ def summarize(cfg: TrainConfig, run, val_loss: float, step: int) -> dict[str, An
         "eval_time_s": round(run.eval_time_s, 3),
         "sim_time_s": trainer.sim_time_s,
         "runtime": cfg.runtime,
+        **({"eval_split": "tune"} if cfg.data.eval_on == "tune" else {}),  # val_loss scores the tuning split
         **_utilisation(_timing(run.timing_total, extras.get("workers"), k)),
         **extras,
     }
@@ -93,7 +94,7 @@ def format_summary(s: dict[str, Any]) -> str:
         + f": {s['run_dir']}",
         f"  val_loss {s['val_loss']:.4f}   val_ppl "
         + (f"{s['val_ppl']:.3f}" if s["val_ppl"] is not None else "overflow")
-        + "   (whole validation split)",
+        + ("   (whole tuning split)" if s.get("eval_split") == "tune" else "   (whole validation split)"),
         f"  tokens {s['tokens']:,}   inner steps {s['inner_steps']:,} "
         f"({_each(s['inner_steps_per_worker'])} per worker)   outer updates {s['outer_updates']}",
     ]
