@@ -75,6 +75,15 @@ METHODS = {
     "dn_dylu_measured": ("async", AsyncConfig(grace_s="measured"), DyluConfig(by="steps")),
     "dn_dylu_time": ("async", AsyncConfig(), DyluConfig(by="time")),  # jobs as deadlines
 }
+# Delay compensation with a larger λ, run only when named (`--sweep --methods delaycomp_l50,...`):
+# its correction λ g⊙g⊙(θ_now − θ_pulled) is about λ·|g|·|Δθ| of g, and an outer_grad (about lr·H
+# gradients) is ~0.01–0.05 a parameter, so the default λ = 0.5 changes g by ~1e-3: it is naive.
+PROBES = {
+    f"delaycomp_l{lam}": ("async", AsyncConfig(rule="delaycomp", delaycomp_lambda=float(lam)), FIXED_H)
+    for lam in (50, 500)
+}
+DEFAULT_METHODS = list(METHODS)
+METHODS.update(PROBES)
 JITTERS = (0.0, 0.1, 0.2)
 SEEDS = 5
 SWEEP_SEED, SWEEP_JITTER, SWEEP_LRS = 100, 0.1, (0.1, 0.3, 0.5, 0.7, 1.0)
@@ -311,7 +320,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=SEEDS)
     parser.add_argument("--jitters", type=lambda s: [float(x) for x in s.split(",")], default=list(JITTERS))
     parser.add_argument("--scenarios", type=lambda s: s.split(","), default=["scratch", "warm"])
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--methods", default=",".join(DEFAULT_METHODS), help=f"also: {', '.join(PROBES)} (λ probes)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--figures", type=Path, default=FIGURES)
     args = parser.parse_args()
