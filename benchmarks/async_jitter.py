@@ -75,12 +75,13 @@ METHODS = {
     "dn_dylu_measured": ("async", AsyncConfig(grace_s="measured"), DyluConfig(by="steps")),
     "dn_dylu_time": ("async", AsyncConfig(), DyluConfig(by="time")),  # jobs as deadlines
 }
-# Delay compensation with a larger λ, run only when named (`--sweep --methods delaycomp_l50,...`):
-# its correction λ g⊙g⊙(θ_now − θ_pulled) is about λ·|g|·|Δθ| of g, and an outer_grad (about lr·H
-# gradients) is ~0.01–0.05 a parameter, so the default λ = 0.5 changes g by ~1e-3: it is naive.
+# Delay compensation with a larger λ, run only when named (`--sweep --methods delaycomp_l5000,...`):
+# its correction λ g⊙g⊙(θ_now − θ_pulled) is about λ·|g|·|Δθ| of g, and for nano an outer_grad
+# (about lr·H gradients) and the drift are a few thousandths a parameter, so the default λ = 0.5
+# changes g by ~1e-5: it is naive. λ of 5e3–5e4 makes it ~0.1–1.
 PROBES = {
     f"delaycomp_l{lam}": ("async", AsyncConfig(rule="delaycomp", delaycomp_lambda=float(lam)), FIXED_H)
-    for lam in (50, 500)
+    for lam in (5000, 50000)
 }
 DEFAULT_METHODS = list(METHODS)
 METHODS.update(PROBES)
