@@ -121,3 +121,34 @@ def test_the_check_can_fail():
     assert _matches("1.7008", ("reproduce_diloco_2026-12-01.json",))
     assert not _matches("1.7018", ("reproduce_diloco_2026-12-01.json",))
     assert len(list(_numbers())) > 300
+
+
+def _doc_tables():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("doc_tables", ROOT / "benchmarks" / "doc_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("doc", sorted(p.name for p in (ROOT / "docs").glob("*.md")))
+def test_a_generated_table_is_what_its_json_gives(doc):
+    """Tables between `<!-- table: NAME results/FILE.json -->` markers are made from the JSON by
+    benchmarks/doc_tables.py; rerun it after a benchmark (`python benchmarks/doc_tables.py`)."""
+    text = (ROOT / "docs" / doc).read_text()
+    assert _doc_tables().render(text) == text, f"{doc}: run python benchmarks/doc_tables.py"
+
+
+@pytest.mark.timeout(60)
+def test_a_changed_figure_in_a_generated_table_is_caught():
+    tables = _doc_tables()
+    text = (ROOT / "docs" / "reproduction.md").read_text()
+    assert text.count("<!-- table: ") >= 3
+    wrong = text.replace(
+        "| **DiLoCo** (H = 50, Nesterov, best outer lr 1.0) | **1.7008",
+        "| **DiLoCo** (H = 50, Nesterov, best outer lr 1.0) | **1.7018",
+    )
+    assert wrong != text and tables.render(wrong) == text
+    assert tables._pct(0.01775) == "+1.78%" and tables._pct(-2e-05, 3) == "−0.002%"

@@ -1,0 +1,190 @@
+"""Tables of the docs made from the benchmarks' JSON, so they cannot drift from it (issue 36).
+
+A table in a doc sits between two markers, the first naming its generator and its JSON:
+
+    <!-- table: codec results/reproduce_diloco.json -->
+    | ... the table ... |
+    <!-- /table -->
+
+`python benchmarks/doc_tables.py` rewrites every such table in docs/ from its JSON;
+`--check` rewrites nothing and exits 1 when a table differs from what its JSON gives
+(tests/unit/test_docs_numbers.py runs the check in the default suite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+MARKED = re.compile(r"<!-- table: (\w+) (results/[\w\-]+\.json) -->\n(.*?)<!-- /table -->\n", re.S)
+
+
+def _round(x: float | Decimal, digits: int) -> Decimal:
+    """`x` to `digits` decimals, halves rounded up, from its shortest repr (the JSON's 1.90425 is
+    1.9043, as written by hand, not the 1.9042 its binary value would give)."""
+    return Decimal(repr(x) if isinstance(x, float) else x).quantize(Decimal(1).scaleb(-digits), ROUND_HALF_UP)
+
+
+def _loss(stats: dict | None) -> str:
+    """A mean and its range over seeds: 2.0904 (2.0853–2.0952)."""
+    if not stats or stats.get("mean") is None:
+        return "not run"
+    return f"{_round(stats['mean'], 4)} ({_round(stats['min'], 4)}–{_round(stats['max'], 4)})"
+
+
+def _pct(x: float, digits: int = 2) -> str:
+    """A signed percentage, − for minus: +0.33%, −0.54%."""
+    v = _round(Decimal(repr(x)) * 100, digits)
+    return ("−" if v < 0 or (v == 0 and str(x).startswith("-")) else "+") + f"{abs(v)}%"
+
+
+def _paired(p: dict | None, bold: bool = False) -> str:
+    """The mean paired difference and its range over seeds: **+0.33%** (−0.54% … +0.95%); in
+    thousandths of a percent where every figure is below a hundredth."""
+    if not p:
+        return "not run"
+    digits = 3 if max(abs(p[k]) for k in ("mean", "min", "max")) < 1e-4 else 2
+    mean = _pct(p["mean"], digits)
+    return f"{f'**{mean}**' if bold else mean} ({_pct(p['min'], digits)} … {_pct(p['max'], digits)})"
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+CODEC_NAMES = {
+    "fp32": "fp32",
+    "int8": "int8",
+    "int8_ef": "int8 + error feedback",
+    "fp4": "fp4",
+    "fp4_ef": "fp4 + error feedback",
+    "topk50": "top-k 50%",
+    "topk50_ef": "top-k 50% + error feedback",
+}
+
+
+BOLD = {"fp4", "fp4_ef", "topk50", "topk50_ef"}  # the rows whose cost the text discusses
+
+
+def codec(data: dict, names: tuple[str, ...] = ("fp32", "int8", "int8_ef", "fp4", "fp4_ef")) -> str:
+    """reproduce_diloco.py's part codec: bytes, final val_loss and the paired cost of each codec."""
+    rows = data["codec"]["by_codec"]
+    base = rows["fp32"]["bytes_sent_per_worker"]
+    out = [
+        "| outer_grads | bytes sent per worker | final val_loss | vs fp32, paired by seed |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name in names:
+        e = rows[name]
+        sent = e["bytes_sent_per_worker"]
+        fewer = f" ({base / sent:.1f}× fewer)" if sent < base else ""
+        vs = "baseline" if name == "fp32" else _paired(e.get("vs_baseline_paired"), bold=name in BOLD)
+        out.append(f"| {CODEC_NAMES[name]} | {_mb(sent)}{fewer} | {_loss(e['val_loss'])} | {vs} |")
+    return "\n".join(out) + "\n"
+
+
+def pruning(data: dict) -> str:
+    """The pruning arms of part codec against its fp32 runs."""
+    return codec(data, ("fp32", "topk50", "topk50_ef"))
+
+
+def dp_warm(data: dict) -> str:
+    """reproduce_diloco.py's part dp from the warm start, k = 4 and 8 side by side."""
+    d = data["dp"]
+    ks = [str(k) for k in d["k"]]
+    rows = {k: d["per_k"][k]["warm"] for k in ks}
+    steps = f"{d['steps']:,}"
+
+    def cells(get: Callable[[str, dict], str]) -> str:
+        return " | ".join(get(k, rows[k]) for k in ks)
+
+    lrs = sorted({_num(r["diloco_outer_lr"]) for r in rows.values() if r.get("diloco_outer_lr") is not None})
+    pre = d["pretrain"]["val_loss"]
+    out = [
+        f"| run (warm start from the {d['pretrain_steps']:,}-step model, val_loss {pre['mean']:.4f} mean) | "
+        + " | ".join(f"k = {k}" for k in ks)
+        + " |",
+        "| --- |" + " --- |" * len(ks),
+        f"| `single` (1 worker, AdamW, {steps} steps) | "
+        + cells(lambda k, r: _loss(r["single"]["val_loss"]) if k == ks[0] else "(same)")
+        + " |",
+        f"| data parallel (k× batch, {steps} steps) | "
+        + cells(lambda k, r: _loss(r["dp"]["val_loss"]))
+        + " |",
+        f"| **DiLoCo** (H = {d['H']}, Nesterov, best outer lr {' / '.join(lrs)}) | "
+        + cells(lambda k, r: f"**{_loss(r['diloco']['val_loss'])}**")
+        + " |",
+        "| DiLoCo vs data parallel | "
+        + cells(lambda k, r: _paired_by_seed(r["diloco"].get("vs_dp"), r["diloco"].get("vs_dp_paired")))
+        + " |",
+        f"| serial: 1 worker, k × {steps} steps (the same tokens) | "
+        + cells(lambda k, r: _loss((r.get("serial") or {}).get("val_loss")))
+        + " |",
+        "| bytes sent per worker, data parallel / DiLoCo | "
+        + cells(
+            lambda k, r: _bytes_ratio(r["dp"]["bytes_sent_per_worker"], r["diloco"]["bytes_sent_per_worker"])
+        )
+        + " |",
+    ]
+    return "\n".join(out) + "\n"
+
+
+def _num(x: float) -> str:
+    return f"{x:g}" if x != int(x) else f"{x:.1f}"
+
+
+def _paired_by_seed(gap: float | None, p: dict | None) -> str:
+    """**−2.9%** (paired by seed −3.0% … −2.8%)."""
+    if gap is None or not p:
+        return "not run"
+    return f"**{_pct(gap, 1)}** (paired by seed {_pct(p['min'], 1)} … {_pct(p['max'], 1)})"
+
+
+def _bytes_ratio(dp: int | None, diloco: int | None) -> str:
+    if not dp or not diloco:
+        return "not run"
+    return f"{dp / 1e6:,.0f} MB / {diloco / 1e6:.1f} MB = {dp / diloco:.1f}×"
+
+
+TABLES: dict[str, Callable[[dict], str]] = {"codec": codec, "pruning": pruning, "dp_warm": dp_warm}
+
+
+def render(text: str) -> str:
+    """`text` with every marked table made again from its JSON."""
+
+    def table(m: re.Match) -> str:
+        name, source = m.group(1), m.group(2)
+        if name not in TABLES:
+            raise SystemExit(f"unknown table {name!r}: choose from {', '.join(TABLES)}")
+        data = json.loads((ROOT / "benchmarks" / source).read_text())
+        return f"<!-- table: {name} {source} -->\n{TABLES[name](data)}<!-- /table -->\n"
+
+    return MARKED.sub(table, text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="rewrite nothing; exit 1 if a table is stale")
+    args = ap.parse_args()
+    stale = []
+    for doc in sorted(DOCS.glob("*.md")):
+        text = doc.read_text()
+        new = render(text)
+        if new != text:
+            stale.append(doc.name)
+            if not args.check:
+                doc.write_text(new)
+    verb = "stale" if args.check else "rewritten"
+    print(f"tables {verb}: {', '.join(stale) or 'none'}", file=sys.stderr)
+    sys.exit(1 if args.check and stale else 0)
+
+
+if __name__ == "__main__":
+    main()
