@@ -153,7 +153,113 @@ def _bytes_ratio(dp: int | None, diloco: int | None) -> str:
     return f"{dp / 1e6:,.0f} MB / {diloco / 1e6:.1f} MB = {dp / diloco:.1f}×"
 
 
-TABLES: dict[str, Callable[[dict], str]] = {"codec": codec, "pruning": pruning, "dp_warm": dp_warm}
+def _paired1(p: dict | None, bold: bool = False) -> str:
+    """A paired difference to a tenth of a percent (its mean to a hundredth when below 0.05%)."""
+    if not p:
+        return "not run"
+    mean = _pct(p["mean"], 2 if abs(p["mean"]) < 5e-4 else 1)
+    return f"{f'**{mean}**' if bold else mean} ({_pct(p['min'], 1)} … {_pct(p['max'], 1)})"
+
+
+def _size(n: int) -> str:
+    """Megabytes: whole above 100, else to a tenth; thousands separated."""
+    mb = n / 1e6
+    return f"{mb:,.0f} MB" if mb >= 100 else f"{mb:.1f} MB"
+
+
+def workers(data: dict) -> str:
+    """Part workers: DiLoCo k ∈ {1, 2, 4, 8} at equal steps per worker, against k = 1."""
+    w = data["workers"]
+    out = [
+        "| workers k | final val_loss, mean (min–max) | vs k = 1, paired by seed |",
+        "| --- | --- | --- |",
+        f"| `--method single` (AdamW, for reference) | {_loss(w['single']['val_loss'])} | "
+        f"{_pct(w['single']['vs_baseline'], 1)} |",
+    ]
+    for k, e in w["by_workers"].items():
+        vs = "baseline" if k == "1" else _paired1(e.get("vs_baseline_paired"))
+        out.append(f"| {k} | {_loss(e['val_loss'])} | {vs} |")
+    return "\n".join(out) + "\n"
+
+
+def intervals(data: dict) -> str:
+    """Part H: each H's rounds, bytes, loss, and its paired cost against H = 50 and data
+    parallel; the H that ends lowest against data parallel in bold."""
+    h = data["H"]
+    dp = h["dp"]
+    best = min(h["by_H"], key=lambda H: h["by_H"][H].get("vs_dp") or 0)
+    out = [
+        "| H | rounds | bytes sent per worker | final val_loss | vs H = 50, paired | "
+        "vs data parallel, paired |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for i, (H, e) in enumerate(h["by_H"].items()):
+        ratio = f"{e['bytes_ratio_vs_dp']:g}× fewer than dp" if i == 0 else f"{e['bytes_ratio_vs_dp']:g}×"
+        loss = _loss(e["val_loss"])
+        vs50 = "baseline" if H == h["baseline"].split("=")[1] else _paired1(e.get("vs_baseline_paired"))
+        out.append(
+            f"| {H} | {e['rounds']} | {_size(e['bytes_sent_per_worker'])} ({ratio}) | "
+            + (f"**{loss}**" if H == best else loss)
+            + f" | {vs50} | {_paired1(e.get('vs_dp_paired'), bold=H == best)} |"
+        )
+    steps = f"{h['steps_per_worker']:,}"
+    out.append(
+        f"| data parallel | {steps} steps of a {h['k']}× batch | {_size(dp['bytes_sent_per_worker'])} | "
+        f"{_loss(dp['val_loss'])} | | baseline |"
+    )
+    return "\n".join(out) + "\n"
+
+
+SHARDS = {
+    "iid": "`iid`",
+    "genre": "`genre` (each worker reads one or two genres)",
+    "kmeans": "`kmeans` (~4,096-token parts of works clustered by TF-IDF)",
+}
+
+
+def shards(data: dict) -> str:
+    """Part shards: non-i.i.d. shards against i.i.d."""
+    out = [
+        "| shards | final val_loss, mean (min–max) | vs i.i.d., paired by seed |",
+        "| --- | --- | --- |",
+    ]
+    for name, e in data["shards"]["by_shards"].items():
+        vs = "baseline" if name == "iid" else _paired1(e.get("vs_baseline_paired"))
+        out.append(f"| {SHARDS.get(name, name)} | {_loss(e['val_loss'])} | {vs} |")
+    return "\n".join(out) + "\n"
+
+
+def drops(data: dict) -> str:
+    """Part drop: each drop probability from scratch and warm-started, against no drops."""
+    d = data["drop"]
+    cold, warm = d["by_drop_prob"], d["by_drop_prob_warm"]
+    out = [
+        "| drop probability | from scratch: final val_loss | vs no drops, paired | "
+        "warm start: final val_loss | vs no drops, paired |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for p, e in cold.items():
+        base = p == "0"
+        cells = [_loss(e["val_loss"]), "baseline" if base else _paired1(e.get("vs_baseline_paired"))]
+        w = warm.get(p)
+        cells += (
+            [_loss(w["val_loss"]), "baseline" if base else _paired1(w.get("vs_baseline_paired"))]
+            if w
+            else ["", ""]
+        )
+        out.append((f"| {p} | " + " | ".join(cells) + " |").replace("|  |", "| |").replace("|  |", "| |"))
+    return "\n".join(out) + "\n"
+
+
+TABLES: dict[str, Callable[[dict], str]] = {
+    "codec": codec,
+    "pruning": pruning,
+    "dp_warm": dp_warm,
+    "workers": workers,
+    "intervals": intervals,
+    "shards": shards,
+    "drops": drops,
+}
 
 
 def render(text: str) -> str:
