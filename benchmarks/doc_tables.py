@@ -153,12 +153,16 @@ def _bytes_ratio(dp: int | None, diloco: int | None) -> str:
     return f"{dp / 1e6:,.0f} MB / {diloco / 1e6:.1f} MB = {dp / diloco:.1f}×"
 
 
-def _paired1(p: dict | None, bold: bool = False) -> str:
-    """A paired difference to a tenth of a percent (its mean to a hundredth when below 0.05%)."""
+def _paired1(p: dict | None, bold: bool = False, digits: int = 1) -> str:
+    """A paired difference to a tenth of a percent (its mean to a hundredth when below 0.05%);
+    `digits` 2: to a hundredth when below 1%."""
     if not p:
         return "not run"
-    mean = _pct(p["mean"], 2 if abs(p["mean"]) < 5e-4 else 1)
-    return f"{f'**{mean}**' if bold else mean} ({_pct(p['min'], 1)} … {_pct(p['max'], 1)})"
+    small = abs(p["mean"]) < (0.01 if digits == 2 else 5e-4)
+    d = 2 if small else 1
+    r = d if digits == 2 else 1  # the range: to a tenth, or as the mean in `digits` 2
+    mean = _pct(p["mean"], d)
+    return f"{f'**{mean}**' if bold else mean} ({_pct(p['min'], r)} … {_pct(p['max'], r)})"
 
 
 def _size(n: int) -> str:
@@ -251,6 +255,34 @@ def drops(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+OUTER = {"nesterov": "Nesterov, momentum 0.9", "sgd": "SGD, no momentum", "adam": "Adam, ε 0.1"}
+
+
+def outer(data: dict) -> str:
+    """Part outer: each outer optimizer's lr grid on seed 0, its pick over 3 seeds, against
+    Nesterov; the baseline row and each grid's best in bold (lr 1 of SGD is FedAvg)."""
+    o = data["outer"]
+    out = [
+        "| outer optimizer | lr grid on seed 0 (final val_loss) | best lr | final val_loss, 3 seeds | "
+        "vs Nesterov, paired |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, e in o["by_optimizer"].items():
+        grid = []
+        for lr, v in e["lr_grid_seed0"].items():
+            label = _num(float(lr)) + (" (FedAvg)" if name == "sgd" and float(lr) == 1 else "")
+            cell = f"{label}: {_round(v, 4)}"
+            grid.append(f"**{cell}**" if float(lr) == e["outer_lr"] else cell)
+        base = name == "nesterov"
+        title = f"**{OUTER[name].split(',')[0]}**,{OUTER[name].split(',', 1)[1]}" if base else OUTER[name]
+        loss = _loss(e["val_loss"])
+        p = e.get("vs_baseline_paired")
+        vs = "baseline" if base else _paired1(p, bold=bool(p and abs(p["mean"]) >= 0.05), digits=2)
+        loss = f"**{loss}**" if base else loss
+        out.append(f"| {title} | {' · '.join(grid)} | {_num(e['outer_lr'])} | {loss} | {vs} |")
+    return "\n".join(out) + "\n"
+
+
 TABLES: dict[str, Callable[[dict], str]] = {
     "codec": codec,
     "pruning": pruning,
@@ -259,6 +291,7 @@ TABLES: dict[str, Callable[[dict], str]] = {
     "intervals": intervals,
     "shards": shards,
     "drops": drops,
+    "outer": outer,
 }
 
 
