@@ -291,6 +291,87 @@ def outer(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def single(data: dict) -> str:
+    """Part single: DiLoCo with one worker against plain AdamW."""
+    d = data["single"]
+    return (
+        "| run | final val_loss, mean (min–max) |\n| --- | --- |\n"
+        f"| `--method single` (AdamW) | {_loss(d['single']['val_loss'])} |\n"
+        f"| `--method diloco --workers 1` (H = 50, Nesterov 0.7) | {_loss(d['diloco_k1']['val_loss'])} |\n"
+    )
+
+
+DROP_RULES = {  # key of part drop's JSON -> the row's words
+    "by_drop_prob": "k = 4, dropped worker goes on from its own parameters (above)",
+    "by_drop_prob_after_global": "k = 4, `--after-drop global`",
+    "by_drop_prob_k8": "k = 8 (the paper's workers), own parameters",
+    "by_drop_prob_k8_after_global": "k = 8, `--after-drop global`",
+}
+
+
+def drop_rules(data: dict) -> str:
+    """Part drop from scratch at p = 0.5: where the dropped worker goes on, and k = 4 or 8."""
+    d = data["drop"]
+    out = [
+        "| p = 0.5, from scratch | no drops | p = 0.5 | vs no drops, paired |",
+        "| --- | --- | --- | --- |",
+    ]
+    for key, words in DROP_RULES.items():
+        base, e = d[key]["0"], d[key]["0.5"]
+        out.append(
+            f"| {words} | {_round(base['val_loss']['mean'], 4)} | {_loss(e['val_loss'])} | "
+            f"{_paired1(e.get('vs_baseline_paired'), digits=2)} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def schedule(data: dict) -> str:
+    """Part schedule: each workers schedule against constant workers of the same total."""
+    d = data["schedule"]
+    out = [
+        "| schedule | worker-steps | final val_loss | constant workers, same total | "
+        "schedule vs constant, paired |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    shown = set()
+    for name, e in d["by_schedule"].items():
+        k = _num(e["mean_active_workers"]).removesuffix(".0")
+        base = f"k = {k}: " + (
+            _loss(e["baseline_val_loss"])
+            if k not in shown
+            else f"{_round(e['baseline_val_loss']['mean'], 4)}"
+        )
+        shown.add(k)
+        out.append(
+            f"| {name.replace('to', ' → ')} | {e['worker_steps']:,} | {_loss(e['val_loss'])} | {base} | "
+            f"{_paired(e.get('vs_baseline_paired'))} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def _lr_grid(data: dict, start: str) -> str:
+    """Part dp's DiLoCo outer-lr grid on seed 0 for each k (the pick in bold)."""
+    d = data["dp"]
+    rows = {k: d["per_k"][str(k)][start] for k in d["k"] if start in d["per_k"][str(k)]}
+    lrs = sorted({float(lr) for r in rows.values() for lr in r["diloco_lr_grid_seed0"]})
+    model = "" if data.get("model", "nano") == "nano" else f"{data['model']}, "
+    out = [
+        f"| outer lr (seed 0, {model}{'from scratch' if start == 'scratch' else 'warm'}) | "
+        + " | ".join(_num(lr) for lr in lrs)
+        + " |",
+        "| --- |" + " --- |" * len(lrs),
+    ]
+    for k, r in rows.items():
+        grid = {float(lr): v for lr, v in r["diloco_lr_grid_seed0"].items()}
+        cells = []
+        for lr in lrs:
+            v = grid.get(lr)
+            cell = "" if v is None else str(_round(v, 4))
+            cells.append(f"**{cell}**" if v is not None and lr == r["diloco_outer_lr"] else cell)
+        out.append(f"| DiLoCo k = {k} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
 TABLES: dict[str, Callable[[dict], str]] = {
     "codec": codec,
     "pruning": pruning,
@@ -300,6 +381,11 @@ TABLES: dict[str, Callable[[dict], str]] = {
     "shards": shards,
     "drops": drops,
     "outer": outer,
+    "single": single,
+    "drop_rules": drop_rules,
+    "schedule": schedule,
+    "lr_grid_warm": lambda data: _lr_grid(data, "warm"),
+    "lr_grid_scratch": lambda data: _lr_grid(data, "scratch"),
 }
 
 
