@@ -372,7 +372,79 @@ def _lr_grid(data: dict, start: str) -> str:
     return "\n".join(out) + "\n"
 
 
+JITTER_NAMES = {
+    "sync": "sync DiLoCo",
+    "sync_dylu": "sync + DyLU (`--dylu`)",
+    "sync_dylu_time": "sync + DyLU, rounds as deadlines",
+    "naive": "naive",
+    "poly": "Poly",
+    "polythres": "PolyThres",
+    "delaycomp": "delay compensation",
+    "buffer": "buffer",
+    "dn": "DN",
+    "dn_dylu": "DN + DyLU (paper: by steps)",
+    "dn_dylu_measured": "DN + DyLU, measured grace",
+    "dn_dylu_time": "DN + DyLU by time (async's default)",
+}
+
+
+def _speedups(row: dict) -> str:
+    """The smallest per-seed speedup, or how many seeds never reach sync's loss."""
+    by_seed = row["speedup_by_seed"]
+    if row["min_speedup"] is not None:
+        return f"{row['min_speedup']:.2f}×"
+    misses = sum(s is None for s in by_seed)
+    return f"misses on {misses} of {len(by_seed)}"
+
+
+def _jitter(data: dict, prefix: str) -> str:
+    """async_jitter.py: every method against sync at each jitter level of one scenario: the mean
+    paired % vs sync (range over seeds) and the smallest per-seed speedup."""
+    levels = [f"j{j:g}" for j in data["jitters"]]
+    head = " | ".join(f"jitter {j:g}: vs sync · min speedup" for j in data["jitters"])
+    out = [f"| method | {head} |", "| --- |" + " --- |" * len(levels)]
+    for name, label in JITTER_NAMES.items():
+        cells = []
+        for level in levels:
+            row = data.get(f"{prefix}{level}", {}).get(name)
+            if row is None:
+                cells.append("not run")
+                continue
+            seeds = data[f"{prefix}seeds_{level}"]
+            by_seed = row["vs_sync_pct_by_seed"]
+            pct = {"mean": row["vs_sync_pct"] / 100, "min": min(by_seed) / 100, "max": max(by_seed) / 100}
+            pick = name == data.get(f"{prefix}recommended_{level}")
+            shown = "sync's loss" if name == "sync" else _paired(pct, bold=pick)
+            short = "" if len(seeds) == len(data["seeds"]) else f" [{len(seeds)} seeds]"
+            cells.append(f"{shown} · {_speedups(row)}{short}")
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def jitter_pick(data: dict) -> str:
+    """async_jitter.py's pick per jitter level and scenario, and whether the targets are met."""
+    out = ["| jitter | from scratch | warm start | best async (scratch · warm) |"]
+    out.append("| --- | --- | --- | --- |")
+    for j in data["jitters"]:
+        picks, best = [], []
+        for prefix in ("", "warm_"):
+            pick = data.get(f"{prefix}recommended_j{j:g}")
+            picks.append(JITTER_NAMES[pick] if pick else "not run yet")
+            b = data.get(f"{prefix}best_async_method_j{j:g}")
+            if b:
+                pct = _pct(data[f"{prefix}best_async_vs_sync_pct_j{j:g}"] / 100)
+                sp = data[f"{prefix}best_async_min_speedup_j{j:g}"]
+                best.append(f"`{b}` {pct}, min speedup {'never' if sp is None else f'{sp:.2f}×'}")
+            else:
+                best.append("not run yet")
+        out.append(f"| {j:g} | {picks[0]} | {picks[1]} | {' · '.join(best)} |")
+    return "\n".join(out) + "\n"
+
+
 TABLES: dict[str, Callable[[dict], str]] = {
+    "jitter_scratch": lambda data: _jitter(data, ""),
+    "jitter_warm": lambda data: _jitter(data, "warm_"),
+    "jitter_pick": jitter_pick,
     "codec": codec,
     "pruning": pruning,
     "dp_warm": dp_warm,
