@@ -441,7 +441,61 @@ def jitter_pick(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+BYTES_NAMES = {
+    "fp32": "DiLoCo fp32",
+    "fp4_ef": "DiLoCo fp4 + EF",
+    "topk10_ef": "DiLoCo chunked top-k 10% + EF",
+    "topk3_2bit_ef": "DiLoCo chunked top-k 3%, 2-bit + EF",
+    "sparseloco1": "SparseLoCo 1%",
+    "sparseloco3": "SparseLoCo 3%",
+    "sparseloco10": "SparseLoCo 10%",
+}
+
+
+def _grid(grid: dict, pick: float | None) -> str:
+    """An outer-lr grid on seed 0, the pick in bold: 0.7: 1.7244, **1: 1.6898**, 1.4: 1.8333."""
+    out = []
+    for lr, loss in grid.items():
+        cell = f"{lr}: {'–' if loss is None else _round(loss, 4)}"
+        out.append(f"**{cell}**" if pick is not None and float(lr) == pick else cell)
+    return ", ".join(out)
+
+
+def bytes_points(data: dict) -> str:
+    """bytes_to_loss.py: each (method, H) with a run: its outer-lr grid on seed 0, its pick's final
+    loss over seeds, the paired cost against fp32 at the same H, and its bytes to data
+    parallel's final loss as a fraction of data parallel's (the worst seed's)."""
+    out = [
+        "| method | H | outer lr grid (seed 0: final loss) | final val_loss (range) | vs fp32, same H "
+        "| MB sent per worker | bytes to data parallel's loss |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    waiting = 0
+    for p in sorted(data["points"].values(), key=lambda p: (p["H"], list(BYTES_NAMES).index(p["method"]))):
+        if all(v is None for v in p["lr_grid_seed0"].values()):
+            waiting += 1
+            continue
+        stats = p.get("val_loss")
+        loss = "tuning" if p["outer_lr"] is None else _loss(stats)
+        if stats and stats["n"] < (3 if p["H"] == 50 else 2):
+            loss += f" [{stats['n']} seed{'s' if stats['n'] > 1 else ''} so far]"
+        vs = "—" if p["method"] == "fp32" else _paired(p.get("vs_fp32_paired"))
+        if p["reached"] is True:
+            ratio = f"1/{round(1 / p['bytes_ratio'])}"
+        else:
+            ratio = {False: "not reached", None: "—"}[p["reached"]]
+        mb = f"{p['bytes_sent_per_worker'] / 1e6:.2f}" if p.get("bytes_sent_per_worker") else "—"
+        out.append(
+            f"| {BYTES_NAMES[p['method']]} | {p['H']} | {_grid(p['lr_grid_seed0'], p['outer_lr'])} | {loss} "
+            f"| {vs} | {mb} | {ratio} |"
+        )
+    if waiting:
+        out.append(f"| {waiting} more points not run yet | | | | | | |")
+    return "\n".join(out) + "\n"
+
+
 TABLES: dict[str, Callable[[dict], str]] = {
+    "bytes_points": bytes_points,
     "jitter_scratch": lambda data: _jitter(data, ""),
     "jitter_warm": lambda data: _jitter(data, "warm_"),
     "jitter_pick": jitter_pick,
