@@ -131,9 +131,10 @@ def plot_curves(
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     lowest = float("inf")
-    for (xs, ys), label in zip(curves, labels, strict=True):
+    styles = ("-", "--", ":")  # the colour cycle has 10 colours: the 11th curve on is dashed
+    for i, ((xs, ys), label) in enumerate(zip(curves, labels, strict=True)):
         lowest = min(lowest, *ys)
-        ax.plot(xs, ys, marker=".", label=label)
+        ax.plot(xs, ys, marker=".", label=label, linestyle=styles[i // 10 % len(styles)])
     ax.set_xlabel(axis_label)
     ax.set_ylabel("validation loss")
     if ymax is not None:  # a diverged run would otherwise flatten the others
