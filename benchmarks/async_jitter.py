@@ -20,8 +20,8 @@ both scenarios. The grid stops rising once a method diverges and widens past an 
 line to the ledger `--out`/async_jitter_ledger.jsonl (its final loss, outer updates, mean
 staleness and subset-loss curve over simulated time) and is never run again, so the benchmark
 can be stopped and continued across machines by committing the ledger. Every run takes one
-thread (about 5.5 minutes on a core of this machine, two runs side by side; about 50 sweep runs,
-then 15 per method and scenario: about 40 hours, so it runs across sessions;
+thread (about 3.5 minutes on a core of this machine, two runs side by side; about 50 sweep runs,
+then 15 per method and scenario: about 12 hours of both cores, so it runs across sessions;
 `--report-only` reports what the ledger holds so far). Run
 directories go under `--out`/async_jitter_runs (not kept in git).
 

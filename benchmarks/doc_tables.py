@@ -422,7 +422,7 @@ def _jitter(data: dict, prefix: str) -> str:
 
 
 def jitter_pick(data: dict) -> str:
-    """async_jitter.py's pick per jitter level and scenario, and whether the targets are met."""
+    """async_jitter.py's pick per jitter level and scenario, and the best asynchronous method."""
     out = ["| jitter | from scratch | warm start | best async (scratch · warm) |"]
     out.append("| --- | --- | --- | --- |")
     for j in data["jitters"]:
@@ -477,7 +477,8 @@ def bytes_points(data: dict) -> str:
             continue
         stats = p.get("val_loss")
         loss = "tuning" if p["outer_lr"] is None else _loss(stats)
-        if stats and stats["n"] < (3 if p["H"] == 50 else 2):
+        planned = data["seeds_at_target_H"] if p["H"] == 50 else data["seeds_elsewhere"]
+        if stats and stats["n"] < planned:
             loss += f" [{stats['n']} seed{'s' if stats['n'] > 1 else ''} so far]"
         vs = "—" if p["method"] == "fp32" else _paired(p.get("vs_fp32_paired"))
         if p["reached"] is True:
