@@ -16,7 +16,10 @@ together (`--dylu-by time`, async's default).
 Each method's outer lr is the best of {0.1, 0.3, 0.5, 0.7, 1.0} on seed 100 (not among the
 reported seeds) at jitter 0.1 from scratch (`--sweep`), and is used at every jitter level and in
 both scenarios. The grid stops rising once a method diverges and widens past an edge that wins
-(halving below 0.1, ×1.4 above 1.0) until the best lies inside it. Each finished run adds one
+(halving below 0.1, ×1.4 above 1.0) until the best lies inside it. `--warm-probe` runs the same
+seed and jitter from the warm start over {0.5, 0.7, 1.0} (widened the same way) for the methods
+named, sync among them, and the report's `warm_lr_probe` says whether the warm-start ranking owes
+to lrs tuned from scratch (each method's best against sync's best on that seed). Each finished run adds one
 line to the ledger `--out`/async_jitter_ledger.jsonl (its final loss, outer updates, mean
 staleness and subset-loss curve over simulated time) and is never run again, so the benchmark
 can be stopped and continued across machines by committing the ledger. Every run takes one
@@ -26,6 +29,7 @@ then 15 per method and scenario: about 12 hours of both cores, so it runs across
 directories go under `--out`/async_jitter_runs (not kept in git).
 
     python benchmarks/async_jitter.py --sweep                  # the outer-lr sweep (seed 100)
+    python benchmarks/async_jitter.py --warm-probe --methods sync,sync_dylu_time,dn_dylu_time
     python benchmarks/async_jitter.py                          # every cell; cached runs reused
     python benchmarks/async_jitter.py --seeds 1 --jitters 0.1 --scenarios scratch   # a quick look
 
@@ -90,6 +94,7 @@ JITTERS = (0.0, 0.1, 0.2)
 SEEDS = 5
 SWEEP_SEED, SWEEP_JITTER, SWEEP_LRS = 100, 0.1, (0.1, 0.3, 0.5, 0.7, 1.0)
 SWEEP_MIN_LR, SWEEP_MAX_LR = 0.02, 2.8
+WARM_PROBE_LRS = (0.5, 0.7, 1.0)  # --warm-probe: around the sweep's picks (most are 1.0)
 PRETRAIN_SEED = 1000
 RESULTS = Path(__file__).parent / "results"
 FIGURES = Path(__file__).parent.parent / "docs" / "figures"
@@ -167,18 +172,24 @@ class Ledger:
         return record
 
 
-def sweep_one(ledger: Ledger, name: str) -> dict[str, float]:
+def sweep_one(ledger: Ledger, name: str, warm: bool = False) -> dict[str, float]:
     """One method's final loss per outer lr: the grid in ascending order, stopped once a loss is
     20% above the best so far (it diverged; larger lrs would too), and widened past an edge that
-    wins (halved below the smallest, ×1.4 above the largest) until the best is inside the grid."""
+    wins (halved below the smallest, ×1.4 above the largest) until the best is inside the grid.
+    `warm`: the warm-start probe, the grid WARM_PROBE_LRS from the warm start by the same rules."""
+    folder, grid, init = ("sweep", SWEEP_LRS, None)
+    if warm:
+        folder, grid, init = ("sweep_warm", WARM_PROBE_LRS, ledger.runs / "pretrain")
 
     def loss(lr: float) -> float:
-        d = ledger.runs / "sweep" / f"{name}-lr{lr}"
-        cfg = config(name, SWEEP_SEED, SWEEP_JITTER, d, lr)
-        return round(ledger.run(cfg, f"sweep {name} lr {lr:g}")["val_loss"], 5)
+        d = ledger.runs / folder / f"{name}-lr{lr}"
+        cfg = config(name, SWEEP_SEED, SWEEP_JITTER, d, lr, str(init or ""))
+        if init and ledger.key(cfg) not in ledger.records:
+            warm_start(init)
+        return round(ledger.run(cfg, f"{folder} {name} lr {lr:g}")["val_loss"], 5)
 
     table: dict[float, float] = {}
-    for lr in SWEEP_LRS:
+    for lr in grid:
         table[lr] = loss(lr)
         if table[lr] > 1.2 * min(table.values()):
             break
@@ -195,7 +206,8 @@ def sweep_one(ledger: Ledger, name: str) -> dict[str, float]:
 def sweep(ledger: Ledger, methods: list[str], lr_file: Path) -> dict:
     """The sweep of `methods`, added to the table of an earlier sweep in `lr_file` (if any), which
     is rewritten after each method (other benchmarks read it: server_async_vs_sync.py)."""
-    table = json.loads(lr_file.read_text())["final_val_loss"] if lr_file.is_file() else {}
+    old = json.loads(lr_file.read_text()) if lr_file.is_file() else {}
+    table = old.get("final_val_loss", {})
     for name in methods:
         table[name] = sweep_one(ledger, name)
         result = {
@@ -206,8 +218,41 @@ def sweep(ledger: Ledger, methods: list[str], lr_file: Path) -> dict:
             "final_val_loss": table,
             "best_outer_lr": {m: float(min(losses, key=losses.get)) for m, losses in table.items()},
         }
+        if "warm_probe" in old:
+            result["warm_probe"] = old["warm_probe"]
         lr_file.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def warm_probe(ledger: Ledger, methods: list[str], lr_file: Path) -> dict:
+    """The warm-start lr probe of `methods` (`--warm-probe`), kept in `lr_file` under
+    `warm_probe`: the same seed and jitter as the sweep, from the warm start. The reported runs
+    keep the sweep's lrs; the probe tells whether the warm-start ranking owes to them."""
+    result = json.loads(lr_file.read_text())
+    probe = result.setdefault("warm_probe", {"outer_lrs": WARM_PROBE_LRS, "final_val_loss": {}})
+    for name in methods:
+        probe["final_val_loss"][name] = sweep_one(ledger, name, warm=True)
+        lr_file.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def probe_table(lr_file: dict) -> dict | None:
+    """Per probed method: its best warm lr and loss, the loss at the sweep's (scratch) lr where the
+    probe ran it, and its best loss against sync's best (%) on the probe's seed."""
+    probe = lr_file.get("warm_probe", {}).get("final_val_loss", {})
+    if "sync" not in probe:
+        return None
+    best = {m: min(losses.values()) for m, losses in probe.items()}
+    return {
+        m: {
+            "best_outer_lr": float(min(losses, key=losses.get)),
+            "best_val_loss": best[m],
+            "scratch_lr": lr_file["best_outer_lr"][m],
+            "val_loss_at_scratch_lr": losses.get(f"{lr_file['best_outer_lr'][m]:g}"),
+            "best_vs_sync_best_pct": round(100 * (best[m] / best["sync"] - 1), 3),
+        }
+        for m, losses in probe.items()
+    }
 
 
 def staleness(run_dir: Path) -> float | None:
@@ -376,6 +421,11 @@ def compare(args, ledger: Ledger, lrs: dict[str, float]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="run the outer-lr sweep (seed 100)")
+    parser.add_argument(
+        "--warm-probe",
+        action="store_true",
+        help="the sweep's seed and jitter from the warm start, lrs around the picks (needs sync)",
+    )
     parser.add_argument("--seeds", type=int, default=SEEDS)
     parser.add_argument("--jitters", type=lambda s: [float(x) for x in s.split(",")], default=list(JITTERS))
     parser.add_argument("--scenarios", type=lambda s: s.split(","), default=["scratch", "warm"])
@@ -393,17 +443,25 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     lr_file = args.out / "async_jitter_outer_lr.json"
     ledger = Ledger(args.out / "async_jitter_ledger.jsonl", args.out / "async_jitter_runs")
-    if args.sweep and args.report_only:
-        parser.error("--sweep runs the sweep and --report-only runs nothing: give one of them")
+    if (args.sweep or args.warm_probe) and args.report_only:
+        parser.error("--sweep and --warm-probe run, and --report-only runs nothing: give one of them")
+    if args.sweep and args.warm_probe:
+        parser.error("--sweep and --warm-probe are two runs of their own: give one of them")
     if args.sweep:
         result = sweep(ledger, args.methods.split(","), lr_file)
         name = lr_file.name
     else:
         if not lr_file.is_file():
             parser.error(f"no outer-lr sweep at {lr_file}: run with --sweep first")
-        lrs = json.loads(lr_file.read_text())["best_outer_lr"]
-        result = compare(args, ledger, lrs)
-        name = "async_jitter.json"
+        if args.warm_probe:
+            result = warm_probe(ledger, args.methods.split(","), lr_file)
+            name = lr_file.name
+        else:
+            lr_table = json.loads(lr_file.read_text())
+            result = compare(args, ledger, lr_table["best_outer_lr"])
+            if (probe := probe_table(lr_table)) is not None:
+                result["warm_lr_probe"] = probe
+            name = "async_jitter.json"
     (args.out / name).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

@@ -122,7 +122,10 @@ def _ledger_line(aj, run: str, lr: float, seed: int, jitter: float, rec: dict) -
 @pytest.mark.timeout(60)
 def test_report_only_reports_complete_seeds_and_counts_missing_runs_without_running(aj, tmp_path):
     lrs = {"sync": 1.0, "dn_dylu_time": 1.0}
-    (tmp_path / "async_jitter_outer_lr.json").write_text(json.dumps({"best_outer_lr": lrs}))
+    probe = {"final_val_loss": {"sync": {"1": 2.0}, "dn_dylu_time": {"1": 1.9}}}
+    (tmp_path / "async_jitter_outer_lr.json").write_text(
+        json.dumps({"best_outer_lr": lrs, "warm_probe": probe})
+    )
     lines = []
     for seed in (0, 1):  # seed 2 has sync only: left out of the cell
         lines.append(_ledger_line(aj, f"scratch/j0.1/sync-s{seed}", 1.0, seed, 0.1, SYNC))
@@ -144,13 +147,43 @@ def test_report_only_reports_complete_seeds_and_counts_missing_runs_without_runn
     assert result["runs_missing"] == 1 + 6  # seed 2's dn_dylu_time; all of j0.2
     assert not result["targets"]["met"]
     assert not (tmp_path / "async_jitter_runs").exists()  # nothing ran
+    assert result["warm_lr_probe"]["dn_dylu_time"]["best_vs_sync_best_pct"] == -5.0
     assert (tmp_path / "fig" / "async_jitter_j0.1.png").is_file()
 
 
+@pytest.mark.timeout(30)
+def test_the_warm_probe_table_compares_each_best_with_syncs_best_and_the_sweeps_lr(aj):
+    lr_file = {
+        "best_outer_lr": {"sync": 1.0, "dn_dylu_time": 0.7},
+        "warm_probe": {
+            "final_val_loss": {
+                "sync": {"0.5": 2.2, "0.7": 2.1, "1": 2.0},
+                "dn_dylu_time": {"0.5": 1.9, "0.7": 1.95, "1": 2.05},
+            }
+        },
+    }
+    table = aj.probe_table(lr_file)
+    assert table["sync"] == {
+        "best_outer_lr": 1.0,
+        "best_val_loss": 2.0,
+        "scratch_lr": 1.0,
+        "val_loss_at_scratch_lr": 2.0,
+        "best_vs_sync_best_pct": 0.0,
+    }
+    dn = table["dn_dylu_time"]
+    assert dn["best_outer_lr"] == 0.5 and dn["val_loss_at_scratch_lr"] == 1.95
+    assert dn["best_vs_sync_best_pct"] == -5.0  # 1.9 against 2.0
+    del lr_file["warm_probe"]["final_val_loss"]["sync"]
+    assert aj.probe_table(lr_file) is None  # nothing to compare with
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("extra", [["--sweep", "--report-only"], []])
+@pytest.mark.parametrize(
+    "extra",
+    [["--sweep", "--report-only"], ["--warm-probe", "--report-only"], ["--sweep", "--warm-probe"], []],
+)
 def test_bad_invocations_exit_2_with_one_sentence_and_write_nothing(aj, tmp_path, extra):
-    """Both flags at once, or a report without the sweep's outer lrs."""
+    """Two flags that exclude each other, or a report without the sweep's outer lrs."""
     cmd = [sys.executable, str(BENCH / "async_jitter.py"), "--out", str(tmp_path), *extra]
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{BENCH}"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=50)
