@@ -250,6 +250,7 @@ def probe_table(lr_file: dict) -> dict | None:
             "scratch_lr": lr_file["best_outer_lr"][m],
             "val_loss_at_scratch_lr": losses.get(f"{lr_file['best_outer_lr'][m]:g}"),
             "best_vs_sync_best_pct": round(100 * (best[m] / best["sync"] - 1), 3),
+            "final_val_loss": losses,
         }
         for m, losses in probe.items()
     }

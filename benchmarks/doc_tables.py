@@ -441,6 +441,19 @@ def jitter_pick(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def jitter_probe(data: dict) -> str:
+    """async_jitter.py's warm-start lr probe (seed 100, jitter 0.1): each method's loss per lr,
+    its best in bold, and its best against sync's best."""
+    out = ["| method | final val_loss by outer lr | best vs sync's best |", "| --- | --- | --- |"]
+    probe = data.get("warm_lr_probe")
+    if not probe:
+        return "\n".join(out) + "\n| not run yet | | |\n"
+    for m, row in probe.items():
+        grid = _grid(row["final_val_loss"], row["best_outer_lr"])
+        out.append(f"| {JITTER_NAMES[m]} | {grid} | {_pct(row['best_vs_sync_best_pct'] / 100)} |")
+    return "\n".join(out) + "\n"
+
+
 BYTES_NAMES = {
     "fp32": "DiLoCo fp32",
     "fp4_ef": "DiLoCo fp4 + EF",
@@ -500,6 +513,7 @@ TABLES: dict[str, Callable[[dict], str]] = {
     "jitter_scratch": lambda data: _jitter(data, ""),
     "jitter_warm": lambda data: _jitter(data, "warm_"),
     "jitter_pick": jitter_pick,
+    "jitter_probe": jitter_probe,
     "codec": codec,
     "pruning": pruning,
     "dp_warm": dp_warm,

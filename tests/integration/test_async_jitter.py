@@ -169,6 +169,7 @@ def test_the_warm_probe_table_compares_each_best_with_syncs_best_and_the_sweeps_
         "scratch_lr": 1.0,
         "val_loss_at_scratch_lr": 2.0,
         "best_vs_sync_best_pct": 0.0,
+        "final_val_loss": {"0.5": 2.2, "0.7": 2.1, "1": 2.0},
     }
     dn = table["dn_dylu_time"]
     assert dn["best_outer_lr"] == 0.5 and dn["val_loss_at_scratch_lr"] == 1.95
