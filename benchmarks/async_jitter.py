@@ -211,6 +211,7 @@ def sweep(ledger: Ledger, methods: list[str], lr_file: Path) -> dict:
     for name in methods:
         table[name] = sweep_one(ledger, name)
         result = {
+            **old,  # the warm probe's table, if any, stays
             "benchmark": "async_jitter_outer_lr",
             "seed": SWEEP_SEED,
             "jitter": SWEEP_JITTER,
@@ -218,8 +219,6 @@ def sweep(ledger: Ledger, methods: list[str], lr_file: Path) -> dict:
             "final_val_loss": table,
             "best_outer_lr": {m: float(min(losses, key=losses.get)) for m, losses in table.items()},
         }
-        if "warm_probe" in old:
-            result["warm_probe"] = old["warm_probe"]
         lr_file.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
