@@ -20,9 +20,15 @@ Methods (`--methods`), each at H ∈ {10, 50, 100, 250, 500} (`--hs`) unless sai
 - `sparseloco1`, `sparseloco3`, `sparseloco10`: `--outer-opt sparseloco` (chunked top-k of the
   accumulator e ← 0.95 e + Δ, 2-bit values, no global momentum) at 1%, 3%, 10% density.
 
-Tuning: for each (method, H) the outer lr is the best final val_loss of a grid on seed 0
-(Nesterov arms {0.7, 1.0}, SparseLoCo {2, 4}; a grid grows past an edge its best sits on by
-×1.4 or ÷1.4, at most twice), then the best lr runs on 2 seeds (3 at H = 50, the targets' H).
+Tuning, on seed 0 (`TunedPair`): each method has two settings, its outer lr and a second one,
+Nesterov's momentum (default 0.9, grid {0.8, 0.9, 0.95}) or SparseLoCo's decay β (default 0.95,
+the paper's; grid {0.8, 0.9, 0.95}). At the targets' H (50): the lr grid at the default second
+value (Nesterov arms {0.7, 1.0}, SparseLoCo {2, 4}; a grid grows past an edge its best sits on
+by ×1.4 or ÷1.4, at most twice), then the second setting's grid at that lr (growing past an
+edge with 1 − v doubled or halved, at most twice), then, if its pick is not the default, the lr
+again around the first pick at it. Every other H tunes its lr (same base grids) at the targets'
+H's second pick. The pick runs on 2 seeds (3 at H = 50). Where the default wins, the runs are
+the same runs as without the second setting (it is not passed), so earlier ledger rows count.
 
 Bytes are uploads per worker, the real size of each message (summary.json's
 `bytes_sent_per_worker`; a round's bytes are the same every round). A run reaches the target at
@@ -51,9 +57,12 @@ untuned, from-scratch version) are in bytes_to_loss_2026-11.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import reproduce_diloco as rd
@@ -112,23 +121,177 @@ def context(args: argparse.Namespace) -> rd.Ctx:
     return rd.Ctx(ns)
 
 
-def plan(ctx: rd.Ctx, methods: list[str], hs: tuple[int, ...]) -> dict[tuple[str, int], rd.Tuned]:
-    """One tuned grid per (method, H), the targets' H first (the scheduler keeps this order)."""
+# outer optimizer -> its second setting (TunedPair): ctx.diloco's keyword or a flag, the default
+# (not passed, so a run at it is the run without it), and the base grid
+SECOND = {
+    "nesterov": ("momentum", 0.9, (0.8, 0.9, 0.95)),
+    "sparseloco": ("--ef-decay", 0.95, (0.8, 0.9, 0.95)),
+}
+
+
+def _widen(v: float, lower: bool) -> float | None:
+    """The next value past an edge of a second setting's grid: 1 − v doubled (lower) or halved."""
+    w = float(f"{1 - (1 - v) * (2 if lower else 0.5):.4g}")
+    return w if 0 <= w < 1 else None
+
+
+@dataclass
+class TunedPair:
+    """A method's outer lr and its second setting (Nesterov's momentum, SparseLoCo's decay β),
+    tuned on seed 0 one after the other at the targets' H, the second then held at every H:
+
+    1. the outer-lr grid at the default second value (rd.Tuned: it widens past an edge);
+    2. at that lr, the second setting's grid (widening past an edge, 1 − v ×2 or ÷2, at most
+       twice);
+    3. if the pick is not the default, the lr again at it: lr ÷ 1.4, lr, lr × 1.4 (widening).
+
+    At another H (`target` set: the targets' H's pair) the lr grid runs at the targets' H's
+    pick. The pick runs on every seed. Scheduled like a `rd.Tuned`."""
+
+    opt: str
+    make: Callable[[float, float | None, int], rd.Run]  # (lr, second or None: default, seed)
+    base: tuple[float, ...]
+    seeds: list[int]
+    target: TunedPair | None = None
+
+    def _v(self, v: float) -> float | None:
+        return None if v == SECOND[self.opt][1] else v
+
+    def _first(self) -> rd.Tuned:
+        return rd.Tuned(lambda lr, s: self.make(lr, None, s), self.base, self.seeds)
+
+    def _second_runs(self, lr: float, grid: tuple[float, ...]) -> list[rd.Run]:
+        return [self.make(lr, self._v(v), self.seeds[0]) for v in grid]
+
+    def _second_best(self, ctx: rd.Ctx, lr: float, grid: tuple[float, ...]) -> float | None:
+        runs = self._second_runs(lr, grid)
+        if not all(ctx.finished(r) for r in runs):
+            return None
+        ranked = [
+            (v, x) for x, r in zip(grid, runs, strict=True) if (v := rd._loss(ctx.result(r))) is not None
+        ]
+        return min(ranked)[1] if ranked else None
+
+    def second_grid(self, ctx: rd.Ctx) -> tuple[float, ...]:
+        """The second setting's grid at the default's lr, as far as its runs have widened it
+        (empty until that lr is known)."""
+        if self.target is not None:
+            return self.target.second_grid(ctx)
+        lr = self._first().best(ctx)
+        if lr is None:
+            return ()
+        grid = sorted(SECOND[self.opt][2])
+        for _ in range(rd.GRID_WIDEN):
+            v = self._second_best(ctx, lr, tuple(grid))
+            w = (
+                None
+                if v is None
+                else _widen(v, True)
+                if v == grid[0]
+                else _widen(v, False)
+                if v == grid[-1]
+                else None
+            )
+            if w is None:
+                break
+            grid = sorted({*grid, w})
+        return tuple(grid)
+
+    def second(self, ctx: rd.Ctx) -> float | None:
+        """The second setting's pick, once its grid has finished."""
+        if self.target is not None:
+            return self.target.second(ctx)
+        grid = self.second_grid(ctx)
+        return self._second_best(ctx, self._first().best(ctx), grid) if grid else None
+
+    def second_table(self, ctx: rd.Ctx) -> dict[str, float | None]:
+        source = self.target or self
+        lr, grid = source._first().best(ctx), self.second_grid(ctx)
+        runs = source._second_runs(lr, grid) if grid else []
+        return {rd._num(v): rd._loss(ctx.result(r)) for v, r in zip(grid, runs, strict=True)}
+
+    def tuned(self, ctx: rd.Ctx) -> rd.Tuned | None:
+        """The lr grid at the second setting's pick (None until it is known)."""
+        v = self.second(ctx)
+        if v is None:
+            return None
+        v = self._v(v)
+        make = functools.partial(lambda lr, s, v: self.make(lr, v, s), v=v)
+        if self.target is not None:
+            return rd.Tuned(make, self.base, self.seeds)
+        if v is None:
+            return self._first()
+        lr = self._first().best(ctx)
+        base = (float(f"{lr / rd.GRID_STEP:.2g}"), lr, float(f"{lr * rd.GRID_STEP:.2g}"))
+        return rd.Tuned(make, base, self.seeds)
+
+    def choice_runs(self, ctx: rd.Ctx) -> list[rd.Run]:
+        """Steps 1 and 2's runs (the targets' H's, for a pair at another H)."""
+        if self.target is not None:
+            return self.target.choice_runs(ctx)
+        first = self._first()
+        grid = self.second_grid(ctx)
+        return first.grid_runs(ctx) + (self._second_runs(first.best(ctx), grid) if grid else [])
+
+    def grid_runs(self, ctx: rd.Ctx) -> list[rd.Run]:
+        t = self.tuned(ctx)
+        return self.choice_runs(ctx) + (t.grid_runs(ctx) if t else [])
+
+    def runs(self, ctx: rd.Ctx) -> list[rd.Run]:
+        t = self.tuned(ctx)
+        return t.runs(ctx) if t else []
+
+    def best(self, ctx: rd.Ctx) -> float | None:
+        t = self.tuned(ctx)
+        return t.best(ctx) if t else None
+
+    def table(self, ctx: rd.Ctx) -> dict[str, float | None]:
+        """The lr grid at the pick; until the pick is known, the first lr grid's (if any)."""
+        t = self.tuned(ctx) or (self._first() if self.target is None else None)
+        return t.table(ctx) if t else {}
+
+    def report(self, ctx: rd.Ctx) -> dict:
+        """The second setting's tuning: its grid on seed 0 (at the default's lr) and pick."""
+        key, default, _ = SECOND[self.opt]
+        out = {"setting": key.lstrip("-").replace("_", "-"), "default": default}
+        out.update(grid_seed0=self.second_table(ctx), pick=self.second(ctx))
+        if self.target is None:
+            out["lr_grid_seed0_at_default"] = self._first().table(ctx)
+        return out
+
+    def at_edge(self, ctx: rd.Ctx) -> bool | None:
+        t = self.tuned(ctx)
+        return t.at_edge(ctx) if t else None
+
+
+def plan(ctx: rd.Ctx, methods: list[str], hs: tuple[int, ...]) -> dict[tuple[str, int], TunedPair]:
+    """One tuned pair per (method, H), the targets' H first (the scheduler keeps this order); the
+    targets' H's pair of each method exists (other H wait for its second setting) even where
+    --hs leaves it out."""
     target_h = ctx.H
-    out: dict[tuple[str, int], rd.Tuned] = {}
-    for H in sorted(hs, key=lambda h: (h != target_h, h)):
-        for name in methods:
-            opt, flags, grid, everywhere = METHODS[name]
-            if not everywhere and H != target_h:
-                continue
-            note = "" if name == "fp32" else f" {name}"
+    out: dict[tuple[str, int], TunedPair] = {}
+    for name in methods:
+        opt, flags, grid, everywhere = METHODS[name]
+        key, _, _ = SECOND[opt]
+        note = "" if name == "fp32" else f" {name}"
 
-            def make(lr: float, s: int, H=H, opt=opt, flags=flags, note=note) -> rd.Run:
-                return ctx.diloco(s, k=K, H=H, lr=lr, opt=opt, warm=True, extra=flags, note=note)
+        def make(
+            lr: float, v: float | None, s: int, H: int, opt=opt, flags=flags, note=note, key=key
+        ) -> rd.Run:
+            extra, more, tail = flags, {}, note
+            if v is not None and key.startswith("--"):
+                extra, tail = (*flags, key, rd._num(v)), f"{note} β={rd._num(v)}"
+            elif v is not None:
+                more = {key: v}
+            return ctx.diloco(s, k=K, H=H, lr=lr, opt=opt, warm=True, extra=extra, note=tail, **more)
 
-            seeds = ctx.seeds if H == target_h else ctx.seeds[:2]
-            out[name, H] = rd.Tuned(make, grid, seeds)
-    return out
+        at_target = TunedPair(opt, functools.partial(make, H=target_h), grid, ctx.seeds)
+        for H in sorted(hs, key=lambda h: (h != target_h, h)):
+            if H == target_h:
+                out[name, H] = at_target
+            elif everywhere:
+                out[name, H] = TunedPair(opt, functools.partial(make, H=H), grid, ctx.seeds[:2], at_target)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0][1] != target_h, kv[0][1])))
 
 
 def to_target(steps: list[int], losses: list[float], target: float) -> int | None:
@@ -147,10 +310,11 @@ def targets(ctx: rd.Ctx) -> dict[str, float]:
     return out
 
 
-def point(ctx: rd.Ctx, name: str, H: int, t: rd.Tuned, dp: dict) -> dict:
-    """One (method, H): the grid, the pick, the seeds' losses and the bytes to the target."""
+def point(ctx: rd.Ctx, name: str, H: int, t: TunedPair, dp: dict) -> dict:
+    """One (method, H): the grids, the picks, the seeds' losses and the bytes to the target."""
     lr = t.best(ctx)
     row: dict = {"method": name, "H": H, "lr_grid_seed0": t.table(ctx), "outer_lr": lr}
+    row["second"] = t.report(ctx)
     row["outer_lr_at_grid_edge"] = t.at_edge(ctx)
     if lr is None:
         return {**row, "val_loss": None, "reached": None}
@@ -204,7 +368,7 @@ def pct(e: dict | None, key: str = "vs_fp32_paired") -> float | None:
     return None if not s or s["n"] < 2 else round(100 * s["mean"], 3)
 
 
-def report(ctx: rd.Ctx, tuned: dict[tuple[str, int], rd.Tuned]) -> dict:
+def report(ctx: rd.Ctx, tuned: dict[tuple[str, int], TunedPair]) -> dict:
     dp = rd.entry(ctx, [ctx.dp(K, s, warm=True) for s in ctx.seeds])
     dp["subset_target_by_seed"] = targets(ctx)
     points = {f"{name} H={H}": point(ctx, name, H, t, dp) for (name, H), t in tuned.items()}

@@ -474,14 +474,27 @@ def _grid(grid: dict, pick: float | None) -> str:
     return ", ".join(out)
 
 
+def _second(p: dict) -> tuple[str, str]:
+    """A point's outer-lr cell and its second setting's cell (momentum m or SparseLoCo's β): at
+    the targets' H the second grid (at the lr picked first) and, where the pick is not the
+    default, the lr grid at the default before the one at the pick; elsewhere the pick it holds."""
+    second, lrs = p.get("second") or {}, _grid(p["lr_grid_seed0"], p["outer_lr"])
+    sym, pick = {"momentum": "m", "ef-decay": "β"}.get(second.get("setting"), "?"), second.get("pick")
+    if "lr_grid_seed0_at_default" not in second:  # another H: the targets' H's pick
+        return lrs, f"{sym} {_num(pick)} (H = 50's)" if pick is not None else "waits for H = 50"
+    if pick is not None and pick != second["default"]:
+        lrs = f"{_grid(second['lr_grid_seed0_at_default'], None)}; at {sym} {_num(pick)}: {lrs}"
+    return lrs, (f"{sym} " + _grid(second["grid_seed0"], pick)) if second["grid_seed0"] else "—"
+
+
 def bytes_points(data: dict) -> str:
-    """bytes_to_loss.py: each (method, H) with a run: its outer-lr grid on seed 0, its pick's final
-    loss over seeds, the paired cost against fp32 at the same H, and its bytes to data
-    parallel's final loss as a fraction of data parallel's (the worst seed's)."""
+    """bytes_to_loss.py: each (method, H) with a run: its outer-lr and second-setting grids on
+    seed 0, its pick's final loss over seeds, the paired cost against fp32 at the same H, and its
+    bytes to data parallel's final loss as a fraction of data parallel's (the worst seed's)."""
     out = [
-        "| method | H | outer lr grid (seed 0: final loss) | final val_loss (range) | vs fp32, same H "
-        "| MB sent per worker | bytes to data parallel's loss |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| method | H | outer lr grid (seed 0: final loss) | momentum m / β grid (seed 0) "
+        "| final val_loss (range) | vs fp32, same H | MB sent per worker | bytes to data parallel's loss |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     waiting = 0
     for p in sorted(data["points"].values(), key=lambda p: (p["H"], list(BYTES_NAMES).index(p["method"]))):
@@ -499,12 +512,12 @@ def bytes_points(data: dict) -> str:
         else:
             ratio = {False: "not reached", None: "—"}[p["reached"]]
         mb = f"{p['bytes_sent_per_worker'] / 1e6:.2f}" if p.get("bytes_sent_per_worker") else "—"
+        lrs, second = _second(p)
         out.append(
-            f"| {BYTES_NAMES[p['method']]} | {p['H']} | {_grid(p['lr_grid_seed0'], p['outer_lr'])} | {loss} "
-            f"| {vs} | {mb} | {ratio} |"
+            f"| {BYTES_NAMES[p['method']]} | {p['H']} | {lrs} | {second} | {loss} | {vs} | {mb} | {ratio} |"
         )
     if waiting:
-        out.append(f"| {waiting} more points not run yet | | | | | | |")
+        out.append(f"| {waiting} more points not run yet | | | | | | | |")
     return "\n".join(out) + "\n"
 
 

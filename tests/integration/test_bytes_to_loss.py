@@ -1,6 +1,7 @@
-"""benchmarks/bytes_to_loss.py: its plan reuses the reproduction's runs, its bytes-to-target
-arithmetic matches a hand computation on a ledger written here, and its command line refuses a
-bad H (exit 2, nothing written). No run is started (the runs are the benchmark's job)."""
+"""benchmarks/bytes_to_loss.py: its plan reuses the reproduction's runs, its tuning (outer lr,
+then the second setting at the targets' H, held at every other H) and bytes-to-target arithmetic
+match hand computations on ledgers written here, and its command line refuses a bad H (exit 2,
+nothing written). No run is started (the runs are the benchmark's job)."""
 
 from __future__ import annotations
 
@@ -49,11 +50,20 @@ def test_plan_reuses_part_dp_runs_and_runs_the_targets_H_on_three_seeds(b2l, tmp
     names = [r.name for r in tuned["fp32", 50].grid_runs(ctx)]
     assert names == [ctx.diloco(0, k=4, lr=lr, warm=True).name for lr in (0.7, 1.0)]
     assert names[1] == "diloco-k4-H50-s0-b96fc9acd6b4"
+    # until the targets' H has picked its second setting, another H runs nothing of its own
+    assert [r.name for r in tuned["fp32", 10].grid_runs(ctx)] == names
+    assert tuned["fp32", 10].runs(ctx) == [] and tuned["fp32", 10].table(ctx) == {}
     assert tuned["fp32", 50].seeds == [0, 1, 2] and tuned["fp32", 10].seeds == [0, 1]
-    flags = tuned["sparseloco3", 10].make(2.0, 0).flags
+    flags = tuned["sparseloco3", 10].make(2.0, None, 0).flags
     assert flags[flags.index("--outer-opt") + 1] == "sparseloco"
     assert flags[flags.index("--topk-fraction") + 1] == "0.03"
-    assert "--init-from" not in flags and tuned["sparseloco3", 10].make(2.0, 0).init is not None
+    assert "--ef-decay" not in flags  # the default (0.95) is not passed: the ledger's runs count
+    assert "--init-from" not in flags and tuned["sparseloco3", 10].make(2.0, None, 0).init is not None
+    beta = tuned["sparseloco3", 10].make(2.0, 0.8, 0)
+    assert beta.flags[beta.flags.index("--ef-decay") + 1] == "0.8" and "β=0.8" in beta.label
+    momentum = tuned["fp32", 50].make(1.0, 0.8, 0).flags
+    assert momentum[momentum.index("--outer-momentum") + 1] == "0.8"
+    assert "--outer-momentum" not in tuned["fp32", 50].make(1.0, None, 0).flags
 
 
 def _row(run, val_loss: float, bytes_per_worker: int, curve: list) -> dict:
@@ -85,13 +95,64 @@ def _dp_rows(ctx) -> list[dict]:
 
 @pytest.mark.timeout(60)
 def test_a_best_lr_on_the_grid_edge_widens_the_grid(b2l, tmp_path):
-    ctx = _ctx(b2l, tmp_path, hs=(100,))
-    t = b2l.plan(ctx, ["sparseloco3"], (100,))["sparseloco3", 100]
-    _write(tmp_path, _dp_rows(ctx) + [_row(t.make(lr, 0), v, 5000, []) for lr, v in ((2.0, 2.5), (4.0, 1.9))])
-    ctx = _ctx(b2l, tmp_path, hs=(100,))  # reads the ledger
-    p = b2l.report(ctx, b2l.plan(ctx, ["sparseloco3"], (100,)))["points"]["sparseloco3 H=100"]
+    ctx = _ctx(b2l, tmp_path, hs=(50,))
+    t = b2l.plan(ctx, ["sparseloco3"], (50,))["sparseloco3", 50]
+    _write(
+        tmp_path,
+        _dp_rows(ctx) + [_row(t.make(lr, None, 0), v, 5000, []) for lr, v in ((2.0, 2.5), (4.0, 1.9))],
+    )
+    ctx = _ctx(b2l, tmp_path, hs=(50,))  # reads the ledger
+    p = b2l.report(ctx, b2l.plan(ctx, ["sparseloco3"], (50,)))["points"]["sparseloco3 H=50"]
     assert p["lr_grid_seed0"] == {"2": 2.5, "4": 1.9, "5.6": None}  # 4 on the edge: 5.6 next
     assert p["outer_lr"] is None and p["val_loss"] is None  # no pick until the grid has run
+    assert p["second"]["grid_seed0"] == {} and p["second"]["pick"] is None  # nor a β grid
+
+
+def _choice_rows(t, lrs: dict, betas: dict) -> list[dict]:
+    """Seed 0's rows of the targets' H: the lr grid at the default β, then β at its best lr (4)."""
+    rows = [_row(t.make(lr, None, 0), v, 5000, []) for lr, v in lrs.items()]
+    return rows + [_row(t.make(4.0, b, 0), v, 5000, []) for b, v in betas.items()]
+
+
+@pytest.mark.timeout(60)
+def test_the_second_setting_is_tuned_at_the_targets_H_then_held(b2l, tmp_path):
+    """SparseLoCo 3%, H = 50, seed 0: lr 2 → 2.5, 4 → 1.9, 5.6 → 2.3 at β = 0.95 (the default):
+    lr 4. At lr 4: β 0.8 → 1.85, 0.9 → 1.88, 0.95 → 1.9 (the lr grid's run): 0.8 on the edge,
+    so 0.6 (1 − β doubled) → 1.87: β 0.8. Then the lr again at β 0.8: 2.9 → 1.95, 4 → 1.85 (the
+    β grid's run), 5.6 → 1.9: lr 4, run on 3 seeds; H = 100 tunes its lr at β 0.8."""
+    ctx = _ctx(b2l, tmp_path, hs=(50, 100))
+    t = b2l.plan(ctx, ["sparseloco3"], (50, 100))["sparseloco3", 50]
+    rows = _choice_rows(t, {2.0: 2.5, 4.0: 1.9, 5.6: 2.3}, {0.8: 1.85, 0.9: 1.88})
+    _write(tmp_path, _dp_rows(ctx) + rows)
+    ctx = _ctx(b2l, tmp_path, hs=(50, 100))
+    assert b2l.plan(ctx, ["sparseloco3"], (50, 100))["sparseloco3", 50].second_grid(ctx) == (
+        0.6,
+        0.8,
+        0.9,
+        0.95,
+    )
+    rows += [_row(t.make(4.0, 0.6, 0), 1.87, 5000, [])]
+    rows += [_row(t.make(lr, 0.8, 0), v, 5000, []) for lr, v in ((2.9, 1.95), (5.6, 1.9))]
+    _write(tmp_path, _dp_rows(ctx) + rows)
+    ctx = _ctx(b2l, tmp_path, hs=(50, 100))
+    tuned = b2l.plan(ctx, ["sparseloco3"], (50, 100))
+    at50, at100 = tuned["sparseloco3", 50], tuned["sparseloco3", 100]
+    assert at50.second(ctx) == 0.8 and at100.second(ctx) == 0.8
+    p = b2l.report(ctx, tuned)["points"]["sparseloco3 H=50"]
+    assert p["second"] == {
+        "setting": "ef-decay",
+        "default": 0.95,
+        "grid_seed0": {"0.6": 1.87, "0.8": 1.85, "0.9": 1.88, "0.95": 1.9},
+        "pick": 0.8,
+        "lr_grid_seed0_at_default": {"2": 2.5, "4": 1.9, "5.6": 2.3},
+    }
+    assert p["lr_grid_seed0"] == {"2.9": 1.95, "4": 1.85, "5.6": 1.9} and p["outer_lr"] == 4.0
+    picks = at50.runs(ctx)
+    assert [r.seed for r in picks] == [0, 1, 2] and picks[0].name == t.make(4.0, 0.8, 0).name
+    assert all(r.flags[r.flags.index("--ef-decay") + 1] == "0.8" for r in picks)
+    grid100 = [r for r in at100.grid_runs(ctx) if "-H100-" in r.name]
+    assert [r.flags[r.flags.index("--outer-lr") + 1] for r in grid100] == ["2", "4"]
+    assert all(r.flags[r.flags.index("--ef-decay") + 1] == "0.8" for r in grid100)
 
 
 @pytest.mark.timeout(60)
@@ -102,13 +163,24 @@ def test_bytes_to_target_by_hand(b2l, tmp_path):
     rounds, 1,500 bytes: ratio 0.0015; 2.05 at step 200 is above it); seed 1 reaches 2.11 at step
     700 (3,500 bytes: 0.0035). The point's ratio is the larger, 1/286."""
     ctx = _ctx(b2l, tmp_path, hs=(100,))
-    t = b2l.plan(ctx, ["sparseloco3"], (100,))["sparseloco3", 100]
-    rows = _dp_rows(ctx) + [
-        _row(t.make(2.0, 0), 2.5, 5000, [[0, 3.0], [1000, 2.5]]),
-        _row(t.make(5.6, 0), 2.3, 5000, [[0, 3.0], [1000, 2.3]]),
-        _row(t.make(4.0, 0), 1.9, 5000, [[0, 3.0], [100, 2.5], [200, 2.05], [300, 1.99], [1000, 1.9]]),
-        _row(t.make(4.0, 1), 2.0, 5000, [[0, 3.0], [600, 2.2], [700, 2.105], [1000, 2.0]]),
-    ]
+    plan = b2l.plan(ctx, ["sparseloco3"], (100,))
+    t = plan["sparseloco3", 100]
+    # the targets' H (50) keeps the default β: 0.8 → 2.0, 0.9 → 1.95, 0.95 → 1.9 (its lr grid's
+    # run), 0.975 (the widening past 0.95) → 1.96
+    at50 = plan["sparseloco3", 100].target
+    choice = _choice_rows(at50, {2.0: 2.5, 4.0: 1.9, 5.6: 2.3}, {0.8: 2.0, 0.9: 1.95, 0.975: 1.96})
+    rows = (
+        _dp_rows(ctx)
+        + choice
+        + [
+            _row(t.make(2.0, None, 0), 2.5, 5000, [[0, 3.0], [1000, 2.5]]),
+            _row(t.make(5.6, None, 0), 2.3, 5000, [[0, 3.0], [1000, 2.3]]),
+            _row(
+                t.make(4.0, None, 0), 1.9, 5000, [[0, 3.0], [100, 2.5], [200, 2.05], [300, 1.99], [1000, 1.9]]
+            ),
+            _row(t.make(4.0, None, 1), 2.0, 5000, [[0, 3.0], [600, 2.2], [700, 2.105], [1000, 2.0]]),
+        ]
+    )
     _write(tmp_path, rows)
     ctx = _ctx(b2l, tmp_path, hs=(100,))
     result = b2l.report(ctx, b2l.plan(ctx, ["sparseloco3"], (100,)))
