@@ -456,9 +456,13 @@ def plot(result: dict, path: Path) -> bool:
         return False
     ax.set_xscale("log")
     ax.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter
+
+    for set_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+        set_formatter(FormatStrFormatter("%.2f"))  # plain losses (a narrow range: minor ticks)
     ax.set_xlabel("bytes sent by all workers (uploads)")
     ax.set_ylabel("final validation loss")
-    ax.set_title(f"{K} workers, warm start, outer lr tuned per point (labels: H)")
+    ax.set_title(f"{K} workers, warm start, outer lr and momentum / β tuned (labels: H)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
