@@ -167,9 +167,8 @@ class TunedPair:
         runs = self._second_runs(lr, grid)
         if not all(ctx.finished(r) for r in runs):
             return None
-        ranked = [
-            (v, x) for x, r in zip(grid, runs, strict=True) if (v := rd._loss(ctx.result(r))) is not None
-        ]
+        losses = [rd._loss(ctx.result(r)) for r in runs]
+        ranked = [(v, x) for x, v in zip(grid, losses, strict=True) if v is not None]
         return min(ranked)[1] if ranked else None
 
     def second_grid(self, ctx: rd.Ctx) -> tuple[float, ...]:
@@ -183,15 +182,9 @@ class TunedPair:
         grid = sorted(SECOND[self.opt][2])
         for _ in range(rd.GRID_WIDEN):
             v = self._second_best(ctx, lr, tuple(grid))
-            w = (
-                None
-                if v is None
-                else _widen(v, True)
-                if v == grid[0]
-                else _widen(v, False)
-                if v == grid[-1]
-                else None
-            )
+            w = None  # the value past the edge the best sits on (none: inside, or unfinished)
+            if v is not None and v in (grid[0], grid[-1]):
+                w = _widen(v, lower=v == grid[0])
             if w is None:
                 break
             grid = sorted({*grid, w})
