@@ -160,16 +160,16 @@ class TunedPair:
     def _first(self) -> rd.Tuned:
         return rd.Tuned(lambda lr, s: self.make(lr, None, s), self.base, self.seeds)
 
+    def _at(self, lr: float) -> rd.Tuned:
+        """The second setting's values at `lr` as an rd.Tuned over them (its runs and its pick;
+        its ×1.4 widening is not used: `second_grid` widens in 1 − v)."""
+        return rd.Tuned(lambda v, s: self.make(lr, self._v(v), s), (), self.seeds)
+
     def _second_runs(self, lr: float, grid: tuple[float, ...]) -> list[rd.Run]:
-        return [self.make(lr, self._v(v), self.seeds[0]) for v in grid]
+        return [self._at(lr)._grid_run(v) for v in grid]
 
     def _second_best(self, ctx: rd.Ctx, lr: float, grid: tuple[float, ...]) -> float | None:
-        runs = self._second_runs(lr, grid)
-        if not all(ctx.finished(r) for r in runs):
-            return None
-        losses = [rd._loss(ctx.result(r)) for r in runs]
-        ranked = [(v, x) for x, v in zip(grid, losses, strict=True) if v is not None]
-        return min(ranked)[1] if ranked else None
+        return self._at(lr)._best(ctx, grid)
 
     def second_grid(self, ctx: rd.Ctx) -> tuple[float, ...]:
         """The second setting's grid at the default's lr, as far as its runs have widened it
@@ -246,7 +246,7 @@ class TunedPair:
     def report(self, ctx: rd.Ctx) -> dict:
         """The second setting's tuning: its grid on seed 0 (at the default's lr) and pick."""
         key, default, _ = SECOND[self.opt]
-        out = {"setting": key.lstrip("-").replace("_", "-"), "default": default}
+        out = {"setting": key.lstrip("-"), "default": default}
         out.update(grid_seed0=self.second_table(ctx), pick=self.second(ctx))
         if self.target is None:
             out["lr_grid_seed0_at_default"] = self._first().table(ctx)
@@ -424,6 +424,7 @@ def plot(result: dict, path: Path) -> bool:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
 
     fig, ax = plt.subplots(figsize=(8, 5))
     drawn = False
@@ -449,8 +450,6 @@ def plot(result: dict, path: Path) -> bool:
         return False
     ax.set_xscale("log")
     ax.set_yscale("log")
-    from matplotlib.ticker import FormatStrFormatter
-
     for set_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
         set_formatter(FormatStrFormatter("%.2f"))  # plain losses (a narrow range: minor ticks)
     ax.set_xlabel("bytes sent by all workers (uploads)")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -83,47 +84,48 @@ def measure(name: str, init: Path, workdir: Path) -> dict:
         if state is None:  # not a worker's outer_grad
             return encode(self, tensors, state)
         delta = sum(float((t.float() ** 2).sum()) for t in tensors)
-        if self.error_feedback and "residual" in state:
-            acc = [t + self.ef_decay * r for t, r in zip(tensors, state["residual"], strict=True)]
-        else:
-            acc = list(tensors)
         message = encode(self, tensors, state)
         row = {"delta": delta}
         if name == "fp32":
             row.update({str(p): top_share(tensors, p) for p in SHARES})
             seen.append(torch.cat([t.reshape(-1).float() for t in tensors]))
         else:
-            decoded = torch.cat([d.reshape(-1) for d in self._decode(message)])
-            seen.append(decoded != 0)
-            acc_sq = sum(float((a.float() ** 2).sum()) for a in acc)
-            row.update(
-                {"sent_share": float((decoded**2).sum()) / acc_sq, "acc_vs_delta": (acc_sq / delta) ** 0.5}
-            )
+            decoded = list(self._decode(message))
+            seen.append(torch.cat([d.reshape(-1) for d in decoded]) != 0)
+            # the accumulator e = βe + Δ that was encoded: what was sent plus what encode kept back
+            acc_sq = sum(float(((d + r) ** 2).sum()) for d, r in zip(decoded, state["residual"], strict=True))
+            row["sent_share"] = sum(float((d**2).sum()) for d in decoded) / acc_sq
+            row["acc_vs_delta"] = (acc_sq / delta) ** 0.5
         records.append(row)
         return message
 
-    codec_base.Codec.encode = measured
     args = build_parser().parse_args(
         ["train", *COMMON, *RUNS[name][0], "--init-from", str(init), "--out", str(workdir / name)]
     )
-    _, summary = train_command(args)
+    codec_base.Codec.encode = measured
+    try:
+        _, summary = train_command(args)
+    finally:
+        codec_base.Codec.encode = encode
     for i, row in enumerate(records):  # against the other workers of its round
         others = [seen[j] for j in range(i - i % WORKERS, i - i % WORKERS + WORKERS) if j != i]
         if name == "fp32":
-            row["cos"] = sum(
+            row["cos"] = statistics.fmean(
                 float(torch.nn.functional.cosine_similarity(seen[i], o, dim=0)) for o in others
-            ) / (WORKERS - 1)
-        else:
-            row["overlap"] = sum(float((seen[i] & o).sum() / (seen[i] | o).sum()) for o in others) / (
-                WORKERS - 1
             )
+        else:
+            jaccard = (float((seen[i] & o).sum() / (seen[i] | o).sum()) for o in others)
+            row["overlap"] = statistics.fmean(jaccard)
     return {"records": records, "final_subset_val_loss": summary["final_subset_val_loss"]}
 
 
-def per_round(records: list[dict], key: str, workers: int = 4) -> list[float]:
+def per_round(records: list[dict], key: str) -> list[float]:
     """The mean over workers of `key`, round by round (each round's encodes come in a block)."""
-    rounds = [records[i : i + workers] for i in range(0, len(records), workers)]
-    return [round(sum(r[key] for r in block) / len(block), 4) for block in rounds]
+    return [mean_of(records[i : i + WORKERS], key) for i in range(0, len(records), WORKERS)]
+
+
+def mean_of(records: list[dict], key: str) -> float:
+    return round(statistics.fmean(r[key] for r in records), 4)
 
 
 def main() -> None:
@@ -167,17 +169,17 @@ def main() -> None:
         "fp32": {
             **{k: got["fp32"][k] for k in ("final_subset_val_loss", "ledger", "matches_ledger")},
             "top_share": {str(p): per_round(fp32, str(p)) for p in SHARES},
-            "top_share_mean": {str(p): round(sum(r[str(p)] for r in fp32) / len(fp32), 4) for p in SHARES},
+            "top_share_mean": {str(p): mean_of(fp32, str(p)) for p in SHARES},
             "cos": per_round(fp32, "cos"),
-            "cos_mean": round(sum(r["cos"] for r in fp32) / len(fp32), 4),
+            "cos_mean": mean_of(fp32, "cos"),
         },
         "sparseloco3": {
             **{k: got["sparseloco3"][k] for k in ("final_subset_val_loss", "ledger", "matches_ledger")},
             "sent_share": per_round(sl, "sent_share"),
             "acc_vs_delta": per_round(sl, "acc_vs_delta"),
-            "sent_share_mean": round(sum(r["sent_share"] for r in sl) / len(sl), 4),
+            "sent_share_mean": mean_of(sl, "sent_share"),
             "overlap": per_round(sl, "overlap"),
-            "overlap_mean": round(sum(r["overlap"] for r in sl) / len(sl), 4),
+            "overlap_mean": mean_of(sl, "overlap"),
         },
     }
     args.out.write_text(json.dumps(out, indent=2) + "\n")
