@@ -24,7 +24,7 @@ Tuning, on seed 0 (`TunedPair`): each method has two settings, its outer lr and 
 Nesterov's momentum (default 0.9, grid {0.8, 0.9, 0.95}) or SparseLoCo's decay β (default 0.95,
 the paper's; grid {0.8, 0.9, 0.95}). At the targets' H (50): the lr grid at the default second
 value (Nesterov arms {0.7, 1.0}, SparseLoCo {2, 4}; a grid grows past an edge its best sits on
-by ×1.4 or ÷1.4, at most twice), then the second setting's grid at that lr (growing past an
+by ×1.4 or ÷1.4, at most four times), then the second setting's grid at that lr (growing past an
 edge with 1 − v doubled or halved, at most twice), then, if its pick is not the default, the lr
 again around the first pick at it. Every other H tunes its lr (same base grids) at the targets'
 H's second pick. The pick runs on 2 seeds (3 at H = 50). Where the default wins, the runs are
@@ -129,6 +129,12 @@ SECOND = {
 }
 
 
+# how many times an lr grid may grow past an edge (×1.4 or ÷1.4 each): twice (reproduce_diloco's
+# GRID_WIDEN) left SparseLoCo's best at H = 10 on the edge, and a grid whose best sits on its edge
+# tunes nothing
+LR_WIDEN = 4
+
+
 def _widen(v: float, lower: bool) -> float | None:
     """The next value past an edge of a second setting's grid: 1 − v doubled (lower) or halved."""
     w = float(f"{1 - (1 - v) * (2 if lower else 0.5):.4g}")
@@ -158,7 +164,7 @@ class TunedPair:
         return None if v == SECOND[self.opt][1] else v
 
     def _first(self) -> rd.Tuned:
-        return rd.Tuned(lambda lr, s: self.make(lr, None, s), self.base, self.seeds)
+        return rd.Tuned(lambda lr, s: self.make(lr, None, s), self.base, self.seeds, widen=LR_WIDEN)
 
     def _at(self, lr: float) -> rd.Tuned:
         """The second setting's values at `lr` as an rd.Tuned over them (its runs and its pick;
@@ -211,12 +217,12 @@ class TunedPair:
         v = self._v(v)
         make = functools.partial(lambda lr, s, v: self.make(lr, v, s), v=v)
         if self.target is not None:
-            return rd.Tuned(make, self.base, self.seeds)
+            return rd.Tuned(make, self.base, self.seeds, widen=LR_WIDEN)
         if v is None:
             return self._first()
         lr = self._first().best(ctx)
         base = (float(f"{lr / rd.GRID_STEP:.2g}"), lr, float(f"{lr * rd.GRID_STEP:.2g}"))
-        return rd.Tuned(make, base, self.seeds)
+        return rd.Tuned(make, base, self.seeds, widen=LR_WIDEN)
 
     def choice_runs(self, ctx: rd.Ctx) -> list[rd.Run]:
         """Steps 1 and 2's runs (the targets' H's, for a pair at another H)."""

@@ -216,13 +216,14 @@ class Run:
 class Tuned:
     """An outer lr picked on the first seed from a grid (lowest final val_loss), then run on every
     seed. While the best lr sits on an edge of the grid, the grid grows past it one step (×/÷
-    GRID_STEP) at a time, at most GRID_WIDEN times: a grid the answer lies outside tunes nothing."""
+    GRID_STEP) at a time, at most `widen` times: a grid the answer lies outside tunes nothing."""
 
     make: Callable[[float, int], Run]  # (lr, seed) -> run
     base: tuple[float, ...]
     seeds: list[int]
     tune: Callable[[float], Run] | None = None  # lr -> the grid's run (tuning seed and split), else seed 0
     step: float = GRID_STEP
+    widen: int = GRID_WIDEN  # how many times the grid may grow past an edge
 
     def _grid_run(self, lr: float) -> Run:
         return self.tune(lr) if self.tune is not None else self.make(lr, self.seeds[0])
@@ -230,7 +231,7 @@ class Tuned:
     def grid(self, ctx: Ctx) -> tuple[float, ...]:
         """The grid as far as the first seed's finished runs have widened it."""
         grid = list(self.base)
-        for _ in range(GRID_WIDEN):
+        for _ in range(self.widen):
             lr = self._best(ctx, grid)
             if lr is None or len(grid) < 2:
                 break

@@ -108,6 +108,21 @@ def test_a_best_lr_on_the_grid_edge_widens_the_grid(b2l, tmp_path):
     assert p["second"]["grid_seed0"] == {} and p["second"]["pick"] is None  # nor a β grid
 
 
+@pytest.mark.timeout(60)
+def test_the_lr_grid_widens_four_times_then_reports_its_edge(b2l, tmp_path):
+    """Seed 0's loss falls with the lr all the way: 2, 4, then 5.6, 7.8, 11, 15 (four widenings,
+    reproduce_diloco's grids stop at two), and no fifth; the best (15) is then on the edge."""
+    assert b2l.LR_WIDEN == 4
+    ctx = _ctx(b2l, tmp_path, hs=(50,))
+    t = b2l.plan(ctx, ["sparseloco3"], (50,))["sparseloco3", 50]
+    lrs = {2.0: 2.5, 4.0: 2.4, 5.6: 2.3, 7.8: 2.2, 11.0: 2.1, 15.0: 2.0, 21.0: 1.9}
+    _write(tmp_path, _dp_rows(ctx) + [_row(t.make(lr, None, 0), v, 5000, []) for lr, v in lrs.items()])
+    ctx = _ctx(b2l, tmp_path, hs=(50,))
+    first = b2l.plan(ctx, ["sparseloco3"], (50,))["sparseloco3", 50]._first()
+    assert first.grid(ctx) == (2.0, 4.0, 5.6, 7.8, 11.0, 15.0)  # 21 is in the ledger, not the grid
+    assert first.best(ctx) == 15.0 and first.at_edge(ctx) is True
+
+
 def _choice_rows(t, lrs: dict, betas: dict) -> list[dict]:
     """Seed 0's rows of the targets' H: the lr grid at the default β, then β at its best lr (4)."""
     rows = [_row(t.make(lr, None, 0), v, 5000, []) for lr, v in lrs.items()]
