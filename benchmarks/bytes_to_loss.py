@@ -26,9 +26,11 @@ the paper's; grid {0.8, 0.9, 0.95}). At the targets' H (50): the lr grid at the 
 value (Nesterov arms {0.7, 1.0}, SparseLoCo {2, 4}; a grid grows past an edge its best sits on
 by ×1.4 or ÷1.4, at most four times), then the second setting's grid at that lr (growing past an
 edge with 1 − v doubled or halved, at most twice), then, if its pick is not the default, the lr
-again around the first pick at it. Every other H tunes its lr (same base grids) at the targets'
-H's second pick. The pick runs on 2 seeds (3 at H = 50). Where the default wins, the runs are
-the same runs as without the second setting (it is not passed), so earlier ledger rows count.
+again around the first pick at it. Every other H tunes its lr at the targets' H's second pick,
+on a grid around the targets' H's lr pick (it and its neighbours in the grid it was picked
+from; widening the same way). The pick runs on 2 seeds (3 at H = 50). Where the default wins,
+the runs are the same runs as without the second setting (it is not passed), so earlier ledger
+rows count.
 
 Bytes are uploads per worker, the real size of each message (summary.json's
 `bytes_sent_per_worker`; a round's bytes are the same every round). A run reaches the target at
@@ -73,7 +75,8 @@ K = 4
 HS = (10, 50, 100, 250, 500)
 NESTEROV_GRID, SPARSELOCO_GRID = (0.7, 1.0), (2.0, 4.0)
 CHUNK = ("--topk-chunk", "4096")
-# name -> (outer optimizer, flags, base lr grid, whether it runs at every H or the targets' only)
+# name -> (outer optimizer, flags, the targets' H's first lr grid, whether it runs at every H or
+# the targets' H only)
 METHODS: dict[str, tuple[str, tuple[str, ...], tuple[float, ...], bool]] = {
     "fp32": ("nesterov", (), NESTEROV_GRID, True),
     "fp4_ef": ("nesterov", ("--codec", "fp4", "--error-feedback"), NESTEROV_GRID, True),
@@ -135,6 +138,15 @@ SECOND = {
 LR_WIDEN = 4
 
 
+def _around(lr: float, grid: tuple[float, ...] = ()) -> tuple[float, ...]:
+    """An lr grid centred on `lr`: its neighbours in `grid` (the grid it was picked from, so the
+    values are ones already run), else lr ÷ 1.4 and lr × 1.4."""
+    i = grid.index(lr) if lr in grid else -1
+    lo = grid[i - 1] if i > 0 else float(f"{lr / rd.GRID_STEP:.2g}")
+    hi = grid[i + 1] if 0 <= i < len(grid) - 1 else float(f"{lr * rd.GRID_STEP:.2g}")
+    return (lo, lr, hi)
+
+
 def _widen(v: float, lower: bool) -> float | None:
     """The next value past an edge of a second setting's grid: 1 − v doubled (lower) or halved."""
     w = float(f"{1 - (1 - v) * (2 if lower else 0.5):.4g}")
@@ -152,7 +164,8 @@ class TunedPair:
     3. if the pick is not the default, the lr again at it: lr ÷ 1.4, lr, lr × 1.4 (widening).
 
     At another H (`target` set: the targets' H's pair) the lr grid runs at the targets' H's
-    pick. The pick runs on every seed. Scheduled like a `rd.Tuned`."""
+    second pick, around its lr pick (`_around`, widening). The pick runs on every seed.
+    Scheduled like a `rd.Tuned`."""
 
     opt: str
     make: Callable[[float, float | None, int], rd.Run]  # (lr, second or None: default, seed)
@@ -210,24 +223,27 @@ class TunedPair:
         return {rd._num(v): rd._loss(ctx.result(r)) for v, r in zip(grid, runs, strict=True)}
 
     def tuned(self, ctx: rd.Ctx) -> rd.Tuned | None:
-        """The lr grid at the second setting's pick (None until it is known)."""
+        """The lr grid at the second setting's pick (None until it is known): at another H,
+        around the targets' H's lr pick (None until that is known too)."""
         v = self.second(ctx)
         if v is None:
             return None
         v = self._v(v)
         make = functools.partial(lambda lr, s, v: self.make(lr, v, s), v=v)
-        if self.target is not None:
-            return rd.Tuned(make, self.base, self.seeds, widen=LR_WIDEN)
-        if v is None:
+        if v is None and self.target is None:
             return self._first()
-        lr = self._first().best(ctx)
-        base = (float(f"{lr / rd.GRID_STEP:.2g}"), lr, float(f"{lr * rd.GRID_STEP:.2g}"))
-        return rd.Tuned(make, base, self.seeds, widen=LR_WIDEN)
+        if self.target is None:  # step 3: lr ÷ 1.4, lr, lr × 1.4 around the first pick
+            return rd.Tuned(make, _around(self._first().best(ctx)), self.seeds, widen=LR_WIDEN)
+        picked = self.target.tuned(ctx)
+        lr = picked.best(ctx) if picked is not None else None
+        if lr is None:
+            return None
+        return rd.Tuned(make, _around(lr, picked.grid(ctx)), self.seeds, widen=LR_WIDEN)
 
     def choice_runs(self, ctx: rd.Ctx) -> list[rd.Run]:
-        """Steps 1 and 2's runs (the targets' H's, for a pair at another H)."""
+        """Steps 1 and 2's runs; for a pair at another H, every tuning run of the targets' H's."""
         if self.target is not None:
-            return self.target.choice_runs(ctx)
+            return self.target.grid_runs(ctx)
         first = self._first()
         grid = self.second_grid(ctx)
         return first.grid_runs(ctx) + (self._second_runs(first.best(ctx), grid) if grid else [])

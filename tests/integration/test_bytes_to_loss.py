@@ -147,6 +147,12 @@ def test_the_second_setting_is_tuned_at_the_targets_H_then_held(b2l, tmp_path):
         0.95,
     )
     rows += [_row(t.make(4.0, 0.6, 0), 1.87, 5000, [])]
+    _write(tmp_path, _dp_rows(ctx) + rows)
+    ctx = _ctx(b2l, tmp_path, hs=(50, 100))
+    at100 = b2l.plan(ctx, ["sparseloco3"], (50, 100))["sparseloco3", 100]
+    # β is picked but H = 50's lr is not yet re-tuned at it: H = 100 waits, running H = 50's runs
+    assert at100.second(ctx) == 0.8 and at100.tuned(ctx) is None and at100.runs(ctx) == []
+    assert {t.make(lr, 0.8, 0).name for lr in (2.9, 5.6)} <= {r.name for r in at100.grid_runs(ctx)}
     rows += [_row(t.make(lr, 0.8, 0), v, 5000, []) for lr, v in ((2.9, 1.95), (5.6, 1.9))]
     _write(tmp_path, _dp_rows(ctx) + rows)
     ctx = _ctx(b2l, tmp_path, hs=(50, 100))
@@ -165,15 +171,16 @@ def test_the_second_setting_is_tuned_at_the_targets_H_then_held(b2l, tmp_path):
     picks = at50.runs(ctx)
     assert [r.seed for r in picks] == [0, 1, 2] and picks[0].name == t.make(4.0, 0.8, 0).name
     assert all(r.flags[r.flags.index("--ef-decay") + 1] == "0.8" for r in picks)
-    grid100 = [r for r in at100.grid_runs(ctx) if "-H100-" in r.name]
-    assert [r.flags[r.flags.index("--outer-lr") + 1] for r in grid100] == ["2", "4"]
+    grid100 = [r for r in at100.grid_runs(ctx) if "-H100-" in r.name]  # around H = 50's lr pick
+    assert [r.flags[r.flags.index("--outer-lr") + 1] for r in grid100] == ["2.9", "4", "5.6"]
     assert all(r.flags[r.flags.index("--ef-decay") + 1] == "0.8" for r in grid100)
 
 
 @pytest.mark.timeout(60)
 def test_bytes_to_target_by_hand(b2l, tmp_path):
     """SparseLoCo 3% at H = 100 sends 5,000 bytes a worker in 10 rounds: 500 a round. Its grid on
-    seed 0 is 2 → 2.5, 4 → 1.9, widened to 5.6 → 2.3 (4 is inside now). Data parallel's final
+    seed 0, H = 50's pick (4) and its neighbours in H = 50's grid, is 2 → 2.5, 4 → 1.9, 5.6 → 2.3
+    (no widening: 4 is inside). Data parallel's final
     subset losses are 2.01 (seed 0) and 2.11 (seed 1). Seed 0 first reaches 2.01 at step 300 (3
     rounds, 1,500 bytes: ratio 0.0015; 2.05 at step 200 is above it); seed 1 reaches 2.11 at step
     700 (3,500 bytes: 0.0035). The point's ratio is the larger, 1/286."""
