@@ -190,50 +190,52 @@ class TunedPair:
     def _second_best(self, ctx: rd.Ctx, lr: float, grid: tuple[float, ...]) -> float | None:
         return self._at(lr)._best(ctx, grid)
 
-    def second_grid(self, ctx: rd.Ctx) -> tuple[float, ...]:
-        """The second setting's grid at the default's lr, as far as its runs have widened it
-        (empty until that lr is known)."""
+    def _choice(self, ctx: rd.Ctx) -> tuple[float | None, tuple[float, ...], float | None]:
+        """Steps 1 and 2 as far as their runs have finished, read once (runs finish while the
+        scheduler asks): the default's lr pick, the second setting's grid at it (widened past
+        an edge; empty until that lr is known) and its pick (None until that grid has run)."""
         if self.target is not None:
-            return self.target.second_grid(ctx)
+            return self.target._choice(ctx)
         lr = self._first().best(ctx)
         if lr is None:
-            return ()
+            return None, (), None
         grid = sorted(SECOND[self.opt][2])
+        v = self._second_best(ctx, lr, tuple(grid))
         for _ in range(rd.GRID_WIDEN):
-            v = self._second_best(ctx, lr, tuple(grid))
             w = None  # the value past the edge the best sits on (none: inside, or unfinished)
             if v is not None and v in (grid[0], grid[-1]):
                 w = _widen(v, lower=v == grid[0])
             if w is None:
                 break
             grid = sorted({*grid, w})
-        return tuple(grid)
+            v = self._second_best(ctx, lr, tuple(grid))
+        return lr, tuple(grid), v
+
+    def second_grid(self, ctx: rd.Ctx) -> tuple[float, ...]:
+        """The second setting's grid at the default's lr (`_choice`)."""
+        return self._choice(ctx)[1]
 
     def second(self, ctx: rd.Ctx) -> float | None:
         """The second setting's pick, once its grid has finished."""
-        if self.target is not None:
-            return self.target.second(ctx)
-        grid = self.second_grid(ctx)
-        return self._second_best(ctx, self._first().best(ctx), grid) if grid else None
+        return self._choice(ctx)[2]
 
     def second_table(self, ctx: rd.Ctx) -> dict[str, float | None]:
-        source = self.target or self
-        lr, grid = source._first().best(ctx), self.second_grid(ctx)
-        runs = source._second_runs(lr, grid) if grid else []
+        lr, grid, _ = self._choice(ctx)
+        runs = (self.target or self)._second_runs(lr, grid) if grid else []
         return {rd._num(v): rd._loss(ctx.result(r)) for v, r in zip(grid, runs, strict=True)}
 
     def tuned(self, ctx: rd.Ctx) -> rd.Tuned | None:
         """The lr grid at the second setting's pick (None until it is known): at another H,
         around the targets' H's lr pick (None until that is known too)."""
-        v = self.second(ctx)
+        first_lr, _, v = self._choice(ctx)
         if v is None:
             return None
         v = self._v(v)
         make = functools.partial(lambda lr, s, v: self.make(lr, v, s), v=v)
-        if v is None and self.target is None:
-            return self._first()
-        if self.target is None:  # step 3: lr ÷ 1.4, lr, lr × 1.4 around the first pick
-            return rd.Tuned(make, _around(self._first().best(ctx)), self.seeds, widen=LR_WIDEN)
+        if self.target is None:  # the default: step 1's grid; else step 3 around step 1's pick
+            return (
+                self._first() if v is None else rd.Tuned(make, _around(first_lr), self.seeds, widen=LR_WIDEN)
+            )
         picked = self.target.tuned(ctx)
         lr = picked.best(ctx) if picked is not None else None
         if lr is None:
@@ -244,9 +246,8 @@ class TunedPair:
         """Steps 1 and 2's runs; for a pair at another H, every tuning run of the targets' H's."""
         if self.target is not None:
             return self.target.grid_runs(ctx)
-        first = self._first()
-        grid = self.second_grid(ctx)
-        return first.grid_runs(ctx) + (self._second_runs(first.best(ctx), grid) if grid else [])
+        lr, grid, _ = self._choice(ctx)
+        return self._first().grid_runs(ctx) + (self._second_runs(lr, grid) if grid else [])
 
     def grid_runs(self, ctx: rd.Ctx) -> list[rd.Run]:
         t = self.tuned(ctx)
@@ -501,7 +502,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a tiny model and few steps: checks the plumbing")
     ap.add_argument("--workdir", type=Path, help="run folders (default reproduce_diloco.py's)")
     ap.add_argument("--ledger", type=Path, help="the ledger's folder (default reproduce_diloco.py's)")
-    ap.add_argument("--out", type=Path, help="the JSON (default benchmarks/results/bytes_to_loss.json)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="the JSON, its figure beside it (default benchmarks/results/bytes_to_loss.json, docs/figures/)",
+    )
     ap.add_argument("--report-only", action="store_true", help="no new runs: the JSON and figure")
     args = ap.parse_args()
     steps = rd.QUICK_STEPS if args.quick else 1000
@@ -516,6 +521,8 @@ def main() -> None:
     args.ledger = args.ledger or (where / "_ledger" if args.quick else where / "reproduce_ledger")
     out = args.out or where / "bytes_to_loss.json"
     figure = args.workdir / "figures" / "bytes_to_loss.png" if args.quick else FIGURE
+    if args.out is not None:  # the figure goes beside a JSON written elsewhere, not into docs/
+        figure = out.with_suffix(".png")
     ctx = context(args)
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.quick:

@@ -176,7 +176,7 @@ def test_the_second_setting_is_tuned_at_the_targets_H_then_held(b2l, tmp_path):
     assert all(r.flags[r.flags.index("--ef-decay") + 1] == "0.8" for r in grid100)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_bytes_to_target_by_hand(b2l, tmp_path):
     """SparseLoCo 3% at H = 100 sends 5,000 bytes a worker in 10 rounds: 500 a round. Its grid on
     seed 0, H = 50's pick (4) and its neighbours in H = 50's grid, is 2 → 2.5, 4 → 1.9, 5.6 → 2.3
@@ -214,6 +214,17 @@ def test_bytes_to_target_by_hand(b2l, tmp_path):
     assert result["best_run"] == "sparseloco3 H=100" and result["best_bytes_ratio_inverse"] == 286
     assert result["dp_final_val_loss"] == pytest.approx(2.1)
     assert result["frontier"] == ["sparseloco3 H=100"]
+    # the command line gives the same report; with --out its figure goes beside the JSON
+    where = ["--workdir", str(tmp_path), "--ledger", str(tmp_path), "--out", str(tmp_path / "o.json")]
+    ok = subprocess.run(
+        [sys.executable, str(BENCH / "bytes_to_loss.py"), "--report-only", "--hs", "100",
+         "--methods", "sparseloco3", *where],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=100,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    out = json.loads((tmp_path / "o.json").read_text())
+    assert out["best_bytes_ratio"] == 0.0035 and out["figure"] == str(tmp_path / "o.png")
+    assert (tmp_path / "o.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.timeout(30)
