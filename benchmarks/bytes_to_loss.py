@@ -310,6 +310,16 @@ def plan(ctx: rd.Ctx, methods: list[str], hs: tuple[int, ...]) -> dict[tuple[str
     return dict(sorted(out.items(), key=lambda kv: (kv[0][1] != target_h, kv[0][1])))
 
 
+def parts(dp_runs: list[rd.Run], tuned: dict[tuple[str, int], TunedPair]) -> dict[str, rd.Plan]:
+    """The scheduler's parts: data parallel's runs, then a part per H in `tuned`'s order (the
+    targets' H first). It fills slots part by part, so the targets' H's tuning, which every other
+    H waits for, and its seeds run before the rest (one part: later grids queued behind all)."""
+    out = {"dp": rd.Plan(runs=dp_runs)}
+    for (_, H), t in tuned.items():
+        out.setdefault(f"H={H}", rd.Plan()).tuned.append(t)
+    return out
+
+
 def to_target(steps: list[int], losses: list[float], target: float) -> int | None:
     """The first evaluated step whose loss is at or below `target` (None: never)."""
     return next((s for s, v in zip(steps, losses, strict=True) if v <= target), None)
@@ -543,10 +553,7 @@ def main() -> None:
                 ctx.rerun.add(r.name)
         what = f"{', '.join(args.methods)} × H {args.hs}"
         _log(f"{len(tuned)} points ({what}); {args.jobs} jobs; runs in {args.workdir}")
-        target = rd.Plan(runs=dp_runs)
-        n = rd.Scheduler(ctx, lambda *_: None).execute(
-            {"dp": target, "bytes": rd.Plan(tuned=list(tuned.values()))}
-        )
+        n = rd.Scheduler(ctx, lambda *_: None).execute(parts(dp_runs, tuned))
         _log(f"{n} new runs in {time.perf_counter() - t0:.0f} s")
     result = report(ctx, tuned)
     result["figure"] = str(figure.relative_to(ROOT)) if figure.is_relative_to(ROOT) else str(figure)

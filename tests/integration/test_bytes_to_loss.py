@@ -54,6 +54,9 @@ def test_plan_reuses_part_dp_runs_and_runs_the_targets_H_on_three_seeds(b2l, tmp
     assert [r.name for r in tuned["fp32", 10].grid_runs(ctx)] == names
     assert tuned["fp32", 10].runs(ctx) == [] and tuned["fp32", 10].table(ctx) == {}
     assert tuned["fp32", 50].seeds == [0, 1, 2] and tuned["fp32", 10].seeds == [0, 1]
+    parts = b2l.parts([], tuned)  # the scheduler's parts: the targets' H before every other H
+    assert list(parts) == ["dp", "H=50", "H=10"] and parts["H=50"].tuned[0] is tuned["fp32", 50]
+    assert len(parts["H=50"].tuned) == len(b2l.METHODS) and len(parts["H=10"].tuned) == len(b2l.METHODS) - 1
     flags = tuned["sparseloco3", 10].make(2.0, None, 0).flags
     assert flags[flags.index("--outer-opt") + 1] == "sparseloco"
     assert flags[flags.index("--topk-fraction") + 1] == "0.03"
