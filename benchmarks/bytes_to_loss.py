@@ -257,6 +257,10 @@ class TunedPair:
         t = self.tuned(ctx)
         return t.runs(ctx) if t else []
 
+    def all_runs(self, ctx: rd.Ctx) -> list[rd.Run]:
+        """Its tuning runs and its pick's seeds."""
+        return self.grid_runs(ctx) + self.runs(ctx)
+
     def best(self, ctx: rd.Ctx) -> float | None:
         t = self.tuned(ctx)
         return t.best(ctx) if t else None
@@ -555,6 +559,13 @@ def main() -> None:
         _log(f"{len(tuned)} points ({what}); {args.jobs} jobs; runs in {args.workdir}")
         n = rd.Scheduler(ctx, lambda *_: None).execute(parts(dp_runs, tuned))
         _log(f"{n} new runs in {time.perf_counter() - t0:.0f} s")
+    # a run whose folder finished outside the scheduler (by hand, or before a crash) into the ledger
+    for r in [
+        *(ctx.dp(K, s, warm=True) for s in ctx.seeds),
+        *(r for t in tuned.values() for r in t.all_runs(ctx)),
+    ]:
+        ctx.keep(r)
+    ctx.ledger.save()
     result = report(ctx, tuned)
     result["figure"] = str(figure.relative_to(ROOT)) if figure.is_relative_to(ROOT) else str(figure)
     if not plot(result, figure):

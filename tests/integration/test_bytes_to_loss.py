@@ -217,7 +217,19 @@ def test_bytes_to_target_by_hand(b2l, tmp_path):
     assert result["best_run"] == "sparseloco3 H=100" and result["best_bytes_ratio_inverse"] == 286
     assert result["dp_final_val_loss"] == pytest.approx(2.1)
     assert result["frontier"] == ["sparseloco3 H=100"]
-    # the command line gives the same report; with --out its figure goes beside the JSON
+    # the command line gives the same report; with --out its figure goes beside the JSON. Lr 5.6's
+    # row is now only a finished folder (a run made outside the scheduler): it enters the ledger
+    lr56 = t.make(5.6, None, 0)
+    _write(tmp_path, [r for r in rows if r["name"] != lr56.name])
+    (tmp_path / lr56.name).mkdir()
+    (tmp_path / lr56.name / "model.safetensors").write_bytes(b"")
+    summary = {"val_loss": 2.3, "final_subset_val_loss": 2.31, "bytes_sent_per_worker": 5000}
+    (tmp_path / lr56.name / "summary.json").write_text(json.dumps(summary))
+    evals = [
+        {"kind": "eval", "inner_step": i, "split": "subset", "val_loss": v}
+        for i, v in ((0, 3.0), (1000, 2.3))
+    ]
+    (tmp_path / lr56.name / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
     where = ["--workdir", str(tmp_path), "--ledger", str(tmp_path), "--out", str(tmp_path / "o.json")]
     ok = subprocess.run(
         [sys.executable, str(BENCH / "bytes_to_loss.py"), "--report-only", "--hs", "100",
@@ -228,6 +240,10 @@ def test_bytes_to_target_by_hand(b2l, tmp_path):
     out = json.loads((tmp_path / "o.json").read_text())
     assert out["best_bytes_ratio"] == 0.0035 and out["figure"] == str(tmp_path / "o.png")
     assert (tmp_path / "o.png").read_bytes()[:4] == b"\x89PNG"
+    kept = [json.loads(x) for x in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    row = next(r for r in kept if r["name"] == lr56.name)
+    assert row["summary"]["val_loss"] == 2.3 and row["curve"] == [[0, 3.0], [1000, 2.3]]
+    assert len(kept) == len(rows)
 
 
 @pytest.mark.timeout(30)
