@@ -559,7 +559,7 @@ def main() -> None:
         _log(f"{len(tuned)} points ({what}); {args.jobs} jobs; runs in {args.workdir}")
         n = rd.Scheduler(ctx, lambda *_: None).execute(parts(dp_runs, tuned))
         _log(f"{n} new runs in {time.perf_counter() - t0:.0f} s")
-    # a run whose folder finished outside the scheduler (by hand, or before a crash) into the ledger
+    # runs whose folders finished outside the scheduler (by hand, or before a crash) join the ledger
     for r in [
         *(ctx.dp(K, s, warm=True) for s in ctx.seeds),
         *(r for t in tuned.values() for r in t.all_runs(ctx)),
