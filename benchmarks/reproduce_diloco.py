@@ -748,8 +748,11 @@ class Scheduler:
         with ThreadPoolExecutor(max_workers=ctx.jobs) as pool:
             while pending or running or waiting:
                 for part, t in list(waiting):
-                    add(part, t.grid_runs(ctx))  # a grid widened past an edge: its new lr
-                    if all(ctx.finished(r) for r in t.grid_runs(ctx)):
+                    grid = t.grid_runs(ctx)
+                    add(part, grid)  # a grid widened past an edge: its new lr
+                    # done once every grid run has finished and the grid, read again, is the same:
+                    # a run finishing while the grid is read may widen it (runs finish in threads)
+                    if all(ctx.finished(r) for r in grid) and t.grid_runs(ctx) == grid:
                         waiting.remove((part, t))
                         add(part, t.runs(ctx))
                 for r in list(pending):
