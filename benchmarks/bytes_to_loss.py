@@ -274,7 +274,7 @@ class TunedPair:
         """The second setting's tuning: its grid on seed 0 (at the default's lr) and pick."""
         key, default, _ = SECOND[self.opt]
         out = {"setting": key.lstrip("-"), "default": default}
-        out.update(grid_seed0=self.second_table(ctx), pick=self.second(ctx))
+        out.update(grid=list(self.second_grid(ctx)), grid_seed0=self.second_table(ctx), pick=self.second(ctx))
         if self.target is None:
             out["lr_grid_seed0_at_default"] = self._first().table(ctx)
         return out

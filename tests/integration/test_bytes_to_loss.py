@@ -166,6 +166,7 @@ def test_the_second_setting_is_tuned_at_the_targets_H_then_held(b2l, tmp_path):
     assert p["second"] == {
         "setting": "ef-decay",
         "default": 0.95,
+        "grid": [0.6, 0.8, 0.9, 0.95],
         "grid_seed0": {"0.6": 1.87, "0.8": 1.85, "0.9": 1.88, "0.95": 1.9},
         "pick": 0.8,
         "lr_grid_seed0_at_default": {"2": 2.5, "4": 1.9, "5.6": 2.3},
