@@ -219,11 +219,6 @@ class TunedPair:
         """The second setting's pick, once its grid has finished."""
         return self._choice(ctx)[2]
 
-    def second_table(self, ctx: rd.Ctx) -> dict[str, float | None]:
-        lr, grid, _ = self._choice(ctx)
-        runs = (self.target or self)._second_runs(lr, grid) if grid else []
-        return {rd._num(v): rd._loss(ctx.result(r)) for v, r in zip(grid, runs, strict=True)}
-
     def tuned(self, ctx: rd.Ctx) -> rd.Tuned | None:
         """The lr grid at the second setting's pick (None until it is known): at another H,
         around the targets' H's lr pick (None until that is known too)."""
@@ -274,7 +269,10 @@ class TunedPair:
         """The second setting's tuning: its grid on seed 0 (at the default's lr) and pick."""
         key, default, _ = SECOND[self.opt]
         out = {"setting": key.lstrip("-"), "default": default}
-        out.update(grid=list(self.second_grid(ctx)), grid_seed0=self.second_table(ctx), pick=self.second(ctx))
+        lr, grid, pick = self._choice(ctx)  # read once
+        runs = (self.target or self)._second_runs(lr, grid) if grid else []
+        table = {rd._num(v): rd._loss(ctx.result(r)) for v, r in zip(grid, runs, strict=True)}
+        out.update(grid=list(grid), grid_seed0=table, pick=pick)
         if self.target is None:
             out["lr_grid_seed0_at_default"] = self._first().table(ctx)
         return out
