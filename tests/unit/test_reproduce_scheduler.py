@@ -1,0 +1,81 @@
+"""benchmarks/reproduce_diloco.py's Scheduler: the order a tuned grid's reads and its runs'
+finishes come in, scripted, so the race the bytes_to_loss lane hit (a grid run finishing between
+two reads of its grid) is tested without depending on thread timing.
+
+The Scheduler is the real one; the context it drives is a stand-in that records which runs were
+started (starting `diloco train` is what the integration tests cover)."""
+
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _rd():
+    spec = importlib.util.spec_from_file_location("reproduce_diloco", BENCH / "reproduce_diloco.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["reproduce_diloco"] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Ctx:
+    """What Scheduler asks of a context: jobs, finished, result, train. Run `a` (the grid's)
+    finishes only once its summary has landed (`landed`, set by the grid's read)."""
+
+    jobs = 2
+
+    def __init__(self):
+        self.done: set[str] = set()
+        self.trained: list[str] = []
+        self.landed = threading.Event()
+
+    def finished(self, run, model=False):
+        return run.name in self.done
+
+    def result(self, run):
+        return {"val_loss": 1.0} if run.name in self.done else None
+
+    def train(self, run):
+        self.trained.append(run.name)
+        if run.name == "a":
+            assert self.landed.wait(10), "the grid was never read after run c finished"
+        self.done.add(run.name)
+        return True, 0.0
+
+
+class _Grid:
+    """A grid of one lr (run `a`) that widens to two (`b`) once `a` has finished. The read made
+    just after the other run (`c`) finishes sees `a` unfinished and `a`'s summary lands right
+    after it: a worker thread finishing between two of the main loop's reads."""
+
+    def __init__(self, rd):
+        self.a = rd.Run("a", "lr 1", 0, ("--outer-lr", "1"))
+        self.b = rd.Run("b", "lr 1.4", 0, ("--outer-lr", "1.4"))
+        self.seed1 = rd.Run("s1", "lr 1.4 seed 1", 1, ("--outer-lr", "1.4"))
+
+    def grid_runs(self, ctx):
+        if "a" in ctx.done:
+            return [self.a, self.b]
+        if "c" in ctx.done:  # stale: a's summary lands just after this read
+            ctx.done.add("a")
+            ctx.landed.set()
+        return [self.a]
+
+    def runs(self, ctx):
+        return [self.seed1]
+
+
+@pytest.mark.timeout(30)
+def test_a_grid_widened_between_two_reads_still_runs_its_new_lr():
+    rd = _rd()
+    ctx, grid = _Ctx(), _Grid(rd)
+    plan = rd.Plan(runs=[rd.Run("c", "other", 0, ("--x",))], tuned=[grid])
+    n = rd.Scheduler(ctx, lambda part, span, done: None).execute({"p": plan})
+    # one read would have seen [a] all finished and stopped waiting: b would never have run
+    assert sorted(ctx.trained[:2]) == ["a", "c"] and ctx.trained[2:] == ["b", "s1"]
+    assert n == 4
