@@ -252,10 +252,6 @@ class TunedPair:
         t = self.tuned(ctx)
         return t.runs(ctx) if t else []
 
-    def all_runs(self, ctx: rd.Ctx) -> list[rd.Run]:
-        """Its tuning runs and its pick's seeds."""
-        return self.grid_runs(ctx) + self.runs(ctx)
-
     def best(self, ctx: rd.Ctx) -> float | None:
         t = self.tuned(ctx)
         return t.best(ctx) if t else None
@@ -541,11 +537,11 @@ def main() -> None:
         ctx.config_path.write_text(rd.QUICK_CONFIG)
     tuned = plan(ctx, args.methods, args.hs)
     t0 = time.perf_counter()
+    dp_runs = [ctx.dp(K, s, warm=True) for s in ctx.seeds]
     if not args.report_only:
         # a ledger row rebuilt by hand has no curve (a reported run) or no subset loss (data
         # parallel's target): such a run (deterministic) runs again, its row then replaced with
         # the same loss and a curve (kept if the run fails)
-        dp_runs = [ctx.dp(K, s, warm=True) for s in ctx.seeds]
         for r in [*dp_runs, *(r for t in tuned.values() for r in t.runs(ctx))]:
             row = ctx.ledger.rows.get(r.name)
             if row is None or "failed" in row:
@@ -558,11 +554,9 @@ def main() -> None:
         n = rd.Scheduler(ctx, lambda *_: None).execute(parts(dp_runs, tuned))
         _log(f"{n} new runs in {time.perf_counter() - t0:.0f} s")
     # runs whose folders finished outside the scheduler (by hand, or before a crash) join the ledger
-    for r in [
-        *(ctx.dp(K, s, warm=True) for s in ctx.seeds),
-        *(r for t in tuned.values() for r in t.all_runs(ctx)),
-    ]:
-        ctx.keep(r)
+    for p in parts(dp_runs, tuned).values():
+        for r in p.all_runs(ctx):
+            ctx.keep(r)
     ctx.ledger.save()
     result = report(ctx, tuned)
     result["figure"] = str(figure.relative_to(ROOT)) if figure.is_relative_to(ROOT) else str(figure)
