@@ -186,6 +186,38 @@ def test_bad_input_is_one_sentence_and_exit_2(capsys, extra, says):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "table,alone,extra,says",
+    [
+        ("speeds = [1.0, 2.0]", [], ["--step-s", "1"], "give --step-s or {toml}'s [sim] speeds, not both"),
+        ('heterogeneity = "mild"', None, ["--probe"], "give --probe or {toml}'s [sim] heterogeneity"),
+        (
+            "bandwidth_mbps = 5.0",
+            ["--step-s", "1"],
+            ["--step-s", "1", "--link-mbps", "10"],
+            "give --link-mbps or {toml}'s [sim] bandwidth_mbps, not both",
+        ),
+    ],
+)
+def test_a_config_files_setting_overridden_by_a_plan_flag_is_refused(
+    tmp_path, capsys, table, alone, extra, says
+):
+    """The config file's speeds, heterogeneity or bandwidth would be dropped without a word by
+    --step-s, --probe or --link-mbps: refused like the same pair given as flags (docs/planning.md)."""
+    toml = tmp_path / "run.toml"
+    toml.write_text(f"[sim]\n{table}\n")
+    head = ["plan", "--workers", "2", "--config", str(toml)]
+    if alone is not None:  # without the overriding flag the file's value plans
+        assert main([*head, *alone, "--json"]) == 0
+        capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        raise SystemExit(main([*head, *extra]))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert says.format(toml=toml) in err and err.count("\n") == 1
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("codec", ["fp32", "fp4"])
 def test_under_torchrun_the_exchange_is_a_ring_by_hand(tiny, codec):
     """--runtime collective: nothing is pulled; after every worker's H steps the outer_grads are

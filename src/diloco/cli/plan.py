@@ -43,22 +43,35 @@ def _rates(text: str, flag: str) -> list[float]:
 
 
 def _refuse_pairs(
-    args: argparse.Namespace, flags: dict[str, Any], axes: list[tuple[str, str, list[str]]]
+    args: argparse.Namespace,
+    flags: dict[str, Any],
+    axes: list[tuple[str, str, list[str]]],
+    values: dict[str, Any],
 ) -> None:
-    """One sentence for settings that would silently override each other."""
+    """One sentence for settings that would silently override each other, whether given as flags,
+    swept, or read from the --config file (`values`)."""
     swept = {p for p, _, _ in axes}
     for path in ("runtime", "sim.speeds", "sim.heterogeneity"):
         if path in swept:
             raise UserError(f"--sweep cannot vary {path.split('.')[-1]}: run diloco plan once for each.")
+
+    def given(path: str, flag: str) -> str | None:
+        """How `path` was given (its flag, a sweep, or the config file's key), or None."""
+        section, _, key = path.partition(".")
+        if path in flags or path in swept:
+            return flag
+        table = values.get(section)
+        return f"{args.config}'s [{section}] {key}" if isinstance(table, dict) and key in table else None
+
     given_steps = "--step-s" if args.step_s is not None else "--probe" if args.probe else None
     for path, flag in (("sim.speeds", "--speeds"), ("sim.heterogeneity", "--heterogeneity")):
-        if given_steps and path in flags:
-            raise UserError(f"give {given_steps} or {flag}, not both.")
+        if given_steps and (other := given(path, flag)):
+            raise UserError(f"give {given_steps} or {other}, not both.")
     links = "--link-mbps" if args.link_mbps is not None else "--probe-link" if args.probe_link else None
-    if links and ("sim.bandwidth_mbps" in flags or "sim.bandwidth_mbps" in swept):
-        raise UserError(f"give {links} or --bandwidth-mbps, not both.")
-    if args.probe_link and ("sim.latency_ms" in flags or "sim.latency_ms" in swept):
-        raise UserError("--probe-link measures the latency: drop --latency-ms.")
+    if links and (other := given("sim.bandwidth_mbps", "--bandwidth-mbps")):
+        raise UserError(f"give {links} or {other}, not both.")
+    if args.probe_link and (other := given("sim.latency_ms", "--latency-ms")):
+        raise UserError(f"--probe-link measures the latency: drop {other}.")
     if args.rounds_simulated < 1:
         raise UserError(f"--rounds-simulated must be at least 1, got {args.rounds_simulated}.")
 
@@ -115,7 +128,7 @@ def plan_command(args: argparse.Namespace) -> int:
     runtime = flags.pop("runtime", values.pop("runtime", "server"))
     where = str(args.config) if args.config else "the flags"
     axes = _sweep_axes(args.sweep or [])
-    _refuse_pairs(args, flags, axes)
+    _refuse_pairs(args, flags, axes, values)
     toml_speeds = values.get("sim", {}).get("speeds") if isinstance(values.get("sim"), dict) else None
     if toml_speeds and "sim.speeds" not in flags and args.step_s is None and not args.probe:
         flags["sim.speeds"] = tuple(toml_speeds)  # a TOML file's step times
