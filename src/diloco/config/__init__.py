@@ -14,7 +14,8 @@ field and the fix. Adding a setting touches its field, its component, and a rang
   `.build_download()` build the components;
 - `train`: TrainConfig; `validate`: its checks; `load`: from_dict and the upgrade of old layouts;
 - `parsers`: the text formats shared with the components (--speeds, --slowdown, --tokenizer,
-  --model-config).
+  --model-config);
+- `reference`: docs/config.md, every key with its table, flag and default, written from here.
 
     diloco train --config my.toml --workers 8
 """

@@ -72,10 +72,13 @@ class ModelConfig:
 
     name: str = setting("nano", flag="--model", choices=PRESETS, help="model preset of diloco's GPT")
     # at least the tokenizer's vocabulary: a larger tokenizer (bpe:N, a file) makes it larger
-    vocab_size: int = setting(256, help="vocabulary rows of diloco's GPT (at least the tokenizer's)")
-    n_layer: int = 4
-    n_head: int = 4
-    d_model: int = 96
+    vocab_size: int = setting(
+        256, help="vocabulary rows of diloco's GPT (at least the tokenizer's)", default_help="the preset's"
+    )
+    # `model.name` picks a preset; these keys, given in a config file, override its sizes
+    n_layer: int = setting(4, help="transformer blocks", default_help="the preset's")
+    n_head: int = setting(4, help="attention heads (divides d_model)", default_help="the preset's")
+    d_model: int = setting(96, help="width of the residual stream", default_help="the preset's")
     seq_len: int = setting(128, flag="--seq-len", help="tokens per sequence", default_help="the preset's")
     # the config's JSON text itself (from_dict reads the file), so a run directory, a resumed run
     # and a parameter server's workers all carry the model with them
@@ -169,9 +172,9 @@ class InnerConfig:
     lr: float = setting(1e-3, flag="--inner-lr", help="peak inner AdamW learning rate")
     warmup_steps: int = setting(30, flag="--warmup-steps", help="linear warm-up steps of the inner lr")
     min_lr_ratio: float = setting(0.1, help="cosine floor as a fraction of lr")
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
+    weight_decay: float = setting(0.1, help="AdamW's decoupled weight decay")
+    beta1: float = setting(0.9, help="AdamW's β1")
+    beta2: float = setting(0.95, help="AdamW's β2")
     grad_clip: float = setting(1.0, help="max global gradient norm; 0 disables clipping")
 
 
@@ -183,8 +186,8 @@ class OuterConfig:
     opt: str = setting("nesterov", flag="--outer-opt", choices=OUTER_OPTS, help="outer optimizer")
     lr: float = setting(0.7, flag="--outer-lr", help="outer lr (the paper's best; adam wants 0.1 or less)")
     momentum: float = setting(0.9, flag="--outer-momentum", help="outer momentum of nesterov and sgd")
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
+    adam_beta1: float = setting(0.9, help="the outer Adam's β1 (--outer-opt adam)")
+    adam_beta2: float = setting(0.999, help="the outer Adam's β2 (--outer-opt adam)")
     adam_eps: float = setting(0.1, help="the paper: outer Adam needs eps around 0.1 to be stable")
 
     def build(self) -> OuterOpt:
