@@ -26,6 +26,21 @@ def resume_step(message: str, command: str | None, run_dir: object) -> str:
     return message.replace(RESUME_OR, RESUME_OR.replace("--resume RUN_DIR", command))
 
 
+def brief(error: BaseException, limit: int = 200) -> str:
+    """An exception's message on one line for a UserError's parentheses: torch's state_dict errors
+    span lines ("Error(s) in loading state_dict for GPT:" then a line per tensor), so the first
+    specific line is kept, with how many more there were."""
+    lines = [" ".join(line.split()) for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    if len(lines) > 1 and lines[0].endswith(":"):  # a heading, then the problems
+        head, rest = lines[1], lines[2:]
+    else:
+        head, rest = lines[0], lines[1:]
+    text = head.rstrip(".") + (f", and {len(rest)} more" if rest else "")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 class UserError(ValueError):
     """A problem with the user's input (config, data, run directory) and how to fix it.
 

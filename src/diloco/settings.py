@@ -369,6 +369,8 @@ def nest(path: str, value: Any) -> dict[str, Any]:
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"config file {path} is a folder; give --config the path of a TOML file.")
     if not path.is_file():
         raise UserError(f"config file {path} does not exist; check the path given to --config.")
     try:
@@ -378,10 +380,18 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 
 def load_json(path: str | Path) -> dict[str, Any]:
+    """A run directory's JSON object (config.json, summary.json); UserError if missing or corrupt."""
     path = Path(path)
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except FileNotFoundError:
         raise UserError(f"{path} does not exist; is this a diloco run directory?") from None
+    except IsADirectoryError:
+        raise UserError(f"{path} is a folder, not a JSON file; the run directory is corrupt.") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path} is not valid JSON ({e}); the run directory is corrupt.") from None
+    if not isinstance(value, dict):
+        raise UserError(
+            f"{path} holds a JSON {type(value).__name__}, not an object; the run directory is corrupt."
+        )
+    return value

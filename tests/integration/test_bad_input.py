@@ -1,6 +1,7 @@
 """Every user error: exit code 2, one sentence naming the problem and fix, nothing written."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -31,6 +32,9 @@ def _run_in_process(capsys, args):
         (["--batch-size", "8000", "--seq-len", "128", "--workers", "8"], "fewer than one batch needs"),
         (["--workers", "four"], "invalid int value: 'four'"),
         (["--resume", "nowhere"], "run directory nowhere does not exist"),
+        (["--seed", str(2**64)], "seed (--seed) must be an integer from 0 to 16777215"),
+        (["--threads", str(2**32)], "threads (--threads) must be at most 1024"),
+        (["--config", "."], "config file . is a folder; give --config the path of a TOML file"),
     ],
 )
 def test_bad_input_exits_2_with_one_sentence_and_writes_nothing(tmp_path, monkeypatch, capsys, flags, needle):
@@ -60,8 +64,6 @@ def test_resume_of_a_corrupt_or_checkpointless_run(tiny, tmp_path, capsys):
     code, err = _run_in_process(capsys, ["train", "--resume", str(run)])
     assert code == 2 and "is not valid JSON" in err
     (run / "config.json").write_text(json.dumps({"num_workers": 2}))
-    import shutil
-
     shutil.rmtree(run / "checkpoints")
     code, err = _run_in_process(capsys, ["train", "--resume", str(run)])
     assert code == 2 and "has no checkpoint" in err
@@ -101,6 +103,29 @@ def test_resume_with_an_edited_config_is_refused(tiny, tmp_path, capsys):
     (run / "config.json").write_text(json.dumps(config))
     code, err = _run_in_process(capsys, ["train", "--resume", str(run)])
     assert code == 2 and "does not match its config.json" in err
+    # torch's multi-line state_dict error, one line: the first tensor that differs
+    assert "size mismatch for" in err and err.count("\n") == 1
+
+
+@pytest.mark.timeout(30)
+def test_resume_with_a_metrics_file_cut_short_is_refused_before_writing(tiny, tmp_path, capsys):
+    """Cutting metrics.jsonl back to the checkpoint's offset would pad a shorter file with NUL
+    bytes: refused, and neither it nor config.json changes."""
+    from diloco.run.train import train
+
+    run = tmp_path / "run"
+    train(tiny(checkpoint_every=1, rounds=2, out=str(run)), stop_after=1, progress=False)
+    metrics = run / "metrics.jsonl"
+    cut = metrics.read_bytes()[:10]
+    metrics.write_bytes(cut)
+    config = (run / "config.json").read_bytes()
+    code, err = _run_in_process(capsys, ["train", "--resume", str(run)])
+    assert code == 2 and "holds 10 bytes, but held" in err and err.count("\n") == 1
+    assert metrics.read_bytes() == cut
+    assert (run / "config.json").read_bytes() == config
+    metrics.unlink()
+    code, err = _run_in_process(capsys, ["train", "--resume", str(run)])
+    assert code == 2 and "has no metrics.jsonl" in err  # checked earlier, with the run
 
 
 @pytest.mark.timeout(60)
@@ -300,6 +325,8 @@ def test_a_checkpoint_of_the_earlier_layout_is_refused_in_one_sentence(tiny, tmp
         (["worker", "--server", "localhost:1", "--tls-ca", "missing.pem"], "missing.pem is not a file"),
         (["train", "--round-timeout-s", "5"], "run it with diloco serve (docs/server.md), or drop it"),
         (["worker", "--server", "localhost:1", "--threads", "0"], "needs --threads >= 1"),
+        (["worker", "--server", "localhost"], "'localhost' is not HOST:PORT"),
+        (["worker", "--server", "127.0.0.1:99999"], "with a port from 1 to 65535"),
         pytest.param(
             ["worker", "--server", "localhost:1", "--device", "cuda:0"],
             "use --device cpu",
@@ -331,6 +358,7 @@ def _user_inputs(tmp_path):
     (tmp_path / "gpt2.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))  # 1,024 positions
     (tmp_path / "tiny.txt").write_text("A short text. " * 400)
     (tmp_path / "emptydir").mkdir()
+    (tmp_path / "badline.jsonl").write_text('{"text": "fine"}\n{"text": "a raw\tcontrol character"}\n')
 
 
 @pytest.mark.timeout(60)
@@ -354,8 +382,10 @@ def _user_inputs(tmp_path):
         (["--model-config", "small-vocab.json"], "vocab_size is 100 but the tokenizer (byte) has 256"),
         (["--model-config", "short.json", "--seq-len", "32"], "allows 16 positions but --seq-len is 32"),
         (["--model-config", "gpt2.json", "--seq-len", "2048"], "allows 1024 positions but --seq-len is 2048"),
-        (["--data", "tiny.txt", "--workers", "8"], "too small for 8 i.i.d. shards"),
+        (["--data", "tiny.txt", "--workers", "8"], "fewer than 8 i.i.d. shards need (one each); give more"),
         (["--data", "tiny.txt", "--shards", "kmeans", "--workers", "2"], "text makes 1 for 2 workers"),
+        (["--model-config", "latin1.txt"], "model config latin1.txt is not text"),
+        (["--data", "badline.jsonl"], "badline.jsonl:2 is not valid JSON (Invalid control character at col"),
         (["--data", "tiny.txt", "--shards", "genre"], "use --shards by-source"),
         (["--text-field", "body"], "add --data PATH"),
         (["--data", "tiny.txt", "--val-data", "tiny.txt", "--val-fraction", "0.1"], "give one of them"),
@@ -415,3 +445,30 @@ def test_eval_generate_and_export_refuse_bad_input(tmp_path, capsys, monkeypatch
     assert code == 2 and "not empty" in err and (tmp_path / "taken" / "keep").read_text() == "mine"
     code, err = _run_in_process(capsys, ["eval", "nowhere"])
     assert code == 2 and "nowhere does not exist" in err
+    shutil.copytree(tmp_path / "run", tmp_path / "wider")  # weights of another model size
+    config = json.loads((tmp_path / "wider" / "config.json").read_text())
+    config["model"]["d_model"] = 32
+    (tmp_path / "wider" / "config.json").write_text(json.dumps(config))
+    code, err = _run_in_process(capsys, ["export", "wider", "exported"])
+    assert code == 2 and "size mismatch for" in err and err.count("\n") == 1
+    assert not (tmp_path / "exported").exists()
+    (tmp_path / "wider" / "config.json").write_text("[]")
+    code, err = _run_in_process(capsys, ["eval", "wider"])
+    assert code == 2 and "config.json holds a JSON list, not an object" in err and err.count("\n") == 1
+
+
+@pytest.mark.timeout(60)
+def test_plot_leaves_out_a_line_cut_off_mid_write_and_refuses_a_corrupt_one(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *_smallest_run(tmp_path, rounds=2), "--out", "run"]) == 0
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole + '{"kind": "eval", "inner_st')  # a writer killed mid-line
+    assert main(["plot", "run", "--out", "cut.png"]) == 0 and (tmp_path / "cut.png").is_file()
+    lines = whole.splitlines(keepends=True)
+    metrics.write_text("".join([lines[0], "garbage{not json\n", *lines[1:]]))
+    capsys.readouterr()
+    assert main(["plot", "run", "--out", "bad.png"]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl:2 is not a metrics line" in err and err.count("\n") == 1
+    assert not (tmp_path / "bad.png").exists()

@@ -128,6 +128,27 @@ def make_certificates(directory: Path, san: str) -> Path:
     return directory
 
 
+@pytest.mark.timeout(60)
+def test_a_bad_certificate_or_a_key_of_another_is_named_before_the_port(tmp_path, capsys):
+    """gRPC refuses a bad pair only when binding, which read as a busy port: the pair is checked
+    first, with one sentence naming both files (exit 2, no run directory)."""
+    from diloco.cli.main import main
+
+    one, two = (
+        make_certificates(tmp_path / "one", "DNS:localhost"),
+        make_certificates(tmp_path / "two", "DNS:x"),
+    )
+    (tmp_path / "garbage.pem").write_text("not a pem\n")
+    garbage = str(tmp_path / "garbage.pem")
+    for cert, key in [(garbage, garbage), (str(one / "server.pem"), str(two / "server.key"))]:
+        out = tmp_path / "run"
+        args = ["serve", *RUN, "--insecure-no-token", "--port", "0", "--tls-cert", cert, "--tls-key", key]
+        assert main([*args, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate and its private key" in err
+        assert "cannot listen" not in err and err.count("\n") == 1 and not out.exists()
+
+
 @pytest.mark.timeout(120)
 def test_tls_workers_trust_the_servers_certificate_and_refuse_another(tmp_path):
     """The server's certificate is for the host name localhost (docs/server.md's recipe). A worker

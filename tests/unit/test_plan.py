@@ -174,6 +174,9 @@ def test_the_command_prints_json_and_sweeps(capsys):
         (["--step-s", "1", "--sweep", "speeds=1"], "cannot vary speeds"),
         (["--step-s", "1", "--rounds-simulated", "0"], "at least 1"),
         (["--step-s", "1", "--link-mbps", "-3"], "--link-mbps wants Mbit/s"),
+        (["--step-s", "1", "--method", "async", "--sweep", "dylu=ture,on"], "'ture' is not a value"),
+        (["--step-s", "1", "--sweep", "H=50", "--sweep", "H=100"], "varies H twice"),
+        (["--probe-link", "localhost"], "is not HOST:PORT"),
     ],
 )
 def test_bad_input_is_one_sentence_and_exit_2(capsys, extra, says):

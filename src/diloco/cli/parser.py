@@ -67,6 +67,14 @@ def _add_setting_flags(parser: argparse.ArgumentParser, helps: dict[str, str]) -
     return groups
 
 
+def _address(text: str) -> str:
+    """A server's HOST:PORT (argparse type): a host and a port from 1 to 65535."""
+    host, colon, port = text.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT with a port from 1 to 65535")
+    return text
+
+
 def _flags(paths: tuple[str, ...]) -> str:
     return ", ".join(settings.find(TrainConfig, p).flag for p in paths)
 
@@ -154,6 +162,7 @@ def _plan(sub: Any) -> None:
     )
     machines.add_argument(
         "--probe-link",
+        type=_address,
         metavar="HOST:PORT",
         help="measure the link to a running diloco serve (latency, Mbit/s down and up; the slower "
         "direction is every worker's link), with --token-file (or $DILOCO_TOKEN) and --tls-ca",
@@ -239,7 +248,9 @@ def _serve(sub: Any) -> None:
 
 def _worker(sub: Any) -> None:
     worker = sub.add_parser("worker", help="work for a parameter server until its run is done")
-    worker.add_argument("--server", required=True, metavar="HOST:PORT", help="the server's address")
+    worker.add_argument(
+        "--server", required=True, type=_address, metavar="HOST:PORT", help="the server's address"
+    )
     worker.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N) (default cpu)")
     worker.add_argument(
         "--threads",

@@ -100,6 +100,8 @@ def _sweep_axes(specs: list[str]) -> list[tuple[str, str, list[str]]]:
         items = [v.strip() for v in values.split(",") if v.strip()]
         if not items:
             raise UserError(f"--sweep {spec!r} gives no values; write KEY=V1,V2,...")
+        if any(p == path for p, _, _ in axes):
+            raise UserError(f"--sweep varies {key} twice; give all its values once: --sweep {key}=V1,V2,...")
         axes.append((path, key, items))
     return axes
 
@@ -111,10 +113,14 @@ def _parsed(path: str, text: str) -> Any:
         if s.meta.parse is not None:
             return s.meta.parse(text)
         if settings.is_switch(s.type):
-            return text.lower() in ("1", "true", "yes", "on")
+            word = text.lower()
+            if word not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ValueError(text)
+            return word in ("1", "true", "yes", "on")
         return s.type(text) if isinstance(s.type, type) else text
     except ValueError:
-        raise UserError(f"--sweep: {text!r} is not a value of {s.flag or path}.") from None
+        kind = " (on or off)" if settings.is_switch(s.type) else ""
+        raise UserError(f"--sweep: {text!r} is not a value of {s.flag or path}{kind}.") from None
 
 
 def plan_command(args: argparse.Namespace) -> int:

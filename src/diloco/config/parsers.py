@@ -94,6 +94,8 @@ def read_model_config(text_or_path: str, where: str | None = None) -> tuple[dict
             raise UserError(
                 f"{where} cannot be read ({e.strerror or e}): give the path of a transformers config.json."
             ) from None
+        except UnicodeDecodeError:
+            raise UserError(f"{where} is not text: give the path of a transformers config.json.") from None
     try:
         config = json.loads(text)
     except json.JSONDecodeError as e:

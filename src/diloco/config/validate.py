@@ -17,6 +17,7 @@ from diloco.config.sections import GPT_MAX_SEQ_LEN, ON_SERVER
 from diloco.core.codec import TOPK_BITS
 from diloco.core.membership import parse_workers_schedule
 from diloco.errors import UserError
+from diloco.run.threads import MAX_THREADS
 
 
 def _label(cfg: Any, path: str) -> str:
@@ -25,6 +26,9 @@ def _label(cfg: Any, path: str) -> str:
 
 
 # settings that simulate faults of sync DiLoCo: (setting, what it simulates)
+# a worker's batch n comes from a generator seeded by (seed · 1,000,003 + worker) · 1,000,003 + n
+# (data/recipe.py, data/batches.py), which torch takes up to 2^64 − 1
+MAX_SEED = 2**24 - 1
 SIMULATED_FAULTS = (("drop_prob", "lost outer_grads"), ("workers_schedule", "workers coming and going"))
 
 
@@ -38,6 +42,9 @@ def validate(cfg: Any) -> None:
         settings.at_least(cfg, key, minimum=1)
     for key in ("seed", "threads", "eval_every", "checkpoint_every", "inner.warmup_steps"):
         settings.at_least(cfg, key, minimum=0)
+    # batches are drawn from torch generators seeded by seed · 1,000,003² + ..., which must fit 64 bits
+    settings.check(cfg.seed <= MAX_SEED, "seed (--seed)", cfg.seed, f"an integer from 0 to {MAX_SEED}")
+    settings.check(cfg.threads <= MAX_THREADS, "threads (--threads)", cfg.threads, f"at most {MAX_THREADS}")
     if cfg.eval_every and cfg.method != "async" and cfg.eval_every % cfg.inner_steps:
         raise UserError(
             f"eval_every (--eval-every) must be a multiple of inner_steps ({cfg.inner_steps}), got "

@@ -21,7 +21,7 @@ class ShardSampler:
         if len(tokens) < need:
             raise UserError(
                 f"a shard has {len(tokens)} tokens, fewer than one batch needs ({need}); "
-                "use fewer --workers, a smaller --batch-size or a shorter --seq-len."
+                "give more text, or use fewer --workers, a smaller --batch-size or a shorter --seq-len."
             )
         self.tokens = tokens
         self.batch_size = batch_size

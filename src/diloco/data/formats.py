@@ -130,7 +130,7 @@ def _read_jsonl(path: Path, text_field: str, source_field: str) -> Iterator[Docu
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(
-                f"{path}:{lineno} is not valid JSON ({e.msg} at column {e.colno}); "
+                f"{path}:{lineno} is not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno}); "
                 f'write one JSON object with a "{text_field}" field per line.'
             ) from None
         doc = _row_document(obj, f"{path}:{lineno}", text_field, source_field, str(path))
@@ -151,7 +151,7 @@ def _read_json(path: Path, text_field: str, source_field: str) -> Iterator[Docum
         items = json.loads(text)
     except json.JSONDecodeError as e:
         raise UserError(
-            f"{path}:{e.lineno} is not valid JSON ({e.msg} at column {e.colno}); "
+            f"{path}:{e.lineno} is not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno}); "
             "fix it, or write JSON Lines (one object per line) instead."
         ) from None
     for i, obj in enumerate(items):

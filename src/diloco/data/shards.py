@@ -167,7 +167,10 @@ def plan_shards(
     if kind == "iid":
         n_blocks = len(units) // k * k
         if n_blocks == 0:
-            raise UserError(f"the corpus is too small for {k} i.i.d. shards; use fewer --workers.")
+            raise UserError(
+                f"the training text makes {len(units)} blocks of {IID_BLOCK_TOKENS:,} tokens, fewer than "
+                f"{k} i.i.d. shards need (one each); give more text{', or fewer --workers' if units else ''}."
+            )
         perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         groups = [perm[i::k] for i in range(k)]
     elif kind == "kmeans":

@@ -14,7 +14,7 @@ from functools import partial
 import torch
 
 from diloco.config import TrainConfig
-from diloco.errors import UserError
+from diloco.errors import UserError, brief
 from diloco.model.init import build_model
 from diloco.run.assemble import adamw
 from diloco.run.threads import set_threads
@@ -37,7 +37,7 @@ def probe_step_s(cfg: TrainConfig, steps: int = 5, warmup: int = 2) -> float:
         worker = make_worker(partial(build_model, cfg), partial(adamw, inner=cfg.inner), batches())
     except (RuntimeError, MemoryError) as e:
         raise UserError(
-            f"--probe cannot build the model on this machine ({str(e)[:120]}); give --step-s."
+            f"--probe cannot build the model on this machine ({brief(e)}); give --step-s."
         ) from None
     times = []
     for i in range(warmup + steps):

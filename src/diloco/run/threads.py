@@ -11,11 +11,19 @@ import sys
 
 import torch
 
+from diloco.errors import UserError
+
+MAX_THREADS = 1024  # torch takes a C int; more than this is a typo, not a machine
+
 
 def set_threads(threads: int) -> None:
     """Intra-op threads as configured; one inter-op thread (small models gain nothing more). More
     threads than this process's cores only slow it down: a warning says so."""
     cores = len(os.sched_getaffinity(0))
+    if not 0 <= threads <= MAX_THREADS:
+        raise UserError(
+            f"--threads must be from 0 to {MAX_THREADS}, got {threads}; use --threads {cores} or fewer."
+        )
     if threads > cores:
         print(
             f"diloco: warning: --threads {threads} is more than the {cores} cores this process may use, "

@@ -23,13 +23,13 @@ from diloco.config import TrainConfig
 from diloco.data.recipe import prepare_data, use_plan
 from diloco.data.shard_plan import SHARDS_FILE, ShardPlan
 from diloco.data.text import DATA_FILE, TOKENIZER_FILE
-from diloco.errors import Interrupted, RunFailed, UserError, resume_step
+from diloco.errors import Interrupted, RunFailed, UserError, brief, resume_step
 from diloco.model.init import check_model_config, fit_model, load_init
 from diloco.run.assemble import build_trainer, small_shards
 from diloco.run.loop import Run, run_async, run_sync, save_checkpoint
 from diloco.run.threads import set_threads
 from diloco.rundir import checkpoint
-from diloco.rundir.metrics import MetricsWriter, NullWriter
+from diloco.rundir.metrics import MetricsWriter, NullWriter, check_metrics_offset
 from diloco.rundir.summary import summarize
 from diloco.runtime import is_main_process
 
@@ -122,7 +122,7 @@ def _restore(trainer, state: dict[str, Any] | None, run_dir: Path) -> None:
         raise
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
         raise UserError(
-            f"the checkpoint in {run_dir} does not match its config.json ({str(e)[:160]}); "
+            f"the checkpoint in {run_dir} does not match its config.json ({brief(e)}); "
             "restore the run's original config.json."
         ) from None
 
@@ -147,6 +147,7 @@ def _train(cfg, trainer, data, *, state, resuming, stop_after, progress, run_dir
                 f"{left}."
             )
         if main:
+            check_metrics_offset(run_dir, state["metrics_offset"])
             cfg = rundir.write_config(cfg, run_dir)
         writer = (
             MetricsWriter(run_dir, truncate_to=state["metrics_offset"], purge_step=state["step"] + 1)

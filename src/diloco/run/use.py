@@ -25,7 +25,7 @@ from diloco.data.batches import eval_windows
 from diloco.data.recipe import check_data, data_record, validation
 from diloco.data.text import TOKENIZER_FILE, bundled_text, eval_corpus, load_tokenizer, user_text
 from diloco.data.tokenizer import Tokenizer
-from diloco.errors import UserError
+from diloco.errors import UserError, brief
 from diloco.model.evaluate import evaluate
 from diloco.model.init import build_model, with_tied
 from diloco.rundir import load_run_config, resume_command
@@ -68,7 +68,7 @@ def open_run(run_dir: Path) -> Finished:
         model.load_state_dict(with_tied(model, load_file(str(path))))
     except (SafetensorError, OSError, RuntimeError) as e:
         raise UserError(
-            f"{path} does not load into the model of {run_dir / 'config.json'} ({str(e)[:120]}); "
+            f"{path} does not load into the model of {run_dir / 'config.json'} ({brief(e)}); "
             "restore the run's own files."
         ) from None
     model.eval()

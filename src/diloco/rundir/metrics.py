@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from diloco.errors import UserError
 from diloco.rundir.background import Background
 
 
@@ -149,9 +150,44 @@ def interrupts_deferred() -> Iterator[None]:
 
 
 def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
-    """All lines of a run's metrics.jsonl (non-finite numbers read back as None)."""
-    with open(Path(run_dir) / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """All lines of a run's metrics.jsonl (non-finite numbers read back as None). A last line
+    without its newline (a writer killed mid-line) is left out; any other line that is not a JSON
+    object is a UserError."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UserError(f"{path} does not exist; is this a diloco run directory?") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not text; the run directory is corrupt.") from None
+    lines = text.split("\n")
+    if lines and lines[-1].strip():  # cut off: the writer died before the newline
+        lines = lines[:-1]
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, dict) or "kind" not in value:
+            raise UserError(f"{path}:{n} is not a metrics line (a JSON object with a kind); it is corrupt.")
+        out.append(value)
+    return out
+
+
+def check_metrics_offset(run_dir: Path, offset: int) -> None:
+    """Before a resume writes anything: metrics.jsonl must hold at least what it held when the
+    checkpoint was saved (`truncate_to` cuts it back to that; a shorter file would be padded)."""
+    path = run_dir / "metrics.jsonl"
+    size = path.stat().st_size if path.is_file() else None
+    if size is None or size < offset:
+        had = "is missing" if size is None else f"holds {size} bytes"
+        raise UserError(
+            f"{path} {had}, but held {offset} when the checkpoint was saved: restore the run's "
+            "metrics.jsonl, or start a new run (--resume cannot rebuild the lines it lost)."
+        )
 
 
 class NullWriter:

@@ -120,7 +120,17 @@ def _read(path: Path, what: str) -> bytes:
 
 
 def server_credentials(cert: Path, key: Path) -> grpc.ServerCredentials:
-    return grpc.ssl_server_credentials([(_read(key, "--tls-key"), _read(cert, "--tls-cert"))])
+    """gRPC's credentials from a PEM certificate and its key, checked first with Python's ssl
+    (gRPC refuses a bad pair only when the port is bound, saying nothing of why)."""
+    key_pem, cert_pem = _read(key, "--tls-key"), _read(cert, "--tls-cert")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except ssl.SSLError as e:
+        raise UserError(
+            f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate and its private key "
+            f"({e.reason or e}); give the pair made for this server (docs/server.md)."
+        ) from None
+    return grpc.ssl_server_credentials([(key_pem, cert_pem)])
 
 
 def channel_credentials(ca: Path) -> grpc.ChannelCredentials:
