@@ -25,10 +25,10 @@ def _label(cfg: Any, path: str) -> str:
     return settings.label(type(cfg), path)
 
 
-# settings that simulate faults of sync DiLoCo: (setting, what it simulates)
 # a worker's batch n comes from a generator seeded by (seed · 1,000,003 + worker) · 1,000,003 + n
 # (data/recipe.py, data/batches.py), which torch takes up to 2^64 − 1
 MAX_SEED = 2**24 - 1
+# settings that simulate faults of sync DiLoCo: (setting, what it simulates)
 SIMULATED_FAULTS = (("drop_prob", "lost outer_grads"), ("workers_schedule", "workers coming and going"))
 
 
@@ -42,7 +42,6 @@ def validate(cfg: Any) -> None:
         settings.at_least(cfg, key, minimum=1)
     for key in ("seed", "threads", "eval_every", "checkpoint_every", "inner.warmup_steps"):
         settings.at_least(cfg, key, minimum=0)
-    # batches are drawn from torch generators seeded by seed · 1,000,003² + ..., which must fit 64 bits
     settings.check(cfg.seed <= MAX_SEED, "seed (--seed)", cfg.seed, f"an integer from 0 to {MAX_SEED}")
     settings.check(cfg.threads <= MAX_THREADS, "threads (--threads)", cfg.threads, f"at most {MAX_THREADS}")
     if cfg.eval_every and cfg.method != "async" and cfg.eval_every % cfg.inner_steps:
