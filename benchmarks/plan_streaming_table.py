@@ -1,5 +1,5 @@
 """The Streaming DiLoCo paper's table of the bandwidth each method needs for 95% compute
-utilisation (Douillard et al. 2025, Table 4; shared/ALGORITHMS.md §3), recomputed by `diloco
+utilisation (Douillard et al. 2025, Streaming DiLoCo, Table 4), recomputed by `diloco
 plan` with the paper's inputs (issue 34; docs/planning.md says where and why it differs).
 
 The paper's inputs: a 1B model of 24 blocks at 0.1 s per inner step and a 10B model of 48

@@ -34,6 +34,8 @@ ON_DYLU_METHODS = ("method", "in", ("async", "diloco"))  # DyLU: async jobs, or 
 # The groups of `diloco train --help`, in order, by the name a top-level setting gives with `group=`
 # (each must give one: tests/unit/test_cli_flags.py). A section's settings are in the section's
 # group ("" here: titled by the section's docstring) unless they name another.
+MAX_THREADS = 1024  # --threads: torch takes a C int; more than this is a typo, not a machine
+
 FLAG_GROUPS = {
     "run": "the run (method, workers, rounds, seed, runtime)",
     "model": "",

@@ -13,11 +13,10 @@ from typing import Any
 
 from diloco import settings
 from diloco.config.parsers import parse_slowdown, parse_spec
-from diloco.config.sections import GPT_MAX_SEQ_LEN, ON_SERVER
+from diloco.config.sections import GPT_MAX_SEQ_LEN, MAX_THREADS, ON_SERVER
 from diloco.core.codec import TOPK_BITS
 from diloco.core.membership import parse_workers_schedule
 from diloco.errors import UserError
-from diloco.run.threads import MAX_THREADS
 
 
 def _label(cfg: Any, path: str) -> str:

@@ -11,9 +11,8 @@ import sys
 
 import torch
 
+from diloco.config.sections import MAX_THREADS
 from diloco.errors import UserError
-
-MAX_THREADS = 1024  # torch takes a C int; more than this is a typo, not a machine
 
 
 def set_threads(threads: int) -> None:

@@ -87,7 +87,7 @@ class Versions:
     def own_theta(self, job: Job, theta: str) -> bool:
         """Whether job's θ is the one a worker built from the run's settings (`theta`: its digest,
         WorkerRef.theta), so the job goes without it: the run's first version only (every worker
-        builds that one from the seed, or the same --init file); its digest is made once."""
+        builds that one from the seed, or the same --init-from file); its digest is made once."""
         pulled = job.pulled
         if not theta or job.version != 0 or job.keep or (self._theta0 is None and pulled is None):
             return False
