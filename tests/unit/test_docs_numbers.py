@@ -103,7 +103,7 @@ def _matches(written: str, files: tuple[str, ...]) -> bool:
 @pytest.mark.parametrize("doc,written,files", list(_numbers()))
 def test_a_measured_number_is_in_a_json_its_doc_cites(doc, written, files):
     if (doc, written) in EXEMPT:
-        return
+        pytest.skip(EXEMPT[(doc, written)])
     assert files, f"{doc} cites no JSON file"
     assert _matches(written, files), f"{written} is in none of {', '.join(files)}"
 

@@ -88,7 +88,8 @@ def test_outer_grads_are_weighted_by_the_steps_taken(dropped):
 def test_equal_steps_keep_the_configured_weights_and_a_deadline_reports_what_it_took():
     side = _side(2)
     side.begin_round(steps=[10, 10])
-    assert [side.report(w, 8) for w in range(2)] and side.round_weights() == [0.5, 0.5]
+    counted = [side.report(w, 8) for w in range(2)]
+    assert counted == [True, True] and side.round_weights() == [0.5, 0.5]
     side = _side(2)
     side.begin_round(steps=[10, 4])  # planned; the deadline job of worker 1 fit 6
     side.report(0, 8)

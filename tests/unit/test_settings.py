@@ -152,10 +152,13 @@ def test_a_changed_setting_whose_condition_fails_is_an_error(cfg, message):
 
 
 def test_conditions_that_hold_or_settings_at_their_defaults_pass():
-    settings.check_needs(Root())  # defaults apply anywhere
-    settings.check_needs(
-        Root(mode="fast", steps=2, keep=5, level=1, depth=3, ratio=0.5, global_=Rule(kind="b"))
-    )
+    settings.check_needs(Root())  # defaults apply anywhere: no error
+    held = dict(mode="fast", steps=2, keep=5, level=1, depth=3, ratio=0.5, global_=Rule(kind="b"))
+    settings.check_needs(Root(**held))  # every condition holds: no error
+    # and each condition is really checked: one setting off and the same run is refused
+    for off in (dict(steps=1), dict(mode="slow")):
+        with pytest.raises(UserError, match="applies only with"):
+            settings.check_needs(Root(**{**held, **off}))
 
 
 def test_a_need_no_flag_meets_names_its_command():
