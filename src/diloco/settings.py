@@ -297,14 +297,16 @@ def check_needs(cfg: Any, commands: dict[tuple[str, Any], str] | None = None) ->
             )
 
 
+def default_text(s: Setting) -> str:
+    """A setting's default as help and docs/config.md show it."""
+    if s.meta.default_help is not None:
+        return s.meta.default_help
+    return ("on" if s.default else "off") if s.type is bool else str(s.default)
+
+
 def help_text(s: Setting) -> str:
     """A flag's help: its meaning, then its choices and its default (from the field's default)."""
-    if s.meta.default_help is not None:
-        shown = s.meta.default_help
-    elif s.type is bool:
-        shown = "on" if s.default else "off"
-    else:
-        shown = str(s.default)
+    shown = default_text(s)
     choices = " | ".join(s.meta.choices) + "; " if s.meta.choices else ""
     return f"{s.meta.help} ({choices}default: {shown})".replace("%", "%%")
 

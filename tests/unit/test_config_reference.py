@@ -33,7 +33,4 @@ def test_every_listed_key_loads_from_a_config_file_under_its_table():
     for s in settings.walk(TrainConfig):  # a file setting each key to its default loads, unchanged
         section, _, key = s.path.rpartition(".")
         layout = {section: {key: s.default}} if section else {key: s.default}
-        if section.count("."):  # a nested table: {"a": {"b": {key: value}}}
-            outer, inner = section.split(".", 1)
-            layout = {outer: {inner: {key: s.default}}}
         assert settings.get(from_dict(layout), s.path) == s.default, s.path

@@ -35,16 +35,15 @@ def _cell(text: str) -> str:
 
 
 def _default(s: settings.Setting) -> str:
-    if s.meta.default_help is not None:
-        return s.meta.default_help
-    if s.type is bool:
-        return "on" if s.default else "off"
+    """help's default text; a value that is one (not prose, not on/off) as TOML writes it."""
+    if s.meta.default_help is not None or s.type is bool:
+        return settings.default_text(s)
     value = s.default
     if isinstance(value, str):
         return f'`"{value}"`'
     if isinstance(value, tuple | list):
         return "`[" + ", ".join(map(repr, value)) + "]`"
-    return f"`{value}`"
+    return f"`{settings.default_text(s)}`"
 
 
 def markdown() -> str:
@@ -56,10 +55,8 @@ def markdown() -> str:
     parts = [HEAD]
     for table, rows in tables.items():
         title = f"`[{table}]`" if table else "Top level"
-        doc = ""
-        if table:
-            section = settings.sections(TrainConfig)[table.split(".")[0]]
-            doc = (section.__doc__ or "").split("\n")[0].rstrip(".")
+        section = settings.sections(TrainConfig).get(table)
+        doc = (section.__doc__ or "").split("\n")[0].rstrip(".") if section else ""
         parts.append(f"\n## {title}" + (f": {doc}" if doc else "") + "\n")
         parts.append("| key | flag | default | meaning |\n| --- | --- | --- | --- |")
         for s in rows:

@@ -181,12 +181,11 @@ def check_metrics_offset(run_dir: Path, offset: int) -> None:
     """Before a resume writes anything: metrics.jsonl must hold at least what it held when the
     checkpoint was saved (`truncate_to` cuts it back to that; a shorter file would be padded)."""
     path = run_dir / "metrics.jsonl"
-    size = path.stat().st_size if path.is_file() else None
-    if size is None or size < offset:
-        had = "is missing" if size is None else f"holds {size} bytes"
+    size = path.stat().st_size if path.is_file() else 0
+    if size < offset:
         raise UserError(
-            f"{path} {had}, but held {offset} when the checkpoint was saved: restore the run's "
-            "metrics.jsonl, or start a new run (--resume cannot rebuild the lines it lost)."
+            f"{path} holds {size} bytes, but held {offset} when the checkpoint was saved: restore the "
+            "run's metrics.jsonl, or start a new run (--resume cannot rebuild the lines it lost)."
         )
 
 
