@@ -8,6 +8,12 @@ Library use, around your own model and data (see README.md for a runnable exampl
     for _ in range(rounds):
         trainer.round()          # trainer.model holds the global parameters
 
+Across processes, in your own loop (torchrun; README.md has a whole script):
+
+    outer = DistributedDiLoCo(model, inner_steps=50, outer_opt=Nesterov(lr=0.7, momentum=0.9))
+    ...                          # after each inner optimizer step:
+    outer.step()                 # every 50th call: the outer step across the processes
+
 Compressed outer_grads and Streaming DiLoCo (docs/communication.md): pass
 `codec=build_codec("fp4", error_feedback=True)` and `fragments=4, overlap_steps=5` to DiLoCo.
 """
@@ -25,6 +31,7 @@ from diloco.runtime import RoundStats
 from diloco.runtime.async_sim import AsyncDiLoCo
 from diloco.runtime.clock import Clock
 from diloco.runtime.data_parallel import DataParallel
+from diloco.runtime.distributed import DistributedDiLoCo
 from diloco.runtime.pool import InlinePool
 from diloco.runtime.sim import DiLoCo, make_worker
 
@@ -46,6 +53,7 @@ __all__ = [
     "DataConfig",
     "DataParallel",
     "DiLoCo",
+    "DistributedDiLoCo",
     "Fp32Codec",
     "InnerConfig",
     "InnerResult",

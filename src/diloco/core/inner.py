@@ -35,6 +35,25 @@ def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
     return model(inputs_BT, targets_BT)
 
 
+@torch.no_grad()
+def outer_grad_from(start: list[torch.Tensor], params: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+    """outer_grad = start − params, on the start's device (the CPU for a GPU worker of the
+    collective runtime), and whether every value of it is finite."""
+    outer_grad = [s - p.to(s.device) for s, p in zip(start, params, strict=True)]
+    return outer_grad, all(bool(torch.isfinite(g).all()) for g in outer_grad)
+
+
+def encode_outer_grad(
+    codec: Codec, outer_grad: list[torch.Tensor], finite: bool, state: dict[str, Any]
+) -> Encoded:
+    """The outer_grad's message through `codec` (its per-worker `state`: error feedback). A
+    non-finite one is reported, never applied: a message of the right size, and the codec's
+    state untouched."""
+    if finite:
+        return codec.encode(outer_grad, state)
+    return codec.encode([torch.zeros_like(g) for g in outer_grad], None)
+
+
 @dataclass
 class InnerResult:
     """What a worker reports after its local steps."""
@@ -174,21 +193,15 @@ class Worker:
             loss, lr = self.train_step(None if lr_step is None else lr_step + at)
             total_loss, taken = total_loss + loss, j + 1
         steps = taken
-        with torch.no_grad():
-            # On the start's device: the CPU for a GPU worker of the collective runtime.
-            outer_grad = [s - p.to(s.device) for s, p in zip(start, self.params, strict=True)]
-            finite = math.isfinite(total_loss) and all(bool(torch.isfinite(g).all()) for g in outer_grad)
+        outer_grad, grad_finite = outer_grad_from(start, self.params)
+        finite = math.isfinite(total_loss) and grad_finite
         if not finite:
             self.optimizer.state.clear()  # fresh moments: the next job starts clean
         message = self._encode(outer_grad, finite, self.codec_state)
         return InnerResult(outer_grad, steps, total_loss / steps, lr, finite, message)
 
     def _encode(self, outer_grad: list[torch.Tensor], finite: bool, state: dict[str, Any]) -> Encoded:
-        """The outer_grad's message. A non-finite one is reported, never applied: a message of
-        the right size, and the codec's state (error feedback) untouched."""
-        if finite:
-            return self.codec.encode(outer_grad, state)
-        return self.codec.encode([torch.zeros_like(g) for g in outer_grad], None)
+        return encode_outer_grad(self.codec, outer_grad, finite, state)
 
     @torch.no_grad()
     def segment(

@@ -51,6 +51,19 @@ def param_hash(params: list[torch.Tensor]) -> int:
     return int(total)
 
 
+def sum_in_buckets(
+    tensors: list[torch.Tensor], bucket_mb: float, reduce: Callable[[torch.Tensor], None]
+) -> list[torch.Tensor]:
+    """`tensors` summed across ranks: flattened on the CPU and handed to `reduce`, which sums
+    its argument in place, in buckets of at most `bucket_mb` megabytes (so a large model never
+    needs a second model-sized buffer per collective)."""
+    flat = torch.cat([t.detach().reshape(-1).cpu() for t in tensors])
+    per_bucket = max(1, int(bucket_mb * 1e6) // flat.element_size())
+    for lo in range(0, flat.numel(), per_bucket):
+        reduce(flat[lo : lo + per_bucket])
+    return unflatten(flat, tensors)
+
+
 def _device() -> torch.device:
     """This rank's device: its GPU (by LOCAL_RANK) if it has one, else the CPU. Ranks of one job
     may differ; the outer sync always runs on CPU tensors over gloo."""
@@ -161,17 +174,16 @@ class CollectiveDiLoCo(StreamingRounds):
     def _allreduce_buckets(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Sum `tensors` over the leaders in flat buckets of at most bucket_mb, then broadcast
         the sums inside each worker group. Returns the summed tensors (CPU)."""
-        flat = torch.cat([t.detach().reshape(-1).cpu() for t in tensors])
-        per_bucket = max(1, int(self.cfg.bucket_mb * 1e6) // flat.element_size())
-        for lo in range(0, flat.numel(), per_bucket):
-            bucket = flat[lo : lo + per_bucket]
+
+        def reduce(bucket: torch.Tensor) -> None:
             nbytes = bucket.numel() * bucket.element_size()
             if self.local == 0:
                 dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=self.leaders)
                 self.rank_bytes[0] += nbytes
                 self.rank_bytes[1] += nbytes
             self._share_in_worker(bucket, nbytes)
-        return unflatten(flat, tensors)
+
+        return sum_in_buckets(tensors, self.cfg.bucket_mb, reduce)
 
     def _share_in_worker(self, tensor: torch.Tensor, nbytes: int) -> None:
         if self.M > 1:
