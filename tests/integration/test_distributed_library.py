@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from diloco import DiLoCo, DistributedDiLoCo
+from diloco.errors import NonFinite
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two ranks on two cores: one thread each
@@ -58,6 +59,7 @@ def loss_fn(model, batch):
 SCRIPT = (
     SETUP
     + """
+import copy
 import sys
 import torch.distributed as dist
 from diloco import DistributedDiLoCo
@@ -65,23 +67,38 @@ from diloco import DistributedDiLoCo
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-torch.manual_seed(rank)  # different seeds: DistributedDiLoCo starts every rank from rank 0's model
-model = make_model()
-opt = inner_opt(model.parameters())
-codec, outer_opt = CODECS[sys.argv[1]]
-outer = DistributedDiLoCo(model, inner_steps=H, outer_opt=outer_opt(), codec=codec())
-data = batches(rank)
-for step in range(H * ROUNDS):
-    loss = loss_fn(model, next(data))
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    synced = outer.step()
-    assert synced == ((step + 1) % H == 0)
-assert all(p.equal(g) for p, g in zip(model.parameters(), outer.global_params))
+saved = {}
+# fp32 in buckets of 50 values (the model has 129: three all-reduces), SparseLoCo over a group
+settings = {"fp32": {"bucket_mb": 0.0002}, "sparseloco": {"group": dist.new_group(backend="gloo")}}
+for name, (codec, outer_opt) in CODECS.items():  # one job, each codec a run of its own
+    torch.manual_seed(rank)  # different seeds: DistributedDiLoCo starts every rank from rank 0's model
+    model = make_model()
+    opt = inner_opt(model.parameters())
+    outer = DistributedDiLoCo(model, inner_steps=H, outer_opt=outer_opt(), codec=codec(), **settings[name])
+    data = batches(rank)
+    for step in range(H * ROUNDS):
+        loss = loss_fn(model, next(data))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        synced = outer.step()
+        assert synced == ((step + 1) % H == 0)
+        if step == 2 * H - 1:
+            earlier = copy.deepcopy(outer.state_dict())  # after round 2 (its tensors change in place)
+    assert all(p.equal(g) for p, g in zip(model.parameters(), outer.global_params))
+    saved[name] = {"params": outer.global_params, "version": outer.version, "bytes": outer.bytes_sent}
+if rank == 1:
+    outer.step()  # one inner step more than rank 0
+try:
+    outer.sync()
+except RuntimeError as e:
+    saved["unequal"] = str(e)
+try:  # rank 1 loads its checkpoint of round 2, rank 0 its state now
+    outer.load_state_dict(earlier if rank == 1 else outer.state_dict())
+except ValueError as e:
+    saved["mismatch"] = str(e)
 if rank == 0:
-    saved = {"params": outer.global_params, "version": outer.version, "bytes": outer.bytes_sent}
-    torch.save(saved, sys.argv[2])
+    torch.save(saved, sys.argv[1])
 dist.destroy_process_group()
 """
 )
@@ -96,13 +113,19 @@ def _torchrun(tmp_path, script: str, *args: str, nproc: int = 2) -> subprocess.C
     )
 
 
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> dict:
+    """Every codec's run by two processes under torchrun: one launch for the module."""
+    tmp_path = tmp_path_factory.mktemp("torchrun")
+    proc = _torchrun(tmp_path, SCRIPT, str(tmp_path / "global.pt"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(tmp_path / "global.pt")
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("codec", ["fp32", "sparseloco"])
-def test_two_processes_equal_the_simulator_bit_for_bit(tmp_path, codec):
-    out = tmp_path / "global.pt"
-    proc = _torchrun(tmp_path, SCRIPT, codec, str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    real = torch.load(out)
+def test_two_processes_equal_the_simulator_bit_for_bit(two_processes, codec):
+    real = two_processes[codec]
     scope: dict = {}
     exec(SETUP, scope)
     make_codec, make_outer = scope["CODECS"][codec]
@@ -127,6 +150,14 @@ def test_two_processes_equal_the_simulator_bit_for_bit(tmp_path, codec):
     assert all(r.equal(s) for r, s in zip(real["params"], sim.side.params, strict=True))
 
 
+def test_processes_that_reach_the_sync_after_unequal_steps_are_told_so(two_processes):
+    assert "different numbers of inner steps (0, 1 by rank)" in two_processes["unequal"]
+
+
+def test_processes_that_load_checkpoints_of_different_rounds_are_told_so(two_processes):
+    assert "loaded checkpoints of different rounds or θ_global" in two_processes["mismatch"]
+
+
 def _readme_example() -> str:
     section = README.read_text().split("### Across processes, in your own loop", 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
@@ -148,14 +179,27 @@ def test_outside_a_torch_distributed_job_it_says_what_to_call():
         DistributedDiLoCo(torch.nn.Linear(2, 1), inner_steps=5)
 
 
-@pytest.mark.timeout(60)
-def test_a_run_checkpointed_mid_round_and_resumed_equals_one_that_never_stopped(tmp_path):
-    """One process (a real gloo group of one): state_dict() with the user's model and optimizer,
-    mid-round and with SparseLoCo's error feedback, resumes to the same bits."""
+@pytest.fixture
+def one_process(tmp_path):
+    """A real gloo group of one process (this one)."""
     import torch.distributed as dist
 
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield dist
+    dist.destroy_process_group()
+
+
+def _setup() -> dict:
     scope: dict = {}
     exec(SETUP, scope)
+    return scope
+
+
+@pytest.mark.timeout(60)
+def test_a_run_checkpointed_mid_round_and_resumed_equals_one_that_never_stopped(tmp_path, one_process):
+    """state_dict() with the user's model and optimizer, mid-round and with SparseLoCo's error
+    feedback, resumes to the same bits (one process: a gloo group of one)."""
+    scope = _setup()
     make_codec, make_outer = scope["CODECS"]["sparseloco"]
     H, steps = scope["H"], 4 * scope["H"]
 
@@ -181,15 +225,60 @@ def test_a_run_checkpointed_mid_round_and_resumed_equals_one_that_never_stopped(
         torch.save(state, tmp_path / "ckpt.pt")  # as a user would: to disk and back
         return torch.load(tmp_path / "ckpt.pt", weights_only=False), outer
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        _, whole = train(0, steps)
-        mid = H + 2  # inside the second round: the round's first steps are in the checkpoint
-        saved, _ = train(0, mid)
-        _, resumed = train(mid, steps, saved)
-        resumed.sync()  # right after a round's sync: nothing to send, θ_global stays where it is
-    finally:
-        dist.destroy_process_group()
+    _, whole = train(0, steps)
+    mid = H + 2  # inside the second round: the round's first steps are in the checkpoint
+    saved, _ = train(0, mid)
+    _, resumed = train(mid, steps, saved)
+    resumed.sync()  # right after a round's sync: nothing to send, θ_global stays where it is
     assert resumed.version == whole.version == 4
     assert resumed.bytes_sent == whole.bytes_sent
     assert all(a.equal(b) for a, b in zip(resumed.global_params, whole.global_params, strict=True))
+
+
+@pytest.mark.timeout(60)
+def test_a_partial_round_syncs_and_a_nonfinite_outer_grad_stops_or_is_dropped(one_process):
+    scope = _setup()
+    model = scope["make_model"]()
+    outer = DistributedDiLoCo(model, inner_steps=5, outer_opt=scope["SGD"](lr=1.0))
+    outer.step()
+    outer.step()
+    with torch.no_grad():
+        model[0].bias.add_(1.0)  # what two of the round's five steps did
+    local = [p.detach().clone() for p in model.parameters()]
+    outer.sync()  # at once: SGD at lr 1 with one worker makes θ_global the worker's parameters
+    assert outer.version == 1 and outer.side.inner_step == 2
+    assert all(torch.allclose(g, w, rtol=0, atol=1e-6) for g, w in zip(outer.global_params, local))
+
+    before = [g.clone() for g in outer.global_params]
+    with torch.no_grad():
+        model[0].bias[0] = float("nan")
+    outer.step()
+    with pytest.raises(NonFinite, match="worker 0's outer_grad holds a NaN.*on_nonfinite='drop'"):
+        outer.sync()
+    assert all(a.equal(b) for a, b in zip(outer.global_params, before))
+
+    model = scope["make_model"]()
+    dropping = DistributedDiLoCo(model, inner_steps=1, on_nonfinite="drop")
+    with torch.no_grad():
+        model[0].bias[0] = float("nan")
+    assert dropping.step() and dropping.dropped and dropping.version == 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # θ_global back in the model
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        ({"inner_steps": 0}, "inner_steps must be at least 1"),
+        ({"outer_opt": torch.optim.SGD}, "outer_opt must be an OuterOpt"),
+        ({"bucket_mb": 0}, "bucket_mb must be positive"),
+        ({"on_nonfinite": "skip"}, "on_nonfinite must be one of"),
+        ({"ddp": True}, "not wrapped in DistributedDataParallel"),
+    ],
+)
+def test_wrong_arguments_are_named(one_process, wrong, says):
+    model = torch.nn.Linear(2, 1)
+    if wrong.pop("ddp", False):
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    with pytest.raises(ValueError, match=says):
+        DistributedDiLoCo(model, **{"inner_steps": 5, **wrong})

@@ -15,6 +15,7 @@ processes; tested in tests/integration/test_distributed_library.py).
 from __future__ import annotations
 
 import copy
+import hashlib
 from typing import Any
 
 import torch
@@ -24,24 +25,26 @@ import torch.nn as nn
 from diloco.core.codec import Codec, Encoded, Fp32Codec
 from diloco.core.inner import encode_outer_grad, outer_grad_from
 from diloco.core.outer import Nesterov, OuterOpt
-from diloco.core.outer_side import OuterSide
+from diloco.core.outer_side import ON_NONFINITE, OuterSide
+from diloco.errors import NonFinite
 from diloco.runtime.collective import sum_in_buckets
 
 
 class DistributedDiLoCo:
     """The outer side of sync DiLoCo for one process of a torch.distributed job.
 
-    `model` is this worker's model (on any device); its trainable parameters are synchronised
-    (buffers, such as BatchNorm statistics, stay local). At construction every process takes
-    rank 0's parameters, so the workers start equal whatever their seeds. θ_global is kept on
-    the CPU (one copy of the parameters, plus the outer optimizer's state). `group` is the
-    process group the workers talk over (default: the whole job); it must be able to move CPU
-    tensors (gloo: for a job on NCCL, pass `torch.distributed.new_group(backend="gloo")`).
-    `codec` encodes each outer_grad (default fp32; e.g. `build_codec("fp4",
-    error_feedback=True)`: the error feedback is this process's own). `on_nonfinite` "stop"
-    raises `NonFinite` on every process when any worker's outer_grad holds a NaN or Inf; "drop"
-    leaves it out of the average (that worker restarts from θ_global; clear its inner
-    optimizer's state, whose moments may hold NaN, as diloco's own workers do).
+    `model` is this worker's model (on any device; the module itself, not wrapped in
+    DistributedDataParallel: one process is one worker). Its trainable parameters are
+    synchronised; its buffers (BatchNorm statistics, say) stay local. At construction every
+    process takes rank 0's parameters and buffers, so the workers start equal whatever their
+    seeds. θ_global is kept on the CPU (one copy of the parameters, plus the outer optimizer's
+    state). `group` is the process group the workers talk over (default: the whole job); it
+    must move CPU tensors (gloo: for a job on NCCL, pass `torch.distributed.new_group(
+    backend="gloo")`, created on every process). `codec` encodes each outer_grad (default fp32;
+    e.g. `build_codec("fp4", error_feedback=True)`: the error feedback is this process's own).
+    `on_nonfinite` "stop" raises `NonFinite` on every process when any worker's outer_grad holds
+    a NaN or Inf; "drop" leaves it out of the average and that worker restarts from θ_global
+    (`dropped` says so: clear its inner optimizer's state, whose moments may hold NaN).
     """
 
     def __init__(
@@ -60,19 +63,24 @@ class DistributedDiLoCo:
                 "DistributedDiLoCo needs a torch.distributed job: call "
                 "torch.distributed.init_process_group() first (torchrun sets its environment)"
             )
-        if inner_steps < 1:
-            raise ValueError(f"inner_steps must be at least 1, got {inner_steps}")
+        _check_arguments(model, inner_steps, outer_opt, bucket_mb, on_nonfinite)
+        if dist.get_backend(group) == "nccl":
+            raise ValueError(
+                "DistributedDiLoCo moves CPU tensors, which an NCCL group cannot: pass "
+                "group=torch.distributed.new_group(backend='gloo') (on every process), or start the "
+                "job with init_process_group('cpu:gloo,cuda:nccl')"
+            )
         self.model, self.inner_steps, self.group, self.bucket_mb = model, inner_steps, group, bucket_mb
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self._root = dist.get_global_rank(group, 0) if group is not None else 0
         self.params = [p for p in model.parameters() if p.requires_grad]
-        with torch.no_grad():  # rank 0's parameters everywhere
-            for p in self.params:
-                value = p.detach().cpu().contiguous()
-                dist.broadcast(value, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-                p.copy_(value)
-        global_model = copy.deepcopy(model).cpu()
+        with torch.no_grad():  # rank 0's parameters and buffers everywhere
+            for t in model.state_dict().values():
+                value = t.detach().cpu().contiguous()
+                dist.broadcast(value, src=self._root, group=group)
+                t.copy_(value)
         self.side = OuterSide(
-            global_model,
+            _cpu_copy(model),
             self.world,
             update=outer_opt if outer_opt is not None else Nesterov(),
             codec=codec or Fp32Codec(),
@@ -80,6 +88,7 @@ class DistributedDiLoCo:
         )
         self.codec_state: dict[str, Any] = {}  # this worker's codec state (error feedback)
         self.steps_in_round = 0
+        self.dropped = False  # this worker's outer_grad was left out of the last sync (non-finite)
 
     @property
     def global_params(self) -> list[torch.Tensor]:
@@ -106,8 +115,16 @@ class DistributedDiLoCo:
     def sync(self) -> None:
         """The outer step now, on the inner steps taken since the last one (every process must
         call it together; `step()` calls it for you every `inner_steps`). With no inner step
-        since the last one it does nothing (an outer step on nothing would still move θ_global
-        by the outer momentum)."""
+        since the last one, on every process, it does nothing (an outer step on nothing would
+        still move θ_global by the outer momentum); with a different number of steps on some
+        process it raises on every process, before anything changes."""
+        steps = self._gather([self.steps_in_round])
+        if len({int(row[0]) for row in steps}) > 1:
+            raise RuntimeError(
+                "the workers reached the outer sync after different numbers of inner steps "
+                f"({', '.join(str(int(row[0])) for row in steps)} by rank): every process must call "
+                "step() (or sync()) equally often"
+            )
         if self.steps_in_round == 0:
             return
         side, w = self.side, self.rank
@@ -115,11 +132,15 @@ class DistributedDiLoCo:
         outer_grad, finite = outer_grad_from(side.params, self.params)
         message = encode_outer_grad(side.codec, outer_grad, finite, self.codec_state)
         # every process learns every worker's message size and finiteness: the same decisions
-        mine = torch.tensor([message.nbytes, int(finite)], dtype=torch.int64)
-        every = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(every, mine, group=self.group)
-        for i, row in enumerate(every):
-            side.report(i, int(row[0]), bool(row[1]))
+        for i, row in enumerate(self._gather([message.nbytes, int(finite)])):
+            try:
+                side.report(i, int(row[0]), bool(row[1]))
+            except NonFinite:
+                raise NonFinite(
+                    f"worker {i}'s outer_grad holds a NaN or Inf after round {side.rounds_done + 1}; "
+                    "θ_global is unchanged: lower the inner lr, or pass on_nonfinite='drop'"
+                ) from None
+        self.dropped = not finite
         if side.codec.summable:
             summed = sum_in_buckets(side.contribution(w, message), self.bucket_mb, self._all_reduce)
         else:  # messages that cannot be summed: every worker's, reduced in worker order
@@ -131,19 +152,69 @@ class DistributedDiLoCo:
             p.copy_(g)
         self.steps_in_round = 0
 
+    def _gather(self, values: list[int]) -> list[torch.Tensor]:
+        mine = torch.tensor(values, dtype=torch.int64)
+        every = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.group)
+        return every
+
     def _all_reduce(self, bucket: torch.Tensor) -> None:
         dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=self.group)
 
     def state_dict(self) -> dict[str, Any]:
-        """The outer state to checkpoint with your model and inner optimizer: θ_global, the
-        outer optimizer, this worker's codec state and its place in the round."""
+        """This worker's outer state, to checkpoint on every process beside its model and inner
+        optimizer (mid-round they differ by process, and so does the error feedback): θ_global,
+        the outer optimizer, the codec state and the place in the round."""
         return {
             "outer": self.side.state_dict(),
-            "codec": self.codec_state,
+            "codec": dict(self.codec_state),
             "steps_in_round": self.steps_in_round,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load this process's own `state_dict()` (after construction, whose broadcast would
+        overwrite a model loaded before it). Every process must call it together: it checks that
+        they all hold the same θ_global and round afterwards."""
         self.side.load_state_dict(state["outer"])
         self.codec_state = dict(state["codec"])
         self.steps_in_round = int(state["steps_in_round"])
+        digest = hashlib.sha256()
+        for t in self.side.params:
+            digest.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        mine = [self.side.version, self.steps_in_round, int.from_bytes(digest.digest()[:7], "big")]
+        if len({tuple(int(x) for x in row) for row in self._gather(mine)}) > 1:
+            raise ValueError(
+                "the processes loaded checkpoints of different rounds or θ_global: give each process "
+                "the state_dict() it saved itself, all from the same step"
+            )
+
+
+def _check_arguments(
+    model: nn.Module, inner_steps: int, outer_opt, bucket_mb: float, on_nonfinite: str
+) -> None:
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError(
+            "pass the model itself, not wrapped in DistributedDataParallel: each process is one DiLoCo "
+            "worker (data parallel across the workers would average their gradients every step)"
+        )
+    if inner_steps < 1:
+        raise ValueError(f"inner_steps must be at least 1, got {inner_steps}")
+    if outer_opt is not None and not isinstance(outer_opt, OuterOpt):
+        raise ValueError(
+            f"outer_opt must be an OuterOpt (Nesterov, SGD, Adam), got {type(outer_opt).__name__}"
+        )
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+    if on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+
+
+def _cpu_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers live on the CPU, made without a second
+    copy on the model's own device."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().cpu().clone(), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.detach().cpu().clone()
+    return copy.deepcopy(model, memo)
