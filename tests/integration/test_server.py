@@ -123,7 +123,7 @@ def test_sync_server_equals_the_simulator_and_replays(tmp_path):
     ]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.slow  # the suite's 10 minutes: test_push_slots.py tests the slots, the sync test the run
 @pytest.mark.timeout(180)
 def test_pushes_beyond_the_inflight_limit_wait_their_turn(tmp_path):
     """--max-inflight-pushes 1 with 3 workers pushing at each round's end: never more than one

@@ -45,7 +45,7 @@ def main(what: str, k: int) -> None:
         side.update.prepare(side.params)
         if what == "mapped":  # as ServerState sets it
             side.after_read = wal.release_read
-        path = Path(sys.argv[3]) / "push"
+        path = Path(sys.argv[3]) / f"push-{what}"  # runs side by side: a file each
         path.write_bytes(side.codec.encode(grads).to_bytes())
         message = Encoded.from_bytes(wal.map_file(path))
         del grads

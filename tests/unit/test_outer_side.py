@@ -159,28 +159,39 @@ def test_a_message_becomes_bytes_and_back_exactly():
         Fp32Codec().decode(Encoded("int8", tensors, 1))
 
 
-def _added_peak_mb(what: str, k: int = 2, tmp: Path | None = None) -> float:
+def _added_peak_mb(*runs: tuple, tmp: Path | None = None) -> list[float]:
+    """The peak MB each of `runs` ((what, k) or (what,)) adds, each in a fresh process of its
+    own, all started at once (each measures only itself)."""
     script = Path(__file__).with_name("_outer_memory.py")
     # every allocation of 1 MB or more its own mapping, returned when freed: the peak counts what
     # the code holds at once, not what glibc's heap kept from earlier frees
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    argv = [sys.executable, str(script), what, str(k), str(tmp)]
-    out = subprocess.run(argv, capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr
-    return float(out.stdout.split()[-1])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), what, str(k), str(tmp)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for what, k in ((run[0], run[1] if len(run) > 1 else 2) for run in runs)
+    ]
+    outs = [proc.communicate() for proc in procs]
+    for proc, (_, err) in zip(procs, outs):
+        assert proc.returncode == 0, err
+    return [float(out.split()[-1]) for out, _ in outs]
 
 
 @pytest.mark.timeout(60)
 def test_a_round_and_an_async_apply_hold_one_decoded_tensor_not_whole_messages():
     # a 64 MB model (8 tensors of 8 MB): the server's memory at 150m x 16 depends on this
-    one, eight = _added_peak_mb("reduce", 1), _added_peak_mb("reduce", 8)
+    one, eight, parts, whole = _added_peak_mb(("reduce", 1), ("reduce", 8), ("parts",), ("whole",))
     assert eight < one + 24, (one, eight)  # k decoded contributions at once would add 7 x 64 MB
-    parts, whole = _added_peak_mb("parts"), _added_peak_mb("whole")
     assert parts < 40 < 56 < whole, (parts, whole)  # decoded whole: the 64 MB model in float32
 
 
 @pytest.mark.timeout(60)
 def test_an_async_apply_lets_go_of_a_mapped_push_files_pages_as_it_goes(tmp_path):
     # the server reads an fp32 push in place from its file: each part's pages go once applied
-    released, kept = _added_peak_mb("mapped", tmp=tmp_path), _added_peak_mb("mapped_kept", tmp=tmp_path)
+    released, kept = _added_peak_mb(("mapped",), ("mapped_kept",), tmp=tmp_path)
     assert released < 32 < 56 < kept, (released, kept)
