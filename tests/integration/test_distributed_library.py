@@ -104,6 +104,38 @@ dist.destroy_process_group()
 )
 
 
+ISLANDS = (
+    SETUP
+    + """
+import sys
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from diloco import DistributedDiLoCo
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(rank)
+model = make_model()
+outer = DistributedDiLoCo(model, inner_steps=H, outer_opt=Nesterov(lr=0.7, momentum=0.9), procs_per_worker=2)
+ddp = DistributedDataParallel(model, process_group=outer.worker_group)  # data parallel inside a worker
+opt = inner_opt(model.parameters())
+data = batches(rank)  # each process half of its worker's batch
+for step in range(H * ROUNDS):
+    loss = loss_fn(ddp, next(data))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    outer.step()
+assert outer.worker_ranks == [rank - rank % 2, rank - rank % 2 + 1]
+if rank == 0:
+    saved = {"params": outer.global_params, "bytes": outer.bytes_sent, "version": outer.version}
+    torch.save(saved, sys.argv[1])
+dist.destroy_process_group()
+"""
+)
+
+
 def _torchrun(tmp_path, script: str, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     path = tmp_path / "user_train.py"
     path.write_text(script)
@@ -156,6 +188,38 @@ def test_processes_that_reach_the_sync_after_unequal_steps_are_told_so(two_proce
 
 def test_processes_that_load_checkpoints_of_different_rounds_are_told_so(two_processes):
     assert "loaded checkpoints of different rounds or θ_global" in two_processes["mismatch"]
+
+
+@pytest.mark.timeout(150)
+def test_workers_of_two_processes_equal_two_simulated_workers_at_double_batch(tmp_path):
+    """4 processes as 2 workers of 2 (DDP inside each): the simulator with each worker's two
+    half-batches as one batch, up to the rounding of DDP's averaged gradients."""
+    proc = _torchrun(tmp_path, ISLANDS, str(tmp_path / "global.pt"), nproc=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    real = torch.load(tmp_path / "global.pt")
+    scope = _setup()
+
+    def double(w):
+        halves = scope["batches"](2 * w), scope["batches"](2 * w + 1)
+        while True:
+            (x0, y0), (x1, y1) = next(halves[0]), next(halves[1])
+            yield torch.cat([x0, x1]), torch.cat([y0, y1])
+
+    torch.manual_seed(0)
+    sim = DiLoCo(
+        scope["make_model"],
+        scope["inner_opt"],
+        [double(w) for w in range(2)],
+        inner_steps=scope["H"],
+        loss_fn=scope["loss_fn"],
+    )
+    for _ in range(scope["ROUNDS"]):
+        sim.round()
+    assert real["version"] == sim.side.version and real["bytes"] == sim.side.bytes_sent[0] > 0
+    simulated = [p.detach() for p in sim.side.params]
+    num = sum(float((a.detach() - b).pow(2).sum()) for a, b in zip(real["params"], simulated, strict=True))
+    den = sum(float(b.pow(2).sum()) for b in simulated)
+    assert (num / den) ** 0.5 < 1e-5, (num / den) ** 0.5  # 8e-8 when written
 
 
 def _readme_example() -> str:

@@ -33,8 +33,12 @@ from diloco.runtime.collective import sum_in_buckets
 class DistributedDiLoCo:
     """The outer side of sync DiLoCo for one process of a torch.distributed job.
 
-    `model` is this worker's model (on any device; the module itself, not wrapped in
-    DistributedDataParallel: one process is one worker). Its trainable parameters are
+    `model` is this process's model (on any device; the module itself, not wrapped in
+    DistributedDataParallel). Each process is one worker, or with `procs_per_worker` M each M
+    consecutive processes are one (a machine of M GPUs, say): wrap the model in
+    DistributedDataParallel over `worker_group` (gloo; or an NCCL group of `worker_ranks`)
+    after building this, and the worker's first process alone encodes and exchanges its
+    outer_grad, then shares the result with the others. Its trainable parameters are
     synchronised; its buffers (BatchNorm statistics, say) stay local. At construction every
     process takes rank 0's parameters and buffers, so the workers start equal whatever their
     seeds. θ_global is kept on the CPU (one copy of the parameters, plus the outer optimizer's
@@ -55,6 +59,7 @@ class DistributedDiLoCo:
         outer_opt: OuterOpt | None = None,
         codec: Codec | None = None,
         group: dist.ProcessGroup | None = None,
+        procs_per_worker: int = 1,
         bucket_mb: float = 25.0,
         on_nonfinite: str = "stop",
     ):
@@ -72,7 +77,7 @@ class DistributedDiLoCo:
             )
         self.model, self.inner_steps, self.group, self.bucket_mb = model, inner_steps, group, bucket_mb
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self._root = dist.get_global_rank(group, 0) if group is not None else 0
+        self._setup_workers(procs_per_worker)
         self.params = [p for p in model.parameters() if p.requires_grad]
         with torch.no_grad():  # rank 0's parameters and buffers everywhere
             for t in model.state_dict().values():
@@ -81,7 +86,7 @@ class DistributedDiLoCo:
                 t.copy_(value)
         self.side = OuterSide(
             _cpu_copy(model),
-            self.world,
+            self.k,
             update=outer_opt if outer_opt is not None else Nesterov(),
             codec=codec or Fp32Codec(),
             on_nonfinite=on_nonfinite,
@@ -100,7 +105,32 @@ class DistributedDiLoCo:
     @property
     def bytes_sent(self) -> int:
         """This worker's encoded outer_grads so far, in bytes (what the codec makes of them)."""
-        return self.side.bytes_sent[self.rank]
+        return self.side.bytes_sent[self.worker_id]
+
+    def _setup_workers(self, M: int) -> None:
+        """Worker `rank // M` is processes w·M … w·M + M − 1 of the group; its first (local 0) is
+        its leader, which alone encodes, exchanges with the other leaders and shares the result
+        with its worker's processes."""
+        if M < 1 or self.world % M:
+            raise ValueError(
+                f"procs_per_worker must divide the group's {self.world} processes, got {M}: each "
+                "worker is that many processes"
+            )
+        if M > 1 and self.world != dist.get_world_size():
+            raise ValueError(
+                "procs_per_worker > 1 needs the whole job as its group (it makes groups of its own)"
+            )
+        ranks = [dist.get_global_rank(self.group, i) for i in range(self.world)] if self.group else None
+        ranks = ranks or list(range(self.world))
+        self.M, self.k = M, self.world // M
+        self.worker_id, self.local = self.rank // M, self.rank % M
+        self.worker_ranks = ranks[self.worker_id * M : (self.worker_id + 1) * M]  # global ranks
+        self._root, self._leader = ranks[0], self.worker_ranks[0]
+        self.leaders, self.worker_group = self.group, None
+        if M > 1:  # every process makes every group, in the same order (torch.distributed's rule)
+            islands = [dist.new_group(ranks[w * M : (w + 1) * M], backend="gloo") for w in range(self.k)]
+            self.worker_group = islands[self.worker_id]
+            self.leaders = dist.new_group(ranks[::M], backend="gloo")
 
     def step(self) -> bool:
         """Count one inner step; at every `inner_steps`-th, run the outer step (every process
@@ -127,12 +157,16 @@ class DistributedDiLoCo:
             )
         if self.steps_in_round == 0:
             return
-        side, w = self.side, self.rank
+        side, w = self.side, self.worker_id
         side.begin_round()
-        outer_grad, finite = outer_grad_from(side.params, self.params)
-        message = encode_outer_grad(side.codec, outer_grad, finite, self.codec_state)
+        message, finite = None, True
+        if self.local == 0:  # a worker's processes hold the same parameters: its leader encodes
+            outer_grad, finite = outer_grad_from(side.params, self.params)
+            message = encode_outer_grad(side.codec, outer_grad, finite, self.codec_state)
         # every process learns every worker's message size and finiteness: the same decisions
-        for i, row in enumerate(self._gather([message.nbytes, int(finite)])):
+        rows = self._by_worker([message.nbytes if message else 0, int(finite)])
+        self.dropped = not bool(rows[w][1])
+        for i, row in enumerate(rows):
             try:
                 side.report(i, int(row[0]), bool(row[1]))
             except NonFinite:
@@ -140,13 +174,15 @@ class DistributedDiLoCo:
                     f"worker {i}'s outer_grad holds a NaN or Inf after round {side.rounds_done + 1}; "
                     "θ_global is unchanged: lower the inner lr, or pass on_nonfinite='drop'"
                 ) from None
-        self.dropped = not finite
         if side.codec.summable:
             summed = sum_in_buckets(side.contribution(w, message), self.bucket_mb, self._all_reduce)
         else:  # messages that cannot be summed: every worker's, reduced in worker order
-            blobs: list[Any] = [None] * self.world
-            dist.all_gather_object(blobs, message.to_bytes(), group=self.group)
-            summed = side.reduce([Encoded.from_bytes(b) for b in blobs])
+            box: list[Any] = [[None] * self.k]
+            if self.local == 0:
+                dist.all_gather_object(box[0], message.to_bytes(), group=self.leaders)
+            if self.M > 1:
+                dist.broadcast_object_list(box, src=self._leader, group=self.worker_group)
+            summed = side.reduce([Encoded.from_bytes(b) for b in box[0]])
         side.end_round(summed, self.steps_in_round)
         for p, g in zip(self.params, side.params, strict=True):
             p.copy_(g)
@@ -158,8 +194,21 @@ class DistributedDiLoCo:
         dist.all_gather(every, mine, group=self.group)
         return every
 
+    def _by_worker(self, values: list[int]) -> list[torch.Tensor]:
+        """Each worker's `values`, as its leader gives them, on every process."""
+        table = torch.zeros(self.k, len(values), dtype=torch.int64)
+        if self.local == 0:
+            dist.all_gather(list(table.unbind()), torch.tensor(values, dtype=torch.int64), group=self.leaders)
+        if self.M > 1:
+            dist.broadcast(table, src=self._leader, group=self.worker_group)
+        return list(table)
+
     def _all_reduce(self, bucket: torch.Tensor) -> None:
-        dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=self.group)
+        """Sum a bucket over the leaders, then give it to every process of the worker."""
+        if self.local == 0:
+            dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=self.leaders)
+        if self.M > 1:
+            dist.broadcast(bucket, src=self._leader, group=self.worker_group)
 
     def state_dict(self) -> dict[str, Any]:
         """This worker's outer state, to checkpoint on every process beside its model and inner
