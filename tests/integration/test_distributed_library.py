@@ -97,6 +97,14 @@ try:  # rank 1 loads its checkpoint of round 2, rank 0 its state now
     outer.load_state_dict(earlier if rank == 1 else outer.state_dict())
 except ValueError as e:
     saved["mismatch"] = str(e)
+box = [outer.state_dict()]
+dist.broadcast_object_list(box, src=0)  # both load rank 0's
+try:
+    outer.load_state_dict(box[0])
+except ValueError as e:
+    said = [None, None]
+    dist.all_gather_object(said, str(e))
+    saved["swapped"] = said
 if rank == 0:
     torch.save(saved, sys.argv[1])
 dist.destroy_process_group()
@@ -111,25 +119,51 @@ import sys
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from diloco import DistributedDiLoCo
+from diloco.runtime.distributed import _digest
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+saved = {}
+for name, (codec, outer_opt) in CODECS.items():
+    torch.manual_seed(rank)
+    model = make_model()
+    outer = DistributedDiLoCo(
+        model, inner_steps=H, outer_opt=outer_opt(), codec=codec(), procs_per_worker=2, bucket_mb=0.0002
+    )
+    mine = [rank - rank % 2, rank - rank % 2 + 1]
+    assert dist.get_process_group_ranks(outer.worker_group) == outer.worker_ranks == mine
+    ddp = DistributedDataParallel(model, process_group=outer.worker_group)  # data parallel inside a worker
+    opt = inner_opt(model.parameters())
+    data = batches(rank)  # each process half of its worker's batch
+    for step in range(H * ROUNDS):
+        loss = loss_fn(ddp, next(data))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        outer.step()
+    fingerprints = [None] * 4  # θ_global and the model, on every process
+    dist.all_gather_object(fingerprints, (_digest(outer.global_params), _digest(list(model.parameters()))))
+    saved[name] = {"params": outer.global_params, "bytes": outer.bytes_sent, "version": outer.version}
+    saved[name]["fingerprints"] = fingerprints
+# without DDP a worker's two processes drift apart: every process is told at the sync
 torch.manual_seed(rank)
 model = make_model()
-outer = DistributedDiLoCo(model, inner_steps=H, outer_opt=Nesterov(lr=0.7, momentum=0.9), procs_per_worker=2)
-ddp = DistributedDataParallel(model, process_group=outer.worker_group)  # data parallel inside a worker
+outer = DistributedDiLoCo(model, inner_steps=H, procs_per_worker=2)
 opt = inner_opt(model.parameters())
-data = batches(rank)  # each process half of its worker's batch
-for step in range(H * ROUNDS):
-    loss = loss_fn(ddp, next(data))
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    outer.step()
-assert outer.worker_ranks == [rank - rank % 2, rank - rank % 2 + 1]
+data = batches(rank)
+try:
+    for step in range(H):
+        loss = loss_fn(model, next(data))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        outer.step()
+except RuntimeError as e:
+    said = [None] * 4
+    dist.all_gather_object(said, str(e))
+    saved["no_ddp"] = said
 if rank == 0:
-    saved = {"params": outer.global_params, "bytes": outer.bytes_sent, "version": outer.version}
     torch.save(saved, sys.argv[1])
 dist.destroy_process_group()
 """
@@ -147,12 +181,11 @@ def _torchrun(tmp_path, script: str, *args: str, nproc: int = 2) -> subprocess.C
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> dict:
-    """Every codec's run by two processes under torchrun, then README.md's example, as written,
-    in the same processes (a job of its own: it starts torch.distributed again): one launch."""
+    """Every codec's run by two processes under torchrun: one launch for the module."""
     tmp_path = tmp_path_factory.mktemp("torchrun")
-    proc = _torchrun(tmp_path, SCRIPT + "\n" + _readme_example(), str(tmp_path / "global.pt"))
+    proc = _torchrun(tmp_path, SCRIPT, str(tmp_path / "global.pt"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {**torch.load(tmp_path / "global.pt"), "stdout": proc.stdout}
+    return torch.load(tmp_path / "global.pt")
 
 
 @pytest.mark.timeout(120)
@@ -187,17 +220,24 @@ def test_processes_that_reach_the_sync_after_unequal_steps_are_told_so(two_proce
     assert "different numbers of inner steps (0, 1 by rank)" in two_processes["unequal"]
 
 
-def test_processes_that_load_checkpoints_of_different_rounds_are_told_so(two_processes):
-    assert "loaded checkpoints of different rounds or θ_global" in two_processes["mismatch"]
+def test_processes_given_checkpoints_of_another_round_or_process_are_told_so(two_processes):
+    assert "given checkpoints of different rounds or θ_global" in two_processes["mismatch"]
+    zero, one = two_processes["swapped"]
+    assert "another process was given a checkpoint of another process" in zero
+    assert (
+        "this checkpoint is process 0 of worker 0 (of 2 workers of 1), this process is process 0 of worker 1"
+        in one
+    )
 
 
 @pytest.mark.timeout(150)
 def test_workers_of_two_processes_equal_two_simulated_workers_at_double_batch(tmp_path):
-    """4 processes as 2 workers of 2 (DDP inside each): the simulator with each worker's two
-    half-batches as one batch, up to the rounding of DDP's averaged gradients."""
+    """4 processes as 2 workers of 2 (DDP inside each): every process ends with the same θ_global
+    and model; with fp32 it is the simulator with each worker's two half-batches as one batch, up
+    to the rounding of DDP's averaged gradients; without DDP every process is told at the sync."""
     proc = _torchrun(tmp_path, ISLANDS, str(tmp_path / "global.pt"), nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    real = torch.load(tmp_path / "global.pt")
+    saved = torch.load(tmp_path / "global.pt")
     scope = _setup()
 
     def double(w):
@@ -206,21 +246,31 @@ def test_workers_of_two_processes_equal_two_simulated_workers_at_double_batch(tm
             (x0, y0), (x1, y1) = next(halves[0]), next(halves[1])
             yield torch.cat([x0, x1]), torch.cat([y0, y1])
 
-    torch.manual_seed(0)
-    sim = DiLoCo(
-        scope["make_model"],
-        scope["inner_opt"],
-        [double(w) for w in range(2)],
-        inner_steps=scope["H"],
-        loss_fn=scope["loss_fn"],
-    )
-    for _ in range(scope["ROUNDS"]):
-        sim.round()
-    assert real["version"] == sim.side.version and real["bytes"] == sim.side.bytes_sent[0] > 0
-    simulated = [p.detach() for p in sim.side.params]
-    num = sum(float((a.detach() - b).pow(2).sum()) for a, b in zip(real["params"], simulated, strict=True))
-    den = sum(float(b.pow(2).sum()) for b in simulated)
-    assert (num / den) ** 0.5 < 1e-5, (num / den) ** 0.5  # 8e-8 when written
+    for name, (make_codec, make_outer) in scope["CODECS"].items():
+        real = saved[name]
+        assert len({global_ for global_, _ in real["fingerprints"]}) == 1, name
+        assert {model for _, model in real["fingerprints"]} == {real["fingerprints"][0][0]}, name
+        torch.manual_seed(0)
+        sim = DiLoCo(
+            scope["make_model"],
+            scope["inner_opt"],
+            [double(w) for w in range(2)],
+            inner_steps=scope["H"],
+            loss_fn=scope["loss_fn"],
+            outer_opt=make_outer(),
+            codec=make_codec(),
+        )
+        for _ in range(scope["ROUNDS"]):
+            sim.round()
+        assert real["version"] == sim.side.version and real["bytes"] == sim.side.bytes_sent[0] > 0
+        if name == "fp32":  # (top-k's choices can flip on a rounding: compared across processes above)
+            simulated = [p.detach() for p in sim.side.params]
+            num = sum(
+                float((a.detach() - b).pow(2).sum()) for a, b in zip(real["params"], simulated, strict=True)
+            )
+            den = sum(float(b.pow(2).sum()) for b in simulated)
+            assert (num / den) ** 0.5 < 1e-5, (num / den) ** 0.5  # 8e-8 when written
+    assert all("the processes of worker 0 hold different parameters" in said for said in saved["no_ddp"])
 
 
 def _readme_example() -> str:
@@ -229,10 +279,11 @@ def _readme_example() -> str:
 
 
 @pytest.mark.timeout(120)
-def test_the_readme_example_runs_under_torchrun_and_learns(two_processes):
-    out = two_processes["stdout"]
-    match = re.search(r"max weight error ([\d.]+) after 50 outer updates; ([\d,]+) bytes", out)
-    assert match, out
+def test_the_readme_example_runs_under_torchrun_and_learns(tmp_path):
+    proc = _torchrun(tmp_path, _readme_example())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    match = re.search(r"max weight error ([\d.]+) after 50 outer updates; ([\d,]+) bytes", proc.stdout)
+    assert match, proc.stdout
     assert float(match.group(1)) < 0.01
     assert int(match.group(2).replace(",", "")) == 50 * 8 * 4  # 50 rounds of 8 fp32 values
 
@@ -337,6 +388,8 @@ def test_a_partial_round_syncs_and_a_nonfinite_outer_grad_stops_or_is_dropped(on
         ({"outer_opt": torch.optim.SGD}, "outer_opt must be an OuterOpt"),
         ({"bucket_mb": 0}, "bucket_mb must be positive"),
         ({"on_nonfinite": "skip"}, "on_nonfinite must be one of"),
+        ({"procs_per_worker": 2}, "procs_per_worker must divide the group's 1 processes"),
+        ({"procs_per_worker": 0}, "procs_per_worker must divide"),
         ({"ddp": True}, "not wrapped in DistributedDataParallel"),
     ],
 )

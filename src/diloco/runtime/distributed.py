@@ -1,13 +1,14 @@
 """Sync DiLoCo in your own training loop, across real processes (torchrun, torch.distributed).
 
-Each process is one DiLoCo worker. You keep your model, your inner optimizer and your loop; call
-`step()` after each inner optimizer step, and every `inner_steps` calls it runs the outer step:
-every worker's outer_grad θ_global − θ_local goes through the codec, the messages are averaged
-across the processes, the outer optimizer updates θ_global, and your model's parameters become
-θ_global. The outer side (core/outer_side.py), the encoding (core/inner.py) and the bucketed
-all-reduce (runtime/collective.py) are the ones `diloco train` runs, so with the same model,
-data and seed it gives the global parameters the simulator's `DiLoCo` gives (bitwise with two
-processes; tested in tests/integration/test_distributed_library.py).
+Each process is one DiLoCo worker (or each M processes, with `procs_per_worker`). You keep your
+model, your inner optimizer and your loop; call `step()` after each inner optimizer step, and
+every `inner_steps` calls it runs the outer step: every worker's outer_grad θ_global − θ_local
+goes through the codec, the messages are averaged across the workers, the outer optimizer
+updates θ_global, and your model's parameters become θ_global. The outer side
+(core/outer_side.py), the encoding (core/inner.py) and the bucketed all-reduce
+(runtime/collective.py) are the ones `diloco train` runs, so with the same model, data and seed
+it gives the global parameters the simulator's `DiLoCo` gives (bitwise with two processes;
+tested in tests/integration/test_distributed_library.py).
 
     torchrun --standalone --nproc-per-node 2 train.py     # train.py: README.md's example
 """
@@ -35,17 +36,19 @@ class DistributedDiLoCo:
 
     `model` is this process's model (on any device; the module itself, not wrapped in
     DistributedDataParallel). Each process is one worker, or with `procs_per_worker` M each M
-    consecutive processes are one (a machine of M GPUs, say): wrap the model in
-    DistributedDataParallel over `worker_group` (gloo; or an NCCL group of `worker_ranks`)
-    after building this, and the worker's first process alone encodes and exchanges its
-    outer_grad, then shares the result with the others. Its trainable parameters are
-    synchronised; its buffers (BatchNorm statistics, say) stay local. At construction every
-    process takes rank 0's parameters and buffers, so the workers start equal whatever their
-    seeds. θ_global is kept on the CPU (one copy of the parameters, plus the outer optimizer's
-    state). `group` is the process group the workers talk over (default: the whole job); it
-    must move CPU tensors (gloo: for a job on NCCL, pass `torch.distributed.new_group(
-    backend="gloo")`, created on every process). `codec` encodes each outer_grad (default fp32;
-    e.g. `build_codec("fp4", error_feedback=True)`: the error feedback is this process's own).
+    consecutive processes are one (a machine of M GPUs, say): build this first, then wrap the
+    model in DistributedDataParallel over the worker's processes (`worker_group`, gloo; on GPUs
+    the group of `torch.distributed.new_subgroups(M, backend="nccl")`, made on every process);
+    each process of a worker must hold the whole model, as DDP keeps it, and the worker's first
+    process alone encodes and exchanges its outer_grad, then shares the result with the others.
+    The trainable parameters are synchronised; the buffers (BatchNorm statistics, say) stay
+    local. At construction every process takes rank 0's parameters and buffers, so the workers
+    start equal whatever their seeds. θ_global is kept on the CPU of every process (a copy of
+    the parameters, plus the outer optimizer's state). `group` is the process group the workers
+    talk over (default: the whole job, which `procs_per_worker` > 1 needs); it must move CPU
+    tensors (gloo: for a job on NCCL, pass `torch.distributed.new_group(backend="gloo")`, made
+    on every process). `codec` encodes each outer_grad (default fp32; e.g. `build_codec("fp4",
+    error_feedback=True)`: the error feedback is this worker's, held by its first process).
     `on_nonfinite` "stop" raises `NonFinite` on every process when any worker's outer_grad holds
     a NaN or Inf; "drop" leaves it out of the average and that worker restarts from θ_global
     (`dropped` says so: clear its inner optimizer's state, whose moments may hold NaN).
@@ -111,7 +114,9 @@ class DistributedDiLoCo:
         """Worker `rank // M` is processes w·M … w·M + M − 1 of the group; its first (local 0) is
         its leader, which alone encodes, exchanges with the other leaders and shares the result
         with its worker's processes."""
-        if M < 1 or self.world % M:
+        if self.rank < 0:
+            raise ValueError("this process is not in `group`: every process that calls this must be in it")
+        if not isinstance(M, int) or M < 1 or self.world % M:
             raise ValueError(
                 f"procs_per_worker must divide the group's {self.world} processes, got {M}: each "
                 "worker is that many processes"
@@ -131,6 +136,9 @@ class DistributedDiLoCo:
             islands = [dist.new_group(ranks[w * M : (w + 1) * M], backend="gloo") for w in range(self.k)]
             self.worker_group = islands[self.worker_id]
             self.leaders = dist.new_group(ranks[::M], backend="gloo")
+
+    def _where(self) -> list[int]:
+        return [self.worker_id, self.local, self.k, self.M]
 
     def step(self) -> bool:
         """Count one inner step; at every `inner_steps`-th, run the outer step (every process
@@ -157,6 +165,8 @@ class DistributedDiLoCo:
             )
         if self.steps_in_round == 0:
             return
+        if self.M > 1:
+            self._check_worker_replicas()
         side, w = self.side, self.worker_id
         side.begin_round()
         message, finite = None, True
@@ -194,6 +204,18 @@ class DistributedDiLoCo:
         dist.all_gather(every, mine, group=self.group)
         return every
 
+    def _check_worker_replicas(self) -> None:
+        """Every process of a worker must hold the same parameters (its leader alone sends
+        them): checked over the whole group, so that every process raises, or none."""
+        every = self._gather([_digest(self.params)])
+        for w in range(self.k):
+            if len({int(row[0]) for row in every[w * self.M : (w + 1) * self.M]}) > 1:
+                raise RuntimeError(
+                    f"the processes of worker {w} hold different parameters at the outer sync: wrap "
+                    "the model in DistributedDataParallel over outer.worker_group (each process of a "
+                    "worker holds the whole model, the same as the others)"
+                )
+
     def _by_worker(self, values: list[int]) -> list[torch.Tensor]:
         """Each worker's `values`, as its leader gives them, on every process."""
         table = torch.zeros(self.k, len(values), dtype=torch.int64)
@@ -218,24 +240,35 @@ class DistributedDiLoCo:
             "outer": self.side.state_dict(),
             "codec": dict(self.codec_state),
             "steps_in_round": self.steps_in_round,
+            "where": self._where(),  # [worker, process in the worker, workers, processes a worker]
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load this process's own `state_dict()` (after construction, whose broadcast would
-        overwrite a model loaded before it). Every process must call it together: it checks that
-        they all hold the same θ_global and round afterwards."""
-        self.side.load_state_dict(state["outer"])
+        overwrite a model loaded before it). Every process must call it together: before
+        anything changes it checks that each process has its own worker's checkpoint and that
+        all of them are of the same round and θ_global, and raises on every process if not."""
+        where = [int(x) for x in state.get("where", self._where())]
+        outer = state["outer"]
+        mine = [where != self._where(), outer["version"], state["steps_in_round"]]
+        every = self._gather([*map(int, mine), _digest(list(outer["global"].values()))])
+        if where != self._where():
+            w, i, k, M = where
+            raise ValueError(
+                f"this checkpoint is process {i} of worker {w} (of {k} workers of {M}), this process "
+                f"is process {self.local} of worker {self.worker_id} (of {self.k} of {self.M}): give "
+                "each process the state_dict() it saved itself"
+            )
+        if any(int(row[0]) for row in every):
+            raise ValueError("another process was given a checkpoint of another process; nothing was loaded")
+        if len({tuple(int(x) for x in row) for row in every}) > 1:
+            raise ValueError(
+                "the processes were given checkpoints of different rounds or θ_global: give each "
+                "process the state_dict() it saved itself, all from the same step; nothing was loaded"
+            )
+        self.side.load_state_dict(outer)
         self.codec_state = dict(state["codec"])
         self.steps_in_round = int(state["steps_in_round"])
-        digest = hashlib.sha256()
-        for t in self.side.params:
-            digest.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-        mine = [self.side.version, self.steps_in_round, int.from_bytes(digest.digest()[:7], "big")]
-        if len({tuple(int(x) for x in row) for row in self._gather(mine)}) > 1:
-            raise ValueError(
-                "the processes loaded checkpoints of different rounds or θ_global: give each process "
-                "the state_dict() it saved itself, all from the same step"
-            )
 
 
 def _check_arguments(
@@ -243,8 +276,9 @@ def _check_arguments(
 ) -> None:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError(
-            "pass the model itself, not wrapped in DistributedDataParallel: each process is one DiLoCo "
-            "worker (data parallel across the workers would average their gradients every step)"
+            "pass the model itself, not wrapped in DistributedDataParallel: data parallel across the "
+            "workers would average their gradients every step (for a worker of several processes, "
+            "build DistributedDiLoCo with procs_per_worker first, then wrap over outer.worker_group)"
         )
     if inner_steps < 1:
         raise ValueError(f"inner_steps must be at least 1, got {inner_steps}")
@@ -256,6 +290,14 @@ def _check_arguments(
         raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
     if on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+
+
+def _digest(tensors: list[torch.Tensor]) -> int:
+    """A fingerprint of the tensors' bytes (7 bytes of their SHA-256: fits an int64)."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(digest.digest()[:7], "big")
 
 
 def _cpu_copy(model: nn.Module) -> nn.Module:
