@@ -54,20 +54,41 @@ def batches(rank):
 def loss_fn(model, batch):
     x, y = batch
     return torch.nn.functional.mse_loss(model(x), y)
+
+
+def user_loop(model, opt, data, outer, steps):  # each inner step, then outer.step(): did it sync?
+    synced = []
+    for _ in range(steps):
+        loss = loss_fn(model, next(data))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        synced.append(outer.step())
+    return synced
 """
 
-SCRIPT = (
+# A process of a torchrun job; the job's script goes on from here and saves `saved`.
+JOB = (
     SETUP
     + """
 import copy
+import os
 import sys
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from diloco import DistributedDiLoCo
+from diloco.runtime.distributed import _digest
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 saved = {}
+"""
+)
+
+SCRIPT = (
+    JOB
+    + """
 # fp32 in buckets of 50 values (the model has 129: three all-reduces), SparseLoCo over a group
 settings = {"fp32": {"bucket_mb": 0.0002}, "sparseloco": {"group": dist.new_group(backend="gloo")}}
 for name, (codec, outer_opt) in CODECS.items():  # one job, each codec a run of its own
@@ -76,15 +97,10 @@ for name, (codec, outer_opt) in CODECS.items():  # one job, each codec a run of 
     opt = inner_opt(model.parameters())
     outer = DistributedDiLoCo(model, inner_steps=H, outer_opt=outer_opt(), codec=codec(), **settings[name])
     data = batches(rank)
-    for step in range(H * ROUNDS):
-        loss = loss_fn(model, next(data))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        synced = outer.step()
-        assert synced == ((step + 1) % H == 0)
-        if step == 2 * H - 1:
-            earlier = copy.deepcopy(outer.state_dict())  # after round 2 (its tensors change in place)
+    synced = user_loop(model, opt, data, outer, 2 * H)
+    earlier = copy.deepcopy(outer.state_dict())  # after round 2 (its tensors change in place)
+    synced += user_loop(model, opt, data, outer, (ROUNDS - 2) * H)
+    assert synced == [(step + 1) % H == 0 for step in range(H * ROUNDS)]
     assert all(p.equal(g) for p, g in zip(model.parameters(), outer.global_params))
     saved[name] = {"params": outer.global_params, "version": outer.version, "bytes": outer.bytes_sent}
 if rank == 1:
@@ -107,24 +123,16 @@ except ValueError as e:
     saved["swapped"] = said
 if rank == 0:
     torch.save(saved, sys.argv[1])
+dist.barrier()  # as README's example ends
 dist.destroy_process_group()
+os._exit(0)
 """
 )
 
 
 ISLANDS = (
-    SETUP
+    JOB
     + """
-import sys
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-from diloco import DistributedDiLoCo
-from diloco.runtime.distributed import _digest
-
-torch.set_num_threads(1)
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-saved = {}
 for name, (codec, outer_opt) in CODECS.items():
     torch.manual_seed(rank)
     model = make_model()
@@ -135,13 +143,7 @@ for name, (codec, outer_opt) in CODECS.items():
     assert dist.get_process_group_ranks(outer.worker_group) == outer.worker_ranks == mine
     ddp = DistributedDataParallel(model, process_group=outer.worker_group)  # data parallel inside a worker
     opt = inner_opt(model.parameters())
-    data = batches(rank)  # each process half of its worker's batch
-    for step in range(H * ROUNDS):
-        loss = loss_fn(ddp, next(data))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        outer.step()
+    user_loop(ddp, opt, batches(rank), outer, H * ROUNDS)  # each process half of its worker's batch
     fingerprints = [None] * 4  # θ_global and the model, on every process
     dist.all_gather_object(fingerprints, (_digest(outer.global_params), _digest(list(model.parameters()))))
     saved[name] = {"params": outer.global_params, "bytes": outer.bytes_sent, "version": outer.version}
@@ -150,22 +152,17 @@ for name, (codec, outer_opt) in CODECS.items():
 torch.manual_seed(rank)
 model = make_model()
 outer = DistributedDiLoCo(model, inner_steps=H, procs_per_worker=2)
-opt = inner_opt(model.parameters())
-data = batches(rank)
 try:
-    for step in range(H):
-        loss = loss_fn(model, next(data))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        outer.step()
+    user_loop(model, inner_opt(model.parameters()), batches(rank), outer, H)
 except RuntimeError as e:
     said = [None] * 4
     dist.all_gather_object(said, str(e))
     saved["no_ddp"] = said
 if rank == 0:
     torch.save(saved, sys.argv[1])
+dist.barrier()  # as README's example ends
 dist.destroy_process_group()
+os._exit(0)
 """
 )
 
@@ -177,6 +174,24 @@ def _torchrun(tmp_path, script: str, *args: str, nproc: int = 2) -> subprocess.C
     return subprocess.run(
         [*cmd, str(path), *args], capture_output=True, text=True, timeout=100, cwd=tmp_path, env=ENV
     )
+
+
+def _simulated(scope: dict, codec: str, batches: list) -> DiLoCo:
+    """The same run in the simulator: rank 0's model (seed 0), a worker for each of `batches`."""
+    make_codec, make_outer = scope["CODECS"][codec]
+    torch.manual_seed(0)
+    sim = DiLoCo(
+        scope["make_model"],
+        scope["inner_opt"],
+        batches,
+        inner_steps=scope["H"],
+        loss_fn=scope["loss_fn"],
+        outer_opt=make_outer(),
+        codec=make_codec(),
+    )
+    for _ in range(scope["ROUNDS"]):
+        sim.round()
+    return sim
 
 
 @pytest.fixture(scope="module")
@@ -192,21 +207,8 @@ def two_processes(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("codec", ["fp32", "sparseloco"])
 def test_two_processes_equal_the_simulator_bit_for_bit(two_processes, codec):
     real = two_processes[codec]
-    scope: dict = {}
-    exec(SETUP, scope)
-    make_codec, make_outer = scope["CODECS"][codec]
-    torch.manual_seed(0)
-    sim = DiLoCo(
-        scope["make_model"],
-        scope["inner_opt"],
-        [scope["batches"](r) for r in range(scope["K"])],
-        inner_steps=scope["H"],
-        loss_fn=scope["loss_fn"],
-        outer_opt=make_outer(),
-        codec=make_codec(),
-    )
-    for _ in range(scope["ROUNDS"]):
-        sim.round()
+    scope = _setup()
+    sim = _simulated(scope, codec, [scope["batches"](r) for r in range(scope["K"])])
     assert real["version"] == sim.side.version == scope["ROUNDS"]
     assert real["bytes"] == sim.side.bytes_sent[0] > 0
     torch.manual_seed(0)  # the model both began from, as rank 0 built it
@@ -246,22 +248,11 @@ def test_workers_of_two_processes_equal_two_simulated_workers_at_double_batch(tm
             (x0, y0), (x1, y1) = next(halves[0]), next(halves[1])
             yield torch.cat([x0, x1]), torch.cat([y0, y1])
 
-    for name, (make_codec, make_outer) in scope["CODECS"].items():
+    for name in scope["CODECS"]:
         real = saved[name]
         assert len({global_ for global_, _ in real["fingerprints"]}) == 1, name
         assert {model for _, model in real["fingerprints"]} == {real["fingerprints"][0][0]}, name
-        torch.manual_seed(0)
-        sim = DiLoCo(
-            scope["make_model"],
-            scope["inner_opt"],
-            [double(w) for w in range(2)],
-            inner_steps=scope["H"],
-            loss_fn=scope["loss_fn"],
-            outer_opt=make_outer(),
-            codec=make_codec(),
-        )
-        for _ in range(scope["ROUNDS"]):
-            sim.round()
+        sim = _simulated(scope, name, [double(w) for w in range(2)])
         assert real["version"] == sim.side.version and real["bytes"] == sim.side.bytes_sent[0] > 0
         if name == "fp32":  # (top-k's choices can flip on a rounding: compared across processes above)
             simulated = [p.detach() for p in sim.side.params]
@@ -330,12 +321,7 @@ def test_a_run_checkpointed_mid_round_and_resumed_equals_one_that_never_stopped(
             outer.load_state_dict(saved["outer"])
         for _ in range(from_step):  # the data iterator where the checkpoint left it
             next(data)
-        for _ in range(from_step, until):
-            loss = scope["loss_fn"](model, next(data))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            outer.step()
+        scope["user_loop"](model, opt, data, outer, until - from_step)
         state = {"model": model.state_dict(), "opt": opt.state_dict(), "outer": outer.state_dict()}
         torch.save(state, tmp_path / "ckpt.pt")  # as a user would: to disk and back
         return torch.load(tmp_path / "ckpt.pt", weights_only=False), outer
