@@ -171,6 +171,7 @@ def test_drop_prob_and_workers_schedule_match_the_simulator(tiny, tmp_path, afte
         assert not all(own[k].equal(sim[k]) for k in sim)
 
 
+@pytest.mark.slow  # the suite's 10 minutes: test_init_from.py starts every method from a file
 @pytest.mark.timeout(90)
 def test_init_from_starts_every_rank_from_the_given_parameters(tiny, tmp_path):
     train(tiny(method="single", rounds=2, out=str(tmp_path / "pre")), progress=False)

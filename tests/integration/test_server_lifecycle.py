@@ -40,6 +40,7 @@ def served(run_dir: Path, pid: int) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow  # the suite's 10 minutes: test_server.py resumes a server killed with -9
 @pytest.mark.timeout(240)
 def test_a_hardened_server_stopped_with_sigterm_resumes_as_its_hint_says(tmp_path, capsys):
     tls = make_certificates(tmp_path / "tls", "IP:127.0.0.1")  # docs/server.md's recipe

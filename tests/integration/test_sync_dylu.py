@@ -157,6 +157,7 @@ def test_on_the_server_equal_emulated_speeds_give_plain_sync_diloco_bit_for_bit(
     assert _equal(real, _params(tmp_path / "s"))
 
 
+@pytest.mark.slow  # the suite's 10 minutes: the planner is the simulator's, tested there
 @pytest.mark.timeout(180)
 def test_on_the_server_a_slower_emulated_device_takes_fewer_steps_as_in_the_simulator(tiny, tmp_path):
     # as under torchrun: 20 and 50 ms a step, H = 6: rounds of 6 + 6, then 6 + 2 until 36 steps

@@ -62,6 +62,7 @@ def test_a_worker_reconnects_within_2_s_of_the_server_back_on_the_same_port(tmp_
     assert back[0] - up < 3.0, text  # 2 s, ±20% jitter, a busy machine
 
 
+@pytest.mark.slow  # the suite's 10 minutes: a worker that leaves, test_server_lifecycle.py
 @pytest.mark.timeout(90)
 def test_ctrl_c_stops_a_worker_with_a_sentence_and_it_leaves_the_run(tmp_path):
     """SIGINT (Ctrl-C) of a worker that waits for a server, and of one mid-run: exit 130 and one
