@@ -83,8 +83,22 @@ torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 saved = {}
+
+
+def told(error):  # every process's message
+    said = [None] * dist.get_world_size()
+    dist.all_gather_object(said, str(error))
+    return said
 """
 )
+# ... and ends: rank 0 saves `saved`, every process leaves as README's example does.
+END = """
+if rank == 0:
+    torch.save(saved, sys.argv[1])
+dist.barrier()
+dist.destroy_process_group()
+os._exit(0)
+"""
 
 SCRIPT = (
     JOB
@@ -118,15 +132,9 @@ dist.broadcast_object_list(box, src=0)  # both load rank 0's
 try:
     outer.load_state_dict(box[0])
 except ValueError as e:
-    said = [None, None]
-    dist.all_gather_object(said, str(e))
-    saved["swapped"] = said
-if rank == 0:
-    torch.save(saved, sys.argv[1])
-dist.barrier()  # as README's example ends
-dist.destroy_process_group()
-os._exit(0)
+    saved["swapped"] = told(e)
 """
+    + END
 )
 
 
@@ -155,15 +163,9 @@ outer = DistributedDiLoCo(model, inner_steps=H, procs_per_worker=2)
 try:
     user_loop(model, inner_opt(model.parameters()), batches(rank), outer, H)
 except RuntimeError as e:
-    said = [None] * 4
-    dist.all_gather_object(said, str(e))
-    saved["no_ddp"] = said
-if rank == 0:
-    torch.save(saved, sys.argv[1])
-dist.barrier()  # as README's example ends
-dist.destroy_process_group()
-os._exit(0)
+    saved["no_ddp"] = told(e)
 """
+    + END
 )
 
 
