@@ -78,7 +78,7 @@ class DistributedDiLoCo:
                 "group=torch.distributed.new_group(backend='gloo') (on every process), or start the "
                 "job with init_process_group('cpu:gloo,cuda:nccl')"
             )
-        self.model, self.inner_steps, self.group, self.bucket_mb = model, inner_steps, group, bucket_mb
+        self.inner_steps, self.group, self.bucket_mb = inner_steps, group, bucket_mb
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self._setup_workers(procs_per_worker)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -125,8 +125,8 @@ class DistributedDiLoCo:
             raise ValueError(
                 "procs_per_worker > 1 needs the whole job as its group (it makes groups of its own)"
             )
-        ranks = [dist.get_global_rank(self.group, i) for i in range(self.world)] if self.group else None
-        ranks = ranks or list(range(self.world))
+        world = range(self.world)
+        ranks = [dist.get_global_rank(self.group, i) for i in world] if self.group else list(world)
         self.M, self.k = M, self.world // M
         self.worker_id, self.local = self.rank // M, self.rank % M
         self.worker_ranks = ranks[self.worker_id * M : (self.worker_id + 1) * M]  # global ranks
@@ -156,17 +156,19 @@ class DistributedDiLoCo:
         since the last one, on every process, it does nothing (an outer step on nothing would
         still move θ_global by the outer momentum); with a different number of steps on some
         process it raises on every process, before anything changes."""
-        steps = self._gather([self.steps_in_round])
-        if len({int(row[0]) for row in steps}) > 1:
+        # one small all-gather: every process's step count and, in a worker of several, its
+        # parameters' fingerprint (its leader alone sends them)
+        every = self._gather([self.steps_in_round, _digest(self.params) if self.M > 1 else 0])
+        steps = [int(row[0]) for row in every]
+        if len(set(steps)) > 1:
             raise RuntimeError(
                 "the workers reached the outer sync after different numbers of inner steps "
-                f"({', '.join(str(int(row[0])) for row in steps)} by rank): every process must call "
+                f"({', '.join(map(str, steps))} by rank): every process must call "
                 "step() (or sync()) equally often"
             )
         if self.steps_in_round == 0:
             return
-        if self.M > 1:
-            self._check_worker_replicas()
+        self._check_worker_replicas([int(row[1]) for row in every])
         side, w = self.side, self.worker_id
         side.begin_round()
         message, finite = None, True
@@ -204,12 +206,11 @@ class DistributedDiLoCo:
         dist.all_gather(every, mine, group=self.group)
         return every
 
-    def _check_worker_replicas(self) -> None:
-        """Every process of a worker must hold the same parameters (its leader alone sends
-        them): checked over the whole group, so that every process raises, or none."""
-        every = self._gather([_digest(self.params)])
+    def _check_worker_replicas(self, digests: list[int]) -> None:
+        """Every process of a worker must hold the same parameters: `digests` (every process's,
+        from the whole group) tell every process alike, so all raise, or none."""
         for w in range(self.k):
-            if len({int(row[0]) for row in every[w * self.M : (w + 1) * self.M]}) > 1:
+            if len(set(digests[w * self.M : (w + 1) * self.M])) > 1:
                 raise RuntimeError(
                     f"the processes of worker {w} hold different parameters at the outer sync: wrap "
                     "the model in DistributedDataParallel over outer.worker_group (each process of a "
