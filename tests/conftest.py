@@ -6,6 +6,7 @@ import atexit
 import dataclasses
 import os
 import shutil
+import signal
 import tempfile
 
 import pytest
@@ -14,6 +15,10 @@ import torch
 from diloco.config import DataConfig, InnerConfig, ModelConfig, SimConfig, TrainConfig
 
 torch.set_num_threads(1)
+
+# A shell without job control starts background commands with Ctrl-C ignored, and the processes the
+# tests start would inherit that and ignore the SIGINTs the tests send them: restore the default.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Tokenised data is cached (tokens.py): the tests keep theirs apart from the user's, for this
 # session (processes the tests start inherit it).

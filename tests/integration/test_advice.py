@@ -54,7 +54,11 @@ def test_max_staleness_advises_diloco_serve_which_takes_it(tmp_path, small, caps
         assert json.loads((tmp_path / "srv" / "config.json").read_text())["max_staleness"] == 2
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
 
 
 @pytest.mark.timeout(60)
@@ -198,7 +202,11 @@ def test_ctrl_c_before_any_checkpoint_advises_a_new_start_that_works(tmp_path, s
         time.sleep(0.5)
     finally:
         proc.send_signal(signal.SIGINT)
-        err = proc.communicate(timeout=60)[1]
+        try:
+            err = proc.communicate(timeout=60)[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()  # never leave a run training (this one would go on for 100000 rounds)
+            raise
     assert proc.returncode == 130, err
     assert "interrupted before any checkpoint, so cut cannot be resumed" in err and "--resume" not in err
     assert "delete it (or give another --out) and start again" in err

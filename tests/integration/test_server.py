@@ -26,9 +26,20 @@ SMALL = ["--seq-len", "32", "--batch-size", "4", "--threads", "1"]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port whose successor is free too: the status page takes --port + 1 by default, and
+    an ephemeral port's neighbour can be some connection's source port."""
+    while True:
+        with socket.socket() as s, socket.socket() as t:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                t.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+
+
+SERVERS: dict[Path, subprocess.Popen] = {}  # run dir -> its server, so address() fails fast
 
 
 def serve(
@@ -38,7 +49,10 @@ def serve(
     cmd = [sys.executable, "-m", "diloco", "serve", "--port", str(port), *args]
     if "--resume" not in args:
         cmd += ["--config", str(tmp / "tiny.toml"), *SMALL, "--out", str(tmp / out)]
-    return subprocess.Popen(cmd, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = Path(args[args.index("--resume") + 1]) if "--resume" in args else tmp / out
+    proc = subprocess.Popen(cmd, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    SERVERS[run_dir] = proc
+    return proc
 
 
 def worker(address: str, *args: str, env=None) -> subprocess.Popen:
@@ -52,6 +66,9 @@ def address(run_dir: Path, timeout: float = 60.0) -> str:
         try:
             return json.loads((run_dir / "server.json").read_text())["address"]
         except (OSError, ValueError):
+            srv = SERVERS.get(run_dir)
+            if srv is not None and srv.poll() is not None:
+                raise AssertionError(f"the server exited {srv.returncode}: {srv.communicate()[1]}") from None
             time.sleep(0.1)
     raise AssertionError(f"the server never wrote {run_dir / 'server.json'}")
 
