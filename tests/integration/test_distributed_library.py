@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco import DiLoCo, DistributedDiLoCo
+from diloco import SGD, DiLoCo, DistributedDiLoCo
 from diloco.errors import NonFinite
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -133,6 +133,18 @@ try:
     outer.load_state_dict(box[0])
 except ValueError as e:
     saved["swapped"] = told(e)
+# θ_global diverged on one process (a flipped bit, a state loaded there alone): named at the sync
+torch.manual_seed(0)
+model = make_model()
+outer = DistributedDiLoCo(model, inner_steps=1)
+if rank == 1:
+    with torch.no_grad():
+        outer.side.params[0].add_(1e-3)
+try:
+    user_loop(model, inner_opt(model.parameters()), batches(rank), outer, 1)
+except RuntimeError as e:
+    saved["diverged"] = told(e)
+    saved["diverged_version"] = outer.version
 """
     + END
 )
@@ -222,6 +234,12 @@ def test_two_processes_equal_the_simulator_bit_for_bit(two_processes, codec):
 
 def test_processes_that_reach_the_sync_after_unequal_steps_are_told_so(two_processes):
     assert "different numbers of inner steps (0, 1 by rank)" in two_processes["unequal"]
+
+
+def test_processes_whose_global_parameters_diverged_are_told_so_before_an_outer_step(two_processes):
+    said = "θ_global on rank 1 differs from rank 0's at outer sync 1: the processes diverged"
+    assert all(said in told for told in two_processes["diverged"]), two_processes.get("diverged")
+    assert two_processes["diverged_version"] == 0
 
 
 def test_processes_given_checkpoints_of_another_round_or_process_are_told_so(two_processes):
@@ -366,6 +384,17 @@ def test_a_partial_round_syncs_and_a_nonfinite_outer_grad_stops_or_is_dropped(on
         model[0].bias[0] = float("nan")
     assert dropping.step() and dropping.dropped and dropping.version == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())  # θ_global back in the model
+
+
+@pytest.mark.timeout(30)
+def test_a_model_with_a_scalar_parameter_syncs(one_process):
+    model = torch.nn.Linear(2, 1)
+    model.scale = torch.nn.Parameter(torch.tensor(2.0))  # 0-dimensional: fingerprinted too
+    outer = DistributedDiLoCo(model, inner_steps=1, outer_opt=SGD(lr=1.0))
+    with torch.no_grad():
+        model.scale.add_(0.5)
+    assert outer.step() and outer.version == 1
+    assert outer.global_params[-1].item() == 2.5 == model.scale.item()
 
 
 @pytest.mark.timeout(30)

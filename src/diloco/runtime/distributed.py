@@ -154,11 +154,12 @@ class DistributedDiLoCo:
         """The outer step now, on the inner steps taken since the last one (every process must
         call it together; `step()` calls it for you every `inner_steps`). With no inner step
         since the last one, on every process, it does nothing (an outer step on nothing would
-        still move θ_global by the outer momentum); with a different number of steps on some
-        process it raises on every process, before anything changes."""
-        # one small all-gather: every process's step count and, in a worker of several, its
-        # parameters' fingerprint (its leader alone sends them)
-        every = self._gather([self.steps_in_round, _digest(self.params) if self.M > 1 else 0])
+        still move θ_global by the outer momentum); with a different number of steps, or
+        another θ_global, on some process it raises on every process, before anything changes."""
+        # one small all-gather: every process's step count, its θ_global's fingerprint (all must
+        # hold the same) and, in a worker of several, its parameters' fingerprint
+        worker_digest = _digest(self.params) if self.M > 1 else 0
+        every = self._gather([self.steps_in_round, worker_digest, _digest(self.side.params)])
         steps = [int(row[0]) for row in every]
         if len(set(steps)) > 1:
             raise RuntimeError(
@@ -168,6 +169,7 @@ class DistributedDiLoCo:
             )
         if self.steps_in_round == 0:
             return
+        self._check_global([int(row[2]) for row in every])
         self._check_worker_replicas([int(row[1]) for row in every])
         side, w = self.side, self.worker_id
         side.begin_round()
@@ -205,6 +207,16 @@ class DistributedDiLoCo:
         every = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine, group=self.group)
         return every
+
+    def _check_global(self, digests: list[int]) -> None:
+        """Every process must hold the same θ_global (the outer steps are the same everywhere):
+        a process that differs (a bit flipped, a state loaded on one process alone) is named."""
+        bad = [r for r, d in enumerate(digests) if d != digests[0]]
+        if bad:
+            raise RuntimeError(
+                f"θ_global on rank {bad[0]} differs from rank 0's at outer sync {self.side.rounds_done + 1}: "
+                "the processes diverged; restart every process from its last state_dict()"
+            )
 
     def _check_worker_replicas(self, digests: list[int]) -> None:
         """Every process of a worker must hold the same parameters: `digests` (every process's,
@@ -296,8 +308,8 @@ def _check_arguments(
 def _digest(tensors: list[torch.Tensor]) -> int:
     """A fingerprint of the tensors' bytes (7 bytes of their SHA-256: fits an int64)."""
     digest = hashlib.sha256()
-    for t in tensors:
-        digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    for t in tensors:  # hashed in place, without a copy of the bytes (but a GPU tensor's)
+        digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return int.from_bytes(digest.digest()[:7], "big")
 
 
