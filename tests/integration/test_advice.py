@@ -52,13 +52,12 @@ def test_max_staleness_advises_diloco_serve_which_takes_it(tmp_path, small, caps
             assert proc.poll() is None and time.time() < deadline
             time.sleep(0.1)
         assert json.loads((tmp_path / "srv" / "config.json").read_text())["max_staleness"] == 2
-    finally:
         proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        proc.wait(timeout=30)
+    finally:  # never leave the server behind (a failed wait, the test's timeout)
+        if proc.poll() is None:
             proc.kill()
-            raise
+            proc.wait()
 
 
 @pytest.mark.timeout(60)
@@ -200,13 +199,12 @@ def test_ctrl_c_before_any_checkpoint_advises_a_new_start_that_works(tmp_path, s
             assert proc.poll() is None and time.time() < deadline
             time.sleep(0.1)
         time.sleep(0.5)
-    finally:
         proc.send_signal(signal.SIGINT)
-        try:
-            err = proc.communicate(timeout=60)[1]
-        except subprocess.TimeoutExpired:
-            proc.kill()  # never leave a run training (this one would go on for 100000 rounds)
-            raise
+        err = proc.communicate(timeout=60)[1]
+    finally:  # never leave a run training (this one would go on for 100000 rounds)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 130, err
     assert "interrupted before any checkpoint, so cut cannot be resumed" in err and "--resume" not in err
     assert "delete it (or give another --out) and start again" in err

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -26,29 +27,40 @@ SMALL = ["--seq-len", "32", "--batch-size", "4", "--threads", "1"]
 
 
 def free_port() -> int:
-    """A free port whose successor is free too: the status page takes --port + 1 by default, and
-    an ephemeral port's neighbour can be some connection's source port."""
+    """A free port whose successor is free too, for the tests that keep the status page's
+    default port (--port + 1); serve() gives the others any free one."""
     while True:
         with socket.socket() as s, socket.socket() as t:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
             try:
                 t.bind(("127.0.0.1", port + 1))
-            except OSError:
+            except (OSError, OverflowError):
                 continue
             return port
 
 
-SERVERS: dict[Path, subprocess.Popen] = {}  # run dir -> its server, so address() fails fast
+# run dir -> the server last started on it, so that address() waits for that one and fails fast
+SERVERS: weakref.WeakValueDictionary[Path, subprocess.Popen] = weakref.WeakValueDictionary()
 
 
 def serve(
-    tmp: Path, *args: str, port: int = 0, out: str = "run", env=None, toml: str = TINY
+    tmp: Path,
+    *args: str,
+    port: int = 0,
+    out: str = "run",
+    env=None,
+    toml: str = TINY,
+    http_port: int | None = 0,
 ) -> subprocess.Popen:
+    """`diloco serve` on `port`; its status page on any free port unless `http_port` is None
+    (the default, --port + 1: a port an outgoing connection may hold by then) or args name one."""
     (tmp / "tiny.toml").write_text(toml)
     cmd = [sys.executable, "-m", "diloco", "serve", "--port", str(port), *args]
     if "--resume" not in args:
         cmd += ["--config", str(tmp / "tiny.toml"), *SMALL, "--out", str(tmp / out)]
+    if http_port is not None and "--http-port" not in args:
+        cmd += ["--http-port", str(http_port)]
     run_dir = Path(args[args.index("--resume") + 1]) if "--resume" in args else tmp / out
     proc = subprocess.Popen(cmd, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     SERVERS[run_dir] = proc
@@ -61,15 +73,21 @@ def worker(address: str, *args: str, env=None) -> subprocess.Popen:
 
 
 def address(run_dir: Path, timeout: float = 60.0) -> str:
+    """The address in server.json, once the server serve() last started there has written it
+    (a resumed server's folder holds its predecessor's); fails at once if that server exited."""
+    srv = SERVERS.get(run_dir)
     deadline = time.time() + timeout
     while time.time() < deadline:
+        exited = srv is not None and srv.poll() is not None
         try:
-            return json.loads((run_dir / "server.json").read_text())["address"]
+            served = json.loads((run_dir / "server.json").read_text())
+            if srv is None or served["pid"] == srv.pid:
+                return served["address"]
         except (OSError, ValueError):
-            srv = SERVERS.get(run_dir)
-            if srv is not None and srv.poll() is not None:
-                raise AssertionError(f"the server exited {srv.returncode}: {srv.communicate()[1]}") from None
-            time.sleep(0.1)
+            pass
+        if exited:  # read once more after it exited: it may have written the file, then ended
+            raise AssertionError(f"the server exited {srv.returncode}: {srv.communicate()[1]}")
+        time.sleep(0.1)
     raise AssertionError(f"the server never wrote {run_dir / 'server.json'}")
 
 

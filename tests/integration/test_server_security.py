@@ -43,7 +43,7 @@ def test_a_generated_token_keeps_out_workers_without_it(tmp_path):
     a wrong or no token exit 2 with one sentence and change nothing; with the file they work."""
     run_dir = tmp_path / "run"
     port = free_port()
-    srv = serve(tmp_path, *RUN, port=port, env=NO_TOKEN_ENV)
+    srv = serve(tmp_path, *RUN, port=port, env=NO_TOKEN_ENV, http_port=None)  # the default: +1
     addr = address(run_dir)
     token_path = run_dir / "token"
     assert stat.S_IMODE(token_path.stat().st_mode) == 0o600

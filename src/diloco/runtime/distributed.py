@@ -158,8 +158,9 @@ class DistributedDiLoCo:
         another θ_global, on some process it raises on every process, before anything changes."""
         # one small all-gather: every process's step count, its θ_global's fingerprint (all must
         # hold the same) and, in a worker of several, its parameters' fingerprint
-        worker_digest = _digest(self.params) if self.M > 1 else 0
-        every = self._gather([self.steps_in_round, worker_digest, _digest(self.side.params)])
+        worker_digest = _digest(self.params) if self.M > 1 and self.steps_in_round else 0
+        global_digest = _digest(self.side.params) if self.steps_in_round else 0
+        every = self._gather([self.steps_in_round, worker_digest, global_digest])
         steps = [int(row[0]) for row in every]
         if len(set(steps)) > 1:
             raise RuntimeError(
@@ -210,12 +211,13 @@ class DistributedDiLoCo:
 
     def _check_global(self, digests: list[int]) -> None:
         """Every process must hold the same θ_global (the outer steps are the same everywhere):
-        a process that differs (a bit flipped, a state loaded on one process alone) is named."""
+        the first process of the group that differs from the group's first is named."""
         bad = [r for r, d in enumerate(digests) if d != digests[0]]
         if bad:
             raise RuntimeError(
-                f"θ_global on rank {bad[0]} differs from rank 0's at outer sync {self.side.rounds_done + 1}: "
-                "the processes diverged; restart every process from its last state_dict()"
+                f"θ_global on rank {bad[0]} differs from rank 0's at outer sync {self.side.rounds_done + 1} "
+                f"({len(bad)} of {self.world} processes differ from rank 0, ranks of `group`): the "
+                "processes diverged; restart every process from its last state_dict()"
             )
 
     def _check_worker_replicas(self, digests: list[int]) -> None:
