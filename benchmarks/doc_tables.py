@@ -517,7 +517,7 @@ def bytes_points(data: dict) -> str:
             f"| {BYTES_NAMES[p['method']]} | {p['H']} | {lrs} | {second} | {loss} | {vs} | {mb} | {ratio} |"
         )
     if waiting:
-        out.append(f"| {waiting} more points not run yet | | | | | | | |")
+        out.append(f"| {waiting} more point{'s' if waiting > 1 else ''} not run yet | | | | | | | |")
     return "\n".join(out) + "\n"
 
 
