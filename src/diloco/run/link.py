@@ -164,6 +164,14 @@ class Link:
         return head, blob
 
     def close(self) -> None:
+        """Close the channel once grpc's connectivity poller (its own thread, woken every 0.2 s)
+        has seen the unsubscription: a channel closed under it can make it raise, and its
+        traceback would follow a worker's one-sentence error (seen once in CI)."""
+        self.channel.unsubscribe(self._state)
+        state = getattr(self.channel, "_connectivity_state", None)  # grpc's; absent: close at once
+        deadline = time.monotonic() + 1.0
+        while getattr(state, "polling", False) and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.channel.close()
 
 
