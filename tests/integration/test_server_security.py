@@ -59,7 +59,7 @@ def test_a_generated_token_keeps_out_workers_without_it(tmp_path):
     assert (rc1, rc2) == (2, 2), (err1, err2)
     assert "sent no token; pass the run's token with --token-file" in err1
     assert "sent a token that is not the run's" in err2
-    assert err1.count("\n") == 1 and err2.count("\n") == 1  # one sentence, no traceback
+    assert err1.count("\n") == 1 and err2.count("\n") == 1, (err1, err2)  # one sentence, no traceback
     assert not [e for e in events(run_dir) if e["kind"] == "join"]
 
     url = http_url(run_dir)
