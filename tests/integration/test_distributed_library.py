@@ -145,6 +145,22 @@ try:
 except RuntimeError as e:
     saved["diverged"] = told(e)
     saved["diverged_version"] = outer.version
+# check_global=False skips the comparison (CPUs of different kinds): the outer step runs on
+# θ_globals that differ; off on one process only, every process is told to agree
+for checks in ((False, False), (True, False)):
+    torch.manual_seed(0)
+    model = make_model()
+    outer = DistributedDiLoCo(model, inner_steps=1, check_global=checks[rank])
+    if rank == 1:
+        with torch.no_grad():
+            outer.side.params[0].add_(1e-3)
+    try:
+        user_loop(model, inner_opt(model.parameters()), batches(rank), outer, 1)
+        thetas = [None] * 2
+        dist.all_gather_object(thetas, outer.global_params[0].clone())
+        saved[f"unchecked {checks}"] = (outer.version, thetas)
+    except RuntimeError as e:
+        saved[f"unchecked {checks}"] = told(e)
 """
     + END
 )
@@ -240,6 +256,10 @@ def test_processes_whose_global_parameters_diverged_are_told_so_before_an_outer_
     said = "θ_global on rank 1 differs from rank 0's at outer sync 1 (1 of 2 processes differ"
     assert all(said in told and "the processes diverged" in told for told in two_processes["diverged"])
     assert two_processes["diverged_version"] == 0
+    version, (theta_0, theta_1) = two_processes["unchecked (False, False)"]
+    assert version == 1 and not theta_0.equal(theta_1)  # stepped, and still apart
+    told = two_processes["unchecked (True, False)"]
+    assert all("check_global is off on some processes" in said for said in told)
 
 
 def test_processes_given_checkpoints_of_another_round_or_process_are_told_so(two_processes):
