@@ -551,8 +551,11 @@ def main() -> None:
                 ctx.rerun.add(r.name)
         what = f"{', '.join(args.methods)} × H {args.hs}"
         _log(f"{len(tuned)} points ({what}); {args.jobs} jobs; runs in {args.workdir}")
-        n = rd.Scheduler(ctx, lambda *_: None).execute(parts(dp_runs, tuned))
+        scheduler = rd.Scheduler(ctx, lambda *_: None)
+        n = scheduler.execute(parts(dp_runs, tuned))
         _log(f"{n} new runs in {time.perf_counter() - t0:.0f} s")
+        if scheduler.stopped:
+            raise SystemExit("a run was stopped by a signal; the finished runs are in the ledger: run again")
     # runs whose folders finished outside the scheduler (by hand, or before a crash) join the ledger
     for p in parts(dp_runs, tuned).values():
         for r in p.all_runs(ctx):

@@ -56,7 +56,7 @@ Parts (`--part`, repeatable or a comma list; default all):
   each outer_grad pruned (top-k 0.5, with and without `--error-feedback`: the DiLoCo paper's
   pruning claim), vs fp32, k = 4.
 - `H500`: the paper's headline interval: nano, warm, k = 4, H500_STEPS (10,000) steps per worker,
-  DiLoCo at H = 50 and 500 (each its own outer-lr grid {0.5, 0.7, 1.0}, tuned by part dp's rules)
+  DiLoCo at H = 50 and 500 (each its own outer-lr grid over part dp's DiLoCo pick ÷1.4, ×1, ×1.4)
   against data parallel re-tuned at these steps around part dp's pick (inner lr ÷2, ×1, ×2 at its
   warm-up); also its own JSON
   (reproduce_diloco_H500.json: `h500_vs_dp_gap`, `h500_bytes_ratio_vs_dp`, `h50_vs_dp_gap`) and
@@ -149,7 +149,7 @@ TUNE_SEED = 100
 TUNE_FRACTION = 0.05
 INNER_LR_GRID, INNER_GRID_STEP = (5e-4, 1e-3, 2e-3, 4e-3), 2.0  # data parallel's and single's
 WARMUPS = (30, 100)  # their warm-up steps, each with its own inner-lr grid
-H500_STEPS, H500_HS, H500_LR_GRID = 10_000, (50, 500), (0.5, 0.7, 1.0)
+H500_STEPS, H500_HS = 10_000, (50, 500)
 OUTER_GRIDS = {  # name -> (--outer-opt, --outer-momentum or None, lr grid)
     "nesterov": ("nesterov", None, OUTER_LR_GRID),
     "sgd": ("sgd", 0.0, (0.5, 1.0, 1.5)),
@@ -371,11 +371,38 @@ class Around:
 
 
 @dataclass
+class OuterAround:
+    """An outer-lr grid centred on another DiLoCo arm's pick (÷/× GRID_STEP), made once the pick
+    is known: part H500's DiLoCo at each H re-tunes around part dp's (k = 4, warm) at its own
+    steps, widening at an edge like any `Tuned`. Scheduled like a `Tuned`."""
+
+    source: Tuned
+    make: Callable[[float, int], Run]  # (lr, seed) -> a reported run
+    tune: Callable[[float], Run]  # lr -> a tuning run
+    seeds: list[int]
+
+    def inner(self, ctx: Ctx) -> Tuned | None:
+        lr = self.source.best(ctx)
+        if lr is None:
+            return None
+        base = (float(f"{lr / GRID_STEP:.2g}"), lr, float(f"{lr * GRID_STEP:.2g}"))
+        return Tuned(self.make, base, self.seeds, tune=self.tune)
+
+    def grid_runs(self, ctx: Ctx) -> list[Run]:
+        t = self.inner(ctx)
+        return self.source.grid_runs(ctx) + (t.grid_runs(ctx) if t else [])
+
+    def runs(self, ctx: Ctx) -> list[Run]:
+        t = self.inner(ctx)
+        return t.runs(ctx) if t else []
+
+
+@dataclass
 class Plan:
     """What one part runs: fixed runs, and tuned ones whose other seeds wait for the grid."""
 
     runs: list[Run] = field(default_factory=list)
-    tuned: list[Tuned | Choice | Follow | Around] = field(default_factory=list)
+    tuned: list[Tuned | Choice | Follow | Around | OuterAround] = field(default_factory=list)
     later: list[Run] = field(default_factory=list)  # references, run after the others of their kind
 
     def all_runs(self, ctx: Ctx) -> list[Run]:
@@ -686,6 +713,8 @@ class Ctx:
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
         elapsed = round(time.perf_counter() - t0, 2)
+        if proc.returncode < 0:  # killed by a signal: the lane was stopped, not a result
+            raise Stopped(f"{run.label} was stopped by signal {-proc.returncode}: not recorded")
         d.mkdir(parents=True, exist_ok=True)
         record = {"label": run.label, "cmd": cmd, "elapsed_s": elapsed, "returncode": proc.returncode}
         ok = proc.returncode == 0 and (d / "summary.json").is_file()
@@ -695,6 +724,10 @@ class Ctx:
         self.keep(run)
         self.ledger.save()
         return ok, elapsed
+
+
+class Stopped(Exception):
+    """A run's process was killed by a signal: nothing is recorded, and a restart runs it again."""
 
 
 class Scheduler:
@@ -745,8 +778,9 @@ class Scheduler:
         running: dict[Future, Run] = {}
         first_start: dict[str, float] = {}
         done_in: dict[str, int] = {}
+        self.stopped = stopped = False  # a run was killed by a signal: start no more, let the others finish
         with ThreadPoolExecutor(max_workers=ctx.jobs) as pool:
-            while pending or running or waiting:
+            while (pending or running or waiting) and not (stopped and not running):
                 for part, t in list(waiting):
                     grid = t.grid_runs(ctx)
                     add(part, grid)  # a grid widened past an edge: its new lr
@@ -756,7 +790,7 @@ class Scheduler:
                         waiting.remove((part, t))
                         add(part, t.runs(ctx))
                 for r in list(pending):
-                    if len(running) >= ctx.jobs:
+                    if len(running) >= ctx.jobs or stopped:
                         break
                     if r.init is not None and not ctx.finished(r.init, model=True):
                         continue
@@ -781,7 +815,12 @@ class Scheduler:
                 for fut in finished:
                     r = running.pop(fut)
                     part = part_of[r.name]
-                    ok, elapsed = fut.result()
+                    try:
+                        ok, elapsed = fut.result()
+                    except Stopped as e:
+                        _log(f"{part}: {e}; starting nothing more (run the part again to redo it)")
+                        self.stopped = stopped = True
+                        continue
                     done_in[part] = done_in.get(part, 0) + 1
                     span = time.perf_counter() - first_start[part]
                     self.record(part, span, done_in[part])
@@ -1288,9 +1327,10 @@ def part_codec(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
 def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     """The paper's headline interval: nano, warm, k = 4, H500_STEPS steps per worker (20 rounds
     at H = 500, 200 at H = 50); data parallel re-tuned at these steps around part dp's pick (k =
-    4, warm), DiLoCo at each H with its own outer-lr grid; both on the tuning seed and split."""
+    4, warm), DiLoCo at each H around part dp's DiLoCo pick (k = 4, warm, its H); all on the
+    tuning seed and split."""
     steps, hs = ctx.h500_steps, ctx.h500_hs
-    _, dp_choice, _ = dp_arms(ctx, K, True)
+    _, dp_choice, diloco_dp = dp_arms(ctx, K, True)
     dp = Around(
         dp_choice,
         lambda lr, w, s: ctx.dp(K, s, True, fair=True, lr=lr, warmup=w, steps=steps),
@@ -1298,18 +1338,18 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
         ctx.seeds,
     )
     tuned = {
-        H: Tuned(
+        H: OuterAround(
+            diloco_dp.get(ctx.H) or next(iter(diloco_dp.values())),
             functools.partial(
                 lambda lr, s, H: ctx.diloco(s, k=K, H=H, lr=lr, warm=True, fair=True, steps=steps), H=H
             ),
-            H500_LR_GRID,
-            ctx.seeds,
-            tune=functools.partial(
+            functools.partial(
                 lambda lr, H: ctx.diloco(
                     TUNE_SEED, k=K, H=H, lr=lr, warm=True, fair=True, tuning=True, steps=steps
                 ),
                 H=H,
             ),
+            ctx.seeds,
         )
         for H in hs
     }
@@ -1317,12 +1357,13 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     def report() -> dict:
         base = entry(ctx, dp.runs(ctx), tuning=dp.report(ctx))
         by_H = {}
-        for H, t in tuned.items():
-            lr = t.best(ctx)
+        for H, around in tuned.items():
+            t = around.inner(ctx)
+            lr = t.best(ctx) if t else None
             e = entry(ctx, t.runs(ctx), outer_lr=lr, H=H, rounds=steps // H) if lr is not None else {}
             e = versus(e, base, "vs_dp") if lr is not None else {"val_loss": None, "vs_dp": None}
-            e["outer_lr_at_grid_edge"] = t.at_edge(ctx)
-            e["lr_grid_tuning"] = t.table(ctx)
+            e["outer_lr_at_grid_edge"] = t.at_edge(ctx) if t else None
+            e["lr_grid_tuning"] = t.table(ctx) if t else None
             e["bytes_ratio_vs_dp"] = ratio(base.get("bytes_sent_per_worker"), e.get("bytes_sent_per_worker"))
             by_H[str(H)] = e
         lo, hi = (by_H.get(str(h), {}) for h in hs)
@@ -1341,7 +1382,8 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             else bool(gap <= 0.02 and br >= 400),
             "claim": "DiLoCo at H = 500 ends below data parallel while communicating 500x less",
             "note": "data parallel re-tunes its inner lr at these steps over part dp's pick ×/÷2 (at "
-            "part dp's warm-up); each H its own outer-lr grid; both on the tuning seed and split",
+            f"part dp's warm-up); DiLoCo at each H its outer lr over part dp's DiLoCo pick "
+            f"×/÷{_num(GRID_STEP)}, widening at an edge; all on the tuning seed and split",
         }
 
     return Plan(tuned=[dp, *tuned.values()]), report
@@ -1758,8 +1800,11 @@ def main() -> None:
 
     if not (args.report_only or args.plot_only):
         _log(f"parts {', '.join(parts)}; {args.seeds} seeds; {args.jobs} jobs; runs in {args.workdir}")
-        n = Scheduler(ctx, record).execute({p: built[p][0] for p in parts})
+        scheduler = Scheduler(ctx, record)
+        n = scheduler.execute({p: built[p][0] for p in parts})
         _log(f"{n} new runs in {time.perf_counter() - t0:.0f} s")
+        if scheduler.stopped:
+            raise SystemExit("a run was stopped by a signal; the finished runs are in the ledger: run again")
     result: dict = {
         "benchmark": "reproduce_diloco",
         "quick": args.quick,

@@ -198,3 +198,47 @@ def test_a_choice_whose_one_option_failed_whole_picks_the_other(tmp_path):
     ctx = _ctx(mod, tmp_path)
     _, dp, _ = mod.dp_arms(ctx, 4, True)
     assert dp.pick(ctx) == "warmup 100" and mod._picked(dp, ctx) == (1e-3, 100)
+
+
+@pytest.mark.timeout(60)
+def test_a_run_whose_process_a_signal_kills_leaves_no_result(tmp_path):
+    """A stopped lane's run is not a failed run: nothing in its folder or the ledger, so a
+    restart runs it again (a failed run's failed.json would count as finished)."""
+    mod = _module()
+    ctx = _ctx(mod, tmp_path)
+    run = ctx.dp(4, 0, True)
+    ctx.command = lambda run: [
+        sys.executable,
+        "-c",
+        "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
+    ]
+    with pytest.raises(mod.Stopped, match="stopped by signal 15"):
+        ctx.train(run)
+    assert not ctx.finished(run) and not (tmp_path / run.name / "failed.json").exists()
+    assert not _ctx(mod, tmp_path).finished(run)  # a restart reads the ledger: nothing there
+
+
+@pytest.mark.timeout(60)
+def test_part_H500_centres_each_H_outer_lr_grid_on_part_dp_diloco_pick(tmp_path):
+    """Part dp's DiLoCo (k = 4, warm) tuning losses by hand: 1.0 is best on its grid's edge, the
+    grid widens to 1.4, which is worse, so 1.0 is the pick; part H500's DiLoCo then tunes each H
+    over 1.0 ÷/× 1.4 on the tuning seed and split at its own steps, nothing before the pick."""
+    mod = _module()
+    ctx = _ctx(mod, tmp_path)
+    plan, _ = mod.part_H500(ctx)
+    assert [t.inner(ctx) for t in plan.tuned[1:]] == [None, None]  # part dp's grid has not run
+    _, _, diloco = mod.dp_arms(ctx, 4, True)
+    rows = []
+    for lr, v in {0.7: 2.1, 1.0: 2.0, 1.4: 2.05}.items():
+        r = diloco[50].tune(lr)
+        rows.append({"name": r.name, "label": r.label, "flags": list(r.flags), "summary": {"val_loss": v}})
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ctx = _ctx(mod, tmp_path)
+    plan, report = mod.part_H500(ctx)
+    for around, rounds in zip(plan.tuned[1:], ("200", "20"), strict=True):
+        new = around.inner(ctx).grid_runs(ctx)
+        assert [
+            (_flag(r, "--outer-lr"), r.seed, _flag(r, "--eval-on"), _flag(r, "--rounds")) for r in new
+        ] == [(lr, mod.TUNE_SEED, "tune", rounds) for lr in ("0.71", "1", "1.4")]
+        assert around.runs(ctx) == []  # until its own grid has run
+    assert report()["by_H"]["50"]["lr_grid_tuning"] == {"0.71": None, "1": None, "1.4": None}

@@ -79,3 +79,34 @@ def test_a_grid_widened_between_two_reads_still_runs_its_new_lr():
     # one read would have seen [a] all finished and stopped waiting: b would never have run
     assert sorted(ctx.trained[:2]) == ["a", "c"] and ctx.trained[2:] == ["b", "s1"]
     assert n == 4
+
+
+class _Killed(_Ctx):
+    """Run `k` is killed by a signal (the lane stopped) while run `slow` is still going."""
+
+    def __init__(self, rd):
+        super().__init__()
+        self.rd = rd
+        self.killed = threading.Event()
+
+    def train(self, run):
+        self.trained.append(run.name)
+        if run.name == "k":
+            self.killed.set()
+            raise self.rd.Stopped("k was stopped by signal 15: not recorded")
+        assert self.killed.wait(10)
+        self.done.add(run.name)
+        return True, 0.0
+
+
+@pytest.mark.timeout(30)
+def test_a_run_killed_by_a_signal_stops_the_lane_and_is_not_recorded():
+    """A run whose process a signal killed is no result (a restart runs it again): the scheduler
+    starts nothing more, lets the running one finish, and says it stopped."""
+    rd = _rd()
+    ctx = _Killed(rd)
+    runs = [rd.Run(name, name, 0, (f"--{name}",)) for name in ("slow", "k", "next")]
+    scheduler = rd.Scheduler(ctx, lambda part, span, done: None)
+    n = scheduler.execute({"p": rd.Plan(runs=runs)})
+    assert scheduler.stopped and ctx.trained[:2] == ["slow", "k"] and "next" not in ctx.trained
+    assert ctx.done == {"slow"} and n == 1
