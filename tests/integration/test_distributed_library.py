@@ -117,6 +117,27 @@ for name, (codec, outer_opt) in CODECS.items():  # one job, each codec a run of 
     assert synced == [(step + 1) % H == 0 for step in range(H * ROUNDS)]
     assert all(p.equal(g) for p, g in zip(model.parameters(), outer.global_params))
     saved[name] = {"params": outer.global_params, "version": outer.version, "bytes": outer.bytes_sent}
+# Streaming DiLoCo: 2 fragments sent at steps 1 and 4 of each round of 5, merged a step later
+for name, (codec, outer_opt) in CODECS.items():
+    torch.manual_seed(rank)
+    model = make_model()
+    opt = inner_opt(model.parameters())
+    streaming = DistributedDiLoCo(
+        model, inner_steps=H, outer_opt=outer_opt(), codec=codec(), fragments=2, overlap_steps=1
+    )
+    data = batches(rank)
+    synced = user_loop(model, opt, data, streaming, H + 1)  # fragment 0's exchange in flight
+    for call in (streaming.state_dict, streaming.sync):
+        try:
+            call()
+        except RuntimeError as e:
+            saved[f"streaming refuses {call.__name__}"] = str(e)
+    synced += user_loop(model, opt, data, streaming, (ROUNDS - 1) * H - 1)
+    assert synced == [(step + 1) % H == 0 for step in range(H * ROUNDS)]
+    saved[f"streaming {name}"] = {
+        "params": streaming.global_params, "model": [p.detach().clone() for p in model.parameters()],
+        "version": streaming.version, "bytes": streaming.bytes_sent,
+    }  # fmt: skip
 if rank == 1:
     outer.step()  # one inner step more than rank 0
 try:
@@ -206,7 +227,7 @@ def _torchrun(tmp_path, script: str, *args: str, nproc: int = 2) -> subprocess.C
     )
 
 
-def _simulated(scope: dict, codec: str, batches: list) -> DiLoCo:
+def _simulated(scope: dict, codec: str, batches: list, **streaming) -> DiLoCo:
     """The same run in the simulator: rank 0's model (seed 0), a worker for each of `batches`."""
     make_codec, make_outer = scope["CODECS"][codec]
     torch.manual_seed(0)
@@ -218,6 +239,7 @@ def _simulated(scope: dict, codec: str, batches: list) -> DiLoCo:
         loss_fn=scope["loss_fn"],
         outer_opt=make_outer(),
         codec=make_codec(),
+        **streaming,
     )
     for _ in range(scope["ROUNDS"]):
         sim.round()
@@ -246,6 +268,29 @@ def test_two_processes_equal_the_simulator_bit_for_bit(two_processes, codec):
     moved = [not r.equal(s) for r, s in zip(real["params"], start)]
     assert all(moved), "the outer steps left a parameter where it started"
     assert all(r.equal(s) for r, s in zip(real["params"], sim.side.params, strict=True))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("codec", ["fp32", "sparseloco"])
+def test_streaming_diloco_in_two_processes_equals_the_simulators_bit_for_bit(two_processes, codec):
+    """2 fragments, overlap 1 (each merge mixes half the local parameters in): θ_global, the
+    rank's model (its worker 0's) and the bytes equal the simulator's Streaming DiLoCo."""
+    real = two_processes[f"streaming {codec}"]
+    scope = _setup()
+    batches = [scope["batches"](r) for r in range(scope["K"])]
+    sim = _simulated(scope, codec, batches, fragments=2, overlap_steps=1)
+    assert real["version"] == sim.side.version == scope["ROUNDS"]
+    assert real["bytes"] == sim.side.bytes_sent[0] > 0
+    assert all(r.equal(s) for r, s in zip(real["params"], sim.side.params, strict=True))
+    worker_0 = list(sim.pool.workers[0].model.parameters())
+    assert all(r.equal(s) for r, s in zip(real["model"], worker_0, strict=True))
+    plain = two_processes[codec]["params"]  # not plain DiLoCo's numbers
+    assert not all(r.equal(p) for r, p in zip(real["params"], plain, strict=True))
+
+
+def test_streaming_diloco_refuses_a_checkpoint_in_flight_and_sync(two_processes):
+    assert "fragment 0's exchange is in flight at step 1" in two_processes["streaming refuses state_dict"]
+    assert "call step() after every inner step" in two_processes["streaming refuses sync"]
 
 
 def test_processes_that_reach_the_sync_after_unequal_steps_are_told_so(two_processes):
@@ -440,6 +485,11 @@ def test_a_model_with_a_scalar_parameter_syncs(one_process):
         ({"procs_per_worker": 2}, "procs_per_worker must divide the group's 1 processes"),
         ({"procs_per_worker": 0}, "procs_per_worker must divide"),
         ({"ddp": True}, "not wrapped in DistributedDataParallel"),
+        ({"fragments": 2, "on_nonfinite": "drop"}, "takes one process per worker and stops on a NaN"),
+        ({"fragments": 6}, "fragments 6 is more than inner_steps 5.*use fragments=5 or fewer"),
+        ({"fragments": 2, "overlap_steps": 2}, "overlap_steps 2 must be below inner_steps / fragments = 2"),
+        ({"overlap_steps": 1, "mix_alpha": 1.5}, r"mix_alpha must lie in \[0, 1\]"),
+        ({"fragments": 2}, "2 fragments need at least as many numbered blocks, the model has 0"),
     ],
 )
 def test_wrong_arguments_are_named(one_process, wrong, says):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import re
 from typing import Any
 
 import torch
@@ -25,13 +26,15 @@ import torch.nn as nn
 
 from diloco.core.codec import Codec, Encoded, Fp32Codec
 from diloco.core.inner import encode_outer_grad, outer_grad_from
-from diloco.core.outer import Nesterov, OuterOpt
+from diloco.core.outer import Fragmented, Nesterov, OuterOpt
 from diloco.core.outer_side import ON_NONFINITE, OuterSide
+from diloco.core.streaming import Schedule
 from diloco.errors import NonFinite
 from diloco.runtime.collective import sum_in_buckets
+from diloco.runtime.distributed_streaming import StreamingSteps
 
 
-class DistributedDiLoCo:
+class DistributedDiLoCo(StreamingSteps):
     """The outer side of sync DiLoCo for one process of a torch.distributed job.
 
     `model` is this process's model (on any device; the module itself, not wrapped in
@@ -56,6 +59,10 @@ class DistributedDiLoCo:
     sync and raises on every process if any differs (SHA-256, ~0.7 s per GB of parameters on one
     CPU core); turn it off only for a job whose machines may round the outer step differently
     (CPUs of different kinds), where θ_global may then drift apart by rounding.
+    `fragments` P > 1 or `overlap_steps` τ > 0 is Streaming DiLoCo (distributed_streaming.py):
+    fragment p's outer_grad is sent at its own step of the round and merged τ steps later,
+    θ ← `mix_alpha`·θ + (1 − mix_alpha)·θ_global (replaced when τ = 0), each fragment with its own
+    copy of `outer_opt`; one process per worker, `on_nonfinite` "stop", and `step()` only.
     """
 
     def __init__(
@@ -70,6 +77,9 @@ class DistributedDiLoCo:
         bucket_mb: float = 25.0,
         on_nonfinite: str = "stop",
         check_global: bool = True,
+        fragments: int = 1,
+        overlap_steps: int = 0,
+        mix_alpha: float = 0.5,
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -93,6 +103,9 @@ class DistributedDiLoCo:
                 value = t.detach().cpu().contiguous()
                 dist.broadcast(value, src=self._root, group=group)
                 t.copy_(value)
+        schedule = _schedule(inner_steps, fragments, overlap_steps, mix_alpha, procs_per_worker, on_nonfinite)
+        if schedule is not None:
+            outer_opt = Fragmented([copy.deepcopy(outer_opt or Nesterov()) for _ in range(fragments)])
         self.side = OuterSide(
             _cpu_copy(model),
             self.k,
@@ -103,6 +116,7 @@ class DistributedDiLoCo:
         self.codec_state: dict[str, Any] = {}  # this worker's codec state (error feedback)
         self.steps_in_round = 0
         self.dropped = False  # this worker's outer_grad was left out of the last sync (non-finite)
+        self._setup_schedule(schedule)
 
     @property
     def global_params(self) -> list[torch.Tensor]:
@@ -148,8 +162,11 @@ class DistributedDiLoCo:
 
     def step(self) -> bool:
         """Count one inner step; at every `inner_steps`-th, run the outer step (every process
-        must call it equally often). Returns whether this call synchronised."""
+        must call it equally often). Returns whether this call synchronised (with `fragments`:
+        whether it ended a round, every fragment merged)."""
         self.steps_in_round += 1
+        if self.schedule is not None:
+            return self._streaming_step()
         if self.steps_in_round < self.inner_steps:
             return False
         self.sync()
@@ -162,10 +179,15 @@ class DistributedDiLoCo:
         since the last one, on every process, it does nothing (an outer step on nothing would
         still move θ_global by the outer momentum); with a different number of steps, or
         another θ_global, on some process it raises on every process, before anything changes."""
+        if self.schedule is not None:
+            raise RuntimeError(
+                "Streaming DiLoCo (fragments, overlap_steps) syncs each fragment at its own step of the "
+                "round: call step() after every inner step, not sync()"
+            )
         # one small all-gather: every process's step count, its θ_global's fingerprint (all must
         # hold the same) and, in a worker of several, its parameters' fingerprint
         worker_digest = _digest(self.params) if self.M > 1 and self.steps_in_round else 0
-        global_digest = _digest(self.side.params) if self.check_global and self.steps_in_round else -1
+        global_digest = self._global_digest() if self.steps_in_round else -1
         every = self._gather([self.steps_in_round, worker_digest, global_digest])
         steps = [int(row[0]) for row in every]
         if len(set(steps)) > 1:
@@ -214,6 +236,9 @@ class DistributedDiLoCo:
         every = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine, group=self.group)
         return every
+
+    def _global_digest(self) -> int:
+        return _digest(self.side.params) if self.check_global else -1  # -1: not checked
 
     def _check_global(self, digests: list[int]) -> None:
         """Every process must hold the same θ_global (the outer steps are the same everywhere):
@@ -264,6 +289,12 @@ class DistributedDiLoCo:
         """This worker's outer state, to checkpoint on every process beside its model and inner
         optimizer (mid-round they differ by process, and so does the error feedback): θ_global,
         the outer optimizer, the codec state and the place in the round."""
+        if self._in_flight:
+            raise RuntimeError(
+                f"fragment {min(self._in_flight)}'s exchange is in flight at step {self.steps_in_round} "
+                "of the round (between its send and its merge): call state_dict() at another step, "
+                "e.g. when step() returns True"
+            )
         return {
             "outer": self.side.state_dict(),
             "codec": dict(self.codec_state),
@@ -318,6 +349,28 @@ def _check_arguments(
         raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
     if on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+
+
+def _schedule(
+    H: int, fragments: int, overlap_steps: int, mix_alpha: float, M: int, on_nonfinite: str
+) -> Schedule | None:
+    """Streaming DiLoCo's schedule, None for plain DiLoCo; what it cannot do is refused here."""
+    if fragments == 1 and overlap_steps == 0:
+        return None
+    if M > 1 or on_nonfinite != "stop":
+        raise ValueError(
+            "Streaming DiLoCo (fragments > 1 or overlap_steps > 0) takes one process per worker and "
+            "stops on a NaN: leave procs_per_worker at 1 and on_nonfinite at 'stop'"
+        )
+    if not 0.0 <= mix_alpha <= 1.0:
+        raise ValueError(f"mix_alpha must lie in [0, 1], got {mix_alpha}")
+    try:
+        return Schedule(H, fragments, overlap_steps, mix_alpha)
+    except Exception as e:  # its messages name the command line's flags: named as arguments here
+        text = re.sub(r" \(--[a-z-]+\)", "", str(e))
+        for flag, arg in (("--fragments ", "fragments="), ("--overlap-steps ", "overlap_steps=")):
+            text = text.replace(flag, arg)
+        raise ValueError(text.replace("--inner-steps", "inner_steps")) from None
 
 
 def _digest(tensors: list[torch.Tensor]) -> int:

@@ -1,0 +1,81 @@
+"""Streaming DiLoCo (docs/method.md §3) in `DistributedDiLoCo`, a user's own loop: the user's
+`step()` calls drive the schedule (core/streaming.py). At fragment p's send step S_p its
+outer_grad is encoded and its exchange started as an asynchronous collective; at its merge step
+M_p = S_p + τ the exchange is waited for, the fragment's outer step taken and the result merged
+into the user's model, θ_frag ← α·θ_frag + (1 − α)·θ_global (replaced when τ = 0). The exchanges
+are the collective runtime's (`StreamingRounds._launch`, `_land`), so with the same model, data
+and seed the global parameters equal the simulator's Streaming DiLoCo (tested in
+tests/integration/test_distributed_library.py).
+
+    outer = DistributedDiLoCo(model, inner_steps=100, fragments=4, overlap_steps=5)
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from diloco.core.inner import encode_outer_grad, outer_grad_from
+from diloco.core.streaming import Schedule
+from diloco.errors import NonFinite
+from diloco.runtime.collective_streaming import StreamingRounds
+
+
+class StreamingSteps(StreamingRounds):
+    """The streaming side of `DistributedDiLoCo` (distributed.py), which provides the outer side
+    (its update `Fragmented`), the process groups, the parameters and the step count. One
+    process per worker: the exchange is the leaders', and every process is one."""
+
+    def _setup_schedule(self, schedule: Schedule | None) -> None:
+        self._setup_streaming(schedule)
+        self.rank_bytes = [0, 0]  # this process's payload bytes (sent, received), as the collective runtime's
+        self._in_flight: dict[int, tuple] = {}  # fragment -> its exchange, started and not yet merged
+        if schedule is not None:
+            P = schedule.fragments  # each fragment sends and merges at a step of its own
+            self._sends = {schedule.send_step(p): p for p in range(P)}
+            self._merges = {schedule.merge_step(p): p for p in range(P)}
+
+    def _share_in_worker(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """Nothing to share: a streaming worker is one process."""
+
+    @torch.no_grad()
+    def _streaming_step(self) -> bool:
+        """The schedule's events at this step of the round: a send, then a merge (a fragment sent
+        at the step another merges: τ = 0 merges the one just sent). True at the round's end."""
+        t = self.steps_in_round
+        if (p := self._sends.get(t)) is not None:
+            self._send(p)
+        if (p := self._merges.get(t)) is not None:
+            self._merge(p)
+        if t < self.inner_steps:
+            return False
+        every = self._gather([t, 0, self._global_digest()])  # every process ends the round alike
+        self._check_global([int(row[2]) for row in every])
+        self.side.end_streaming_round(self.inner_steps)
+        self.steps_in_round = 0
+        return True
+
+    def _send(self, p: int) -> None:
+        group = self.groups[p]
+        start, local = [self.side.params[i] for i in group], [self.params[i] for i in group]
+        outer_grad, finite = outer_grad_from(start, local)
+        state = self.codec_state.setdefault(f"fragment{p}", {})
+        message = encode_outer_grad(self.side.codec, outer_grad, finite, state)
+        self._in_flight[p] = self._launch(p, SimpleNamespace(message=message, finite=finite))
+
+    def _merge(self, p: int) -> None:
+        try:
+            fragment = self._land(p, *self._in_flight.pop(p))
+        except NonFinite:
+            raise NonFinite(
+                f"a worker's outer_grad of fragment {p} holds a NaN or Inf in round "
+                f"{self.side.rounds_done + 1}; that fragment of θ_global is unchanged: lower the inner lr"
+            ) from None
+        alpha = self.schedule.alpha
+        for i, g in zip(self.groups[p], fragment, strict=True):
+            param = self.params[i]
+            if alpha == 0.0:
+                param.copy_(g)
+            else:
+                param.mul_(alpha).add_(g.to(param.device), alpha=1.0 - alpha)
