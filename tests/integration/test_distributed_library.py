@@ -205,6 +205,19 @@ for name, (codec, outer_opt) in CODECS.items():
     dist.all_gather_object(fingerprints, (_digest(outer.global_params), _digest(list(model.parameters()))))
     saved[name] = {"params": outer.global_params, "bytes": outer.bytes_sent, "version": outer.version}
     saved[name]["fingerprints"] = fingerprints
+# Streaming DiLoCo (2 fragments, overlap 1, fp32) in workers of two: the leaders exchange
+torch.manual_seed(rank)
+model = make_model()
+outer = DistributedDiLoCo(
+    model, inner_steps=H, outer_opt=Nesterov(lr=0.7, momentum=0.9), procs_per_worker=2, fragments=2,
+    overlap_steps=1,
+)  # fmt: skip
+ddp = DistributedDataParallel(model, process_group=outer.worker_group)
+user_loop(ddp, inner_opt(model.parameters()), batches(rank), outer, H * ROUNDS)
+fingerprints = [None] * 4
+dist.all_gather_object(fingerprints, (_digest(outer.global_params), _digest(list(model.parameters()))))
+saved["streaming"] = {"params": outer.global_params, "bytes": outer.bytes_sent, "version": outer.version}
+saved["streaming"]["fingerprints"] = fingerprints
 # without DDP a worker's two processes drift apart: every process is told at the sync
 torch.manual_seed(rank)
 model = make_model()
@@ -321,7 +334,8 @@ def test_processes_given_checkpoints_of_another_round_or_process_are_told_so(two
 def test_workers_of_two_processes_equal_two_simulated_workers_at_double_batch(tmp_path):
     """4 processes as 2 workers of 2 (DDP inside each): every process ends with the same θ_global
     and model; with fp32 it is the simulator with each worker's two half-batches as one batch, up
-    to the rounding of DDP's averaged gradients; without DDP every process is told at the sync."""
+    to the rounding of DDP's averaged gradients, and so is Streaming DiLoCo's (2 fragments,
+    overlap 1); without DDP every process is told at the sync."""
     proc = _torchrun(tmp_path, ISLANDS, str(tmp_path / "global.pt"), nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = torch.load(tmp_path / "global.pt")
@@ -333,13 +347,18 @@ def test_workers_of_two_processes_equal_two_simulated_workers_at_double_batch(tm
             (x0, y0), (x1, y1) = next(halves[0]), next(halves[1])
             yield torch.cat([x0, x1]), torch.cat([y0, y1])
 
-    for name in scope["CODECS"]:
+    streaming = {"fragments": 2, "overlap_steps": 1}
+    for name in [*scope["CODECS"], "streaming"]:
         real = saved[name]
         assert len({global_ for global_, _ in real["fingerprints"]}) == 1, name
-        assert {model for _, model in real["fingerprints"]} == {real["fingerprints"][0][0]}, name
-        sim = _simulated(scope, name, [double(w) for w in range(2)])
+        models = [model for _, model in real["fingerprints"]]
+        assert models[0] == models[1] and models[2] == models[3], name  # a worker's processes agree
+        if name != "streaming":  # (a streaming model is its own mixed with θ_global: apart from it)
+            assert set(models) == {real["fingerprints"][0][0]}, name
+        codec, more = ("fp32", streaming) if name == "streaming" else (name, {})
+        sim = _simulated(scope, codec, [double(w) for w in range(2)], **more)
         assert real["version"] == sim.side.version and real["bytes"] == sim.side.bytes_sent[0] > 0
-        if name == "fp32":  # (top-k's choices can flip on a rounding: compared across processes above)
+        if name != "sparseloco":  # (top-k's choices can flip on a rounding: compared across processes above)
             simulated = [p.detach() for p in sim.side.params]
             num = sum(
                 float((a.detach() - b).pow(2).sum()) for a, b in zip(real["params"], simulated, strict=True)
@@ -485,7 +504,7 @@ def test_a_model_with_a_scalar_parameter_syncs(one_process):
         ({"procs_per_worker": 2}, "procs_per_worker must divide the group's 1 processes"),
         ({"procs_per_worker": 0}, "procs_per_worker must divide"),
         ({"ddp": True}, "not wrapped in DistributedDataParallel"),
-        ({"fragments": 2, "on_nonfinite": "drop"}, "takes one process per worker and stops on a NaN"),
+        ({"fragments": 2, "on_nonfinite": "drop"}, "stops on a NaN: leave on_nonfinite at 'stop'"),
         ({"fragments": 6}, "fragments 6 is more than inner_steps 5.*use fragments=5 or fewer"),
         ({"fragments": 2, "overlap_steps": 2}, "overlap_steps 2 must be below inner_steps / fragments = 2"),
         ({"overlap_steps": 1, "mix_alpha": 1.5}, r"mix_alpha must lie in \[0, 1\]"),

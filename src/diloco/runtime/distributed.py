@@ -62,7 +62,7 @@ class DistributedDiLoCo(StreamingSteps):
     `fragments` P > 1 or `overlap_steps` τ > 0 is Streaming DiLoCo (distributed_streaming.py):
     fragment p's outer_grad is sent at its own step of the round and merged τ steps later,
     θ ← `mix_alpha`·θ + (1 − mix_alpha)·θ_global (replaced when τ = 0), each fragment with its own
-    copy of `outer_opt`; one process per worker, `on_nonfinite` "stop", and `step()` only.
+    copy of `outer_opt`; `on_nonfinite` "stop" and `step()` only.
     """
 
     def __init__(
@@ -103,7 +103,7 @@ class DistributedDiLoCo(StreamingSteps):
                 value = t.detach().cpu().contiguous()
                 dist.broadcast(value, src=self._root, group=group)
                 t.copy_(value)
-        schedule = _schedule(inner_steps, fragments, overlap_steps, mix_alpha, procs_per_worker, on_nonfinite)
+        schedule = _schedule(inner_steps, fragments, overlap_steps, mix_alpha, on_nonfinite)
         if schedule is not None:
             outer_opt = Fragmented([copy.deepcopy(outer_opt or Nesterov()) for _ in range(fragments)])
         self.side = OuterSide(
@@ -186,7 +186,7 @@ class DistributedDiLoCo(StreamingSteps):
             )
         # one small all-gather: every process's step count, its θ_global's fingerprint (all must
         # hold the same) and, in a worker of several, its parameters' fingerprint
-        worker_digest = _digest(self.params) if self.M > 1 and self.steps_in_round else 0
+        worker_digest = self._worker_digest() if self.steps_in_round else 0
         global_digest = self._global_digest() if self.steps_in_round else -1
         every = self._gather([self.steps_in_round, worker_digest, global_digest])
         steps = [int(row[0]) for row in every]
@@ -236,6 +236,9 @@ class DistributedDiLoCo(StreamingSteps):
         every = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine, group=self.group)
         return every
+
+    def _worker_digest(self) -> int:
+        return _digest(self.params) if self.M > 1 else 0  # a worker's processes must agree
 
     def _global_digest(self) -> int:
         return _digest(self.side.params) if self.check_global else -1  # -1: not checked
@@ -352,15 +355,15 @@ def _check_arguments(
 
 
 def _schedule(
-    H: int, fragments: int, overlap_steps: int, mix_alpha: float, M: int, on_nonfinite: str
+    H: int, fragments: int, overlap_steps: int, mix_alpha: float, on_nonfinite: str
 ) -> Schedule | None:
     """Streaming DiLoCo's schedule, None for plain DiLoCo; what it cannot do is refused here."""
     if fragments == 1 and overlap_steps == 0:
         return None
-    if M > 1 or on_nonfinite != "stop":
+    if on_nonfinite != "stop":
         raise ValueError(
-            "Streaming DiLoCo (fragments > 1 or overlap_steps > 0) takes one process per worker and "
-            "stops on a NaN: leave procs_per_worker at 1 and on_nonfinite at 'stop'"
+            "Streaming DiLoCo (fragments > 1 or overlap_steps > 0) stops on a NaN: leave on_nonfinite "
+            "at 'stop'"
         )
     if not 0.0 <= mix_alpha <= 1.0:
         raise ValueError(f"mix_alpha must lie in [0, 1], got {mix_alpha}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
 from diloco.core.inner import encode_outer_grad, outer_grad_from
 from diloco.core.streaming import Schedule
@@ -24,8 +25,9 @@ from diloco.runtime.collective_streaming import StreamingRounds
 
 class StreamingSteps(StreamingRounds):
     """The streaming side of `DistributedDiLoCo` (distributed.py), which provides the outer side
-    (its update `Fragmented`), the process groups, the parameters and the step count. One
-    process per worker: the exchange is the leaders', and every process is one."""
+    (its update `Fragmented`), the process groups, the parameters and the step count. A
+    worker's first process (its leader) encodes and exchanges each fragment, then shares the
+    result with its worker's other processes, which merge it alike."""
 
     def _setup_schedule(self, schedule: Schedule | None) -> None:
         self._setup_streaming(schedule)
@@ -37,7 +39,10 @@ class StreamingSteps(StreamingRounds):
             self._merges = {schedule.merge_step(p): p for p in range(P)}
 
     def _share_in_worker(self, tensor: torch.Tensor, nbytes: int) -> None:
-        """Nothing to share: a streaming worker is one process."""
+        """The leader's `tensor` to every process of its worker (a worker of several)."""
+        if self.M > 1:
+            dist.broadcast(tensor, src=self._leader, group=self.worker_group)
+            self.rank_bytes[0 if self.local == 0 else 1] += nbytes
 
     @torch.no_grad()
     def _streaming_step(self) -> bool:
@@ -50,8 +55,9 @@ class StreamingSteps(StreamingRounds):
             self._merge(p)
         if t < self.inner_steps:
             return False
-        every = self._gather([t, 0, self._global_digest()])  # every process ends the round alike
+        every = self._gather([t, self._worker_digest(), self._global_digest()])  # all end the round alike
         self._check_global([int(row[2]) for row in every])
+        self._check_worker_replicas([int(row[1]) for row in every])
         self.side.end_streaming_round(self.inner_steps)
         self.steps_in_round = 0
         return True
@@ -59,9 +65,12 @@ class StreamingSteps(StreamingRounds):
     def _send(self, p: int) -> None:
         group = self.groups[p]
         start, local = [self.side.params[i] for i in group], [self.params[i] for i in group]
-        outer_grad, finite = outer_grad_from(start, local)
-        state = self.codec_state.setdefault(f"fragment{p}", {})
-        message = encode_outer_grad(self.side.codec, outer_grad, finite, state)
+        if self.local == 0:
+            outer_grad, finite = outer_grad_from(start, local)
+            state = self.codec_state.setdefault(f"fragment{p}", {})
+            message = encode_outer_grad(self.side.codec, outer_grad, finite, state)
+        else:  # a placeholder of the message's size: the leader's result comes at the merge
+            message, finite = self.side.codec.encode([torch.zeros_like(g) for g in start], None), True
         self._in_flight[p] = self._launch(p, SimpleNamespace(message=message, finite=finite))
 
     def _merge(self, p: int) -> None:
