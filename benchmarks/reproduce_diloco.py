@@ -326,8 +326,26 @@ class Follow:
         return [] if done is None else self.make(ctx)
 
 
+class Centred:
+    """A grid made once another arm's pick is known (`inner`, None before): scheduled like a
+    `Tuned`, its source's grid first."""
+
+    source: Choice | Tuned
+
+    def inner(self, ctx: Ctx) -> Tuned | None:
+        raise NotImplementedError
+
+    def grid_runs(self, ctx: Ctx) -> list[Run]:
+        t = self.inner(ctx)
+        return self.source.grid_runs(ctx) + (t.grid_runs(ctx) if t else [])
+
+    def runs(self, ctx: Ctx) -> list[Run]:
+        t = self.inner(ctx)
+        return t.runs(ctx) if t else []
+
+
 @dataclass
-class Around:
+class Around(Centred):
     """An inner-lr grid centred on another arm's pick (×/÷ INNER_GRID_STEP, at its warm-up), made
     once the pick is known: part H500's data parallel re-tunes around part dp's pick at its own
     steps, as its DiLoCo arms re-tune their outer lr. Scheduled like a `Tuned`."""
@@ -351,14 +369,6 @@ class Around:
             step=INNER_GRID_STEP,
         )
 
-    def grid_runs(self, ctx: Ctx) -> list[Run]:
-        t = self.inner(ctx)
-        return self.source.grid_runs(ctx) + (t.grid_runs(ctx) if t else [])
-
-    def runs(self, ctx: Ctx) -> list[Run]:
-        t = self.inner(ctx)
-        return t.runs(ctx) if t else []
-
     def report(self, ctx: Ctx) -> dict:
         t = self.inner(ctx)
         return {
@@ -371,7 +381,7 @@ class Around:
 
 
 @dataclass
-class OuterAround:
+class OuterAround(Centred):
     """An outer-lr grid centred on another DiLoCo arm's pick (÷/× GRID_STEP), made once the pick
     is known: part H500's DiLoCo at each H re-tunes around part dp's (k = 4, warm) at its own
     steps, widening at an edge like any `Tuned`. Scheduled like a `Tuned`."""
@@ -387,14 +397,6 @@ class OuterAround:
             return None
         base = (float(f"{lr / GRID_STEP:.2g}"), lr, float(f"{lr * GRID_STEP:.2g}"))
         return Tuned(self.make, base, self.seeds, tune=self.tune)
-
-    def grid_runs(self, ctx: Ctx) -> list[Run]:
-        t = self.inner(ctx)
-        return self.source.grid_runs(ctx) + (t.grid_runs(ctx) if t else [])
-
-    def runs(self, ctx: Ctx) -> list[Run]:
-        t = self.inner(ctx)
-        return t.runs(ctx) if t else []
 
 
 @dataclass
