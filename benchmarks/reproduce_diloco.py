@@ -715,8 +715,8 @@ class Ctx:
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
         elapsed = round(time.perf_counter() - t0, 2)
-        if proc.returncode < 0:  # killed by a signal: the lane was stopped, not a result
-            raise Stopped(f"{run.label} was stopped by signal {-proc.returncode}: not recorded")
+        if proc.returncode in STOPPED:  # the lane was stopped: no result (a crash, -9 or -11, is one)
+            raise Stopped(f"{run.label} was stopped (exit code {proc.returncode}): not recorded")
         d.mkdir(parents=True, exist_ok=True)
         record = {"label": run.label, "cmd": cmd, "elapsed_s": elapsed, "returncode": proc.returncode}
         ok = proc.returncode == 0 and (d / "summary.json").is_file()
@@ -726,6 +726,9 @@ class Ctx:
         self.keep(run)
         self.ledger.save()
         return ok, elapsed
+
+
+STOPPED = (130, -2, -15, -1)  # Ctrl-C (diloco train's own exit code, or the signal), SIGTERM, SIGHUP
 
 
 class Stopped(Exception):

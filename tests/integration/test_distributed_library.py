@@ -406,9 +406,13 @@ def _setup() -> dict:
 
 
 @pytest.mark.timeout(60)
-def test_a_run_checkpointed_mid_round_and_resumed_equals_one_that_never_stopped(tmp_path, one_process):
+@pytest.mark.parametrize("streaming", [{}, {"fragments": 2, "overlap_steps": 1}], ids=["plain", "streaming"])
+def test_a_run_checkpointed_mid_round_and_resumed_equals_one_that_never_stopped(
+    tmp_path, one_process, streaming
+):
     """state_dict() with the user's model and optimizer, mid-round and with SparseLoCo's error
-    feedback, resumes to the same bits (one process: a gloo group of one)."""
+    feedback, resumes to the same bits (one process: a gloo group of one); in Streaming DiLoCo
+    too, between one fragment's merge and the next one's send."""
     scope = _setup()
     make_codec, make_outer = scope["CODECS"]["sparseloco"]
     H, steps = scope["H"], 4 * scope["H"]
@@ -417,7 +421,9 @@ def test_a_run_checkpointed_mid_round_and_resumed_equals_one_that_never_stopped(
         torch.manual_seed(0)
         model = scope["make_model"]()
         opt = scope["inner_opt"](model.parameters())
-        outer = DistributedDiLoCo(model, inner_steps=H, outer_opt=make_outer(), codec=make_codec())
+        outer = DistributedDiLoCo(
+            model, inner_steps=H, outer_opt=make_outer(), codec=make_codec(), **streaming
+        )
         data = scope["batches"](0)
         if saved is not None:
             model.load_state_dict(saved["model"])
@@ -431,13 +437,65 @@ def test_a_run_checkpointed_mid_round_and_resumed_equals_one_that_never_stopped(
         return torch.load(tmp_path / "ckpt.pt", weights_only=False), outer
 
     _, whole = train(0, steps)
-    mid = H + 2  # inside the second round: the round's first steps are in the checkpoint
+    mid = H + 3  # inside the second round (streaming: fragment 0 merged at 2, fragment 1 sent at 4)
     saved, _ = train(0, mid)
     _, resumed = train(mid, steps, saved)
-    resumed.sync()  # right after a round's sync: nothing to send, θ_global stays where it is
+    if not streaming:
+        resumed.sync()  # right after a round's sync: nothing to send, θ_global stays where it is
     assert resumed.version == whole.version == 4
     assert resumed.bytes_sent == whole.bytes_sent
     assert all(a.equal(b) for a, b in zip(resumed.global_params, whole.global_params, strict=True))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fragments, overlap", [(2, 0), (1, 1)])
+def test_streaming_without_overlap_or_fragments_equals_the_simulator(one_process, fragments, overlap):
+    """τ = 0 (each fragment replaced, sent and merged at one step) and one fragment overlapped:
+    one process against the simulator's one worker, bit for bit."""
+    scope = _setup()
+    make_codec, make_outer = scope["CODECS"]["fp32"]
+    H = scope["H"]
+    torch.manual_seed(0)
+    model = scope["make_model"]()
+    outer = DistributedDiLoCo(
+        model, inner_steps=H, outer_opt=make_outer(), fragments=fragments, overlap_steps=overlap
+    )
+    synced = scope["user_loop"](
+        model, scope["inner_opt"](model.parameters()), scope["batches"](0), outer, 3 * H
+    )
+    sim = _simulated(
+        {**scope, "ROUNDS": 3}, "fp32", [scope["batches"](0)], fragments=fragments, overlap_steps=overlap
+    )
+    assert synced == [(step + 1) % H == 0 for step in range(3 * H)] and outer.version == sim.side.version == 3
+    assert all(a.equal(b) for a, b in zip(outer.global_params, sim.side.params, strict=True))
+    worker = list(sim.pool.workers[0].model.parameters())
+    assert all(a.equal(b) for a, b in zip(model.parameters(), worker, strict=True))
+
+
+@pytest.mark.timeout(60)
+def test_streaming_refuses_another_schedules_checkpoint_and_a_load_in_flight_and_stops_on_a_nan(
+    one_process,
+):
+    scope = _setup()
+    model = scope["make_model"]()
+    outer = DistributedDiLoCo(model, inner_steps=10, fragments=2)
+    saved = outer.state_dict()
+    other = DistributedDiLoCo(scope["make_model"](), inner_steps=10, fragments=2, overlap_steps=3)
+    with pytest.raises(ValueError, match=r"checkpoint is of fragments=2, overlap_steps=0, α=0.0, this "
+                       r"DistributedDiLoCo of fragments=2, overlap_steps=3, α=0.5"):  # fmt: skip
+        other.load_state_dict(saved)
+    with pytest.raises(ValueError, match="checkpoint is of plain DiLoCo"):
+        other.load_state_dict(DistributedDiLoCo(scope["make_model"](), inner_steps=10).state_dict())
+    for _ in range(2):  # fragment 0 sent at step 2, merged at 5
+        other.step()
+    with pytest.raises(RuntimeError, match="fragment 0's exchange is in flight at step 2.*load_state_dict"):
+        other.load_state_dict(saved)
+    for _ in range(9):  # fragment 0 sent and merged at step 5; fragment 1 at step 10
+        outer.step()
+    with torch.no_grad():
+        model[0].bias[0] = float("nan")  # fragment 0's, after its merge: in no exchange this round
+    with pytest.raises(NonFinite, match="model of rank 0 holds a NaN or Inf at the end of round 1"):
+        outer.step()
 
 
 @pytest.mark.timeout(60)

@@ -202,8 +202,8 @@ def test_a_choice_whose_one_option_failed_whole_picks_the_other(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_a_run_whose_process_a_signal_kills_leaves_no_result(tmp_path):
-    """A stopped lane's run is not a failed run: nothing in its folder or the ledger, so a
-    restart runs it again (a failed run's failed.json would count as finished)."""
+    """A stopped lane's run (SIGTERM here; Ctrl-C, SIGHUP too) is not a failed run: nothing in its
+    folder or the ledger, so a restart runs it again; a crash (abort) is recorded as failed."""
     mod = _module()
     ctx = _ctx(mod, tmp_path)
     run = ctx.dp(4, 0, True)
@@ -212,10 +212,14 @@ def test_a_run_whose_process_a_signal_kills_leaves_no_result(tmp_path):
         "-c",
         "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
     ]
-    with pytest.raises(mod.Stopped, match="stopped by signal 15"):
+    with pytest.raises(mod.Stopped, match=r"stopped \(exit code -15\)"):
         ctx.train(run)
     assert not ctx.finished(run) and not (tmp_path / run.name / "failed.json").exists()
     assert not _ctx(mod, tmp_path).finished(run)  # a restart reads the ledger: nothing there
+    crash = "import os; os.abort()"  # a crash is a result: failed, with its stderr
+    ctx.command = lambda run: [sys.executable, "-c", crash]
+    assert ctx.train(run)[0] is False and ctx.finished(run)
+    assert json.loads((tmp_path / run.name / "failed.json").read_text())["returncode"] == -6
 
 
 @pytest.mark.timeout(60)

@@ -108,5 +108,5 @@ def test_a_run_killed_by_a_signal_stops_the_lane_and_is_not_recorded():
     runs = [rd.Run(name, name, 0, (f"--{name}",)) for name in ("slow", "k", "next")]
     scheduler = rd.Scheduler(ctx, lambda part, span, done: None)
     n = scheduler.execute({"p": rd.Plan(runs=runs)})
-    assert scheduler.stopped and ctx.trained[:2] == ["slow", "k"] and "next" not in ctx.trained
+    assert scheduler.stopped and sorted(ctx.trained) == ["k", "slow"]  # "next" never started
     assert ctx.done == {"slow"} and n == 1

@@ -292,28 +292,28 @@ class DistributedDiLoCo(StreamingSteps):
         """This worker's outer state, to checkpoint on every process beside its model and inner
         optimizer (mid-round they differ by process, and so does the error feedback): θ_global,
         the outer optimizer, the codec state and the place in the round."""
-        if self._in_flight:
-            raise RuntimeError(
-                f"fragment {min(self._in_flight)}'s exchange is in flight at step {self.steps_in_round} "
-                "of the round (between its send and its merge): call state_dict() at another step, "
-                "e.g. when step() returns True"
-            )
+        self._refuse_in_flight("state_dict()")
         return {
             "outer": self.side.state_dict(),
             "codec": dict(self.codec_state),
             "steps_in_round": self.steps_in_round,
             "where": self._where(),  # [worker, process in the worker, workers, processes a worker]
+            "streaming": self._schedule_key(),  # [fragments, overlap_steps, α], None: plain DiLoCo
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load this process's own `state_dict()` (after construction, whose broadcast would
         overwrite a model loaded before it). Every process must call it together: before
         anything changes it checks that each process has its own worker's checkpoint and that
-        all of them are of the same round and θ_global, and raises on every process if not."""
+        all of them are of the same round, θ_global (unless `check_global` is off) and Streaming
+        DiLoCo schedule as this one, and raises on every process if not."""
+        self._refuse_in_flight("load_state_dict()")
         where = [int(x) for x in state.get("where", self._where())]
         outer = state["outer"]
-        mine = [where != self._where(), outer["version"], state["steps_in_round"]]
-        every = self._gather([*map(int, mine), _digest(list(outer["global"].values()))])
+        other_schedule = state.get("streaming") != self._schedule_key()
+        mine = [where != self._where(), outer["version"], state["steps_in_round"], other_schedule]
+        digest = _digest(list(outer["global"].values())) if self.check_global else -1
+        every = self._gather([*map(int, mine), digest])
         if where != self._where():
             w, i, k, M = where
             raise ValueError(
@@ -323,6 +323,8 @@ class DistributedDiLoCo(StreamingSteps):
             )
         if any(int(row[0]) for row in every):
             raise ValueError("another process was given a checkpoint of another process; nothing was loaded")
+        if any(int(row[3]) for row in every):
+            raise ValueError(self._other_schedule(state.get("streaming")))
         if len({tuple(int(x) for x in row) for row in every}) > 1:
             raise ValueError(
                 "the processes were given checkpoints of different rounds or θ_global: give each "

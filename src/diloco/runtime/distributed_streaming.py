@@ -38,6 +38,28 @@ class StreamingSteps(StreamingRounds):
             self._sends = {schedule.send_step(p): p for p in range(P)}
             self._merges = {schedule.merge_step(p): p for p in range(P)}
 
+    def _schedule_key(self) -> list | None:
+        """What a checkpoint must match: [fragments, overlap_steps, α], None for plain DiLoCo."""
+        s = self.schedule
+        return None if s is None else [s.fragments, s.overlap_steps, s.alpha]
+
+    def _other_schedule(self, theirs: list | None) -> str:
+        def name(key: list | None) -> str:
+            return "plain DiLoCo" if key is None else "fragments={}, overlap_steps={}, α={}".format(*key)
+
+        return (
+            f"the checkpoint is of {name(theirs)}, this DistributedDiLoCo of {name(self._schedule_key())}: "
+            "build it as the checkpoint's was; nothing was loaded"
+        )
+
+    def _refuse_in_flight(self, call: str) -> None:
+        if self._in_flight:
+            raise RuntimeError(
+                f"fragment {min(self._in_flight)}'s exchange is in flight at step {self.steps_in_round} "
+                f"of the round (between its send and its merge): call {call} at another step, e.g. "
+                "when step() returns True"
+            )
+
     def _share_in_worker(self, tensor: torch.Tensor, nbytes: int) -> None:
         """The leader's `tensor` to every process of its worker (a worker of several)."""
         if self.M > 1:
@@ -55,9 +77,19 @@ class StreamingSteps(StreamingRounds):
             self._merge(p)
         if t < self.inner_steps:
             return False
-        every = self._gather([t, self._worker_digest(), self._global_digest()])  # all end the round alike
+        # every process ends the round alike; a NaN in the steps after a worker's last send is in
+        # no exchange, but is in its model: every process learns of it here
+        finite = all(bool(torch.isfinite(p).all()) for p in self.params)
+        every = self._gather([t, self._worker_digest(), self._global_digest(), int(finite)])
         self._check_global([int(row[2]) for row in every])
         self._check_worker_replicas([int(row[1]) for row in every])
+        bad = [r for r, row in enumerate(every) if not int(row[3])]
+        if bad:
+            raise NonFinite(
+                f"the model of rank {bad[0]} holds a NaN or Inf at the end of round "
+                f"{self.side.rounds_done + 1} (after its last fragment was sent; θ_global is finite): "
+                "load the last state_dict() and lower the inner lr"
+            )
         self.side.end_streaming_round(self.inner_steps)
         self.steps_in_round = 0
         return True
