@@ -15,7 +15,8 @@ Across processes, in your own loop (torchrun; README.md has a whole script):
     outer.step()                 # every 50th call: the outer step across the processes
 
 Compressed outer_grads and Streaming DiLoCo (docs/communication.md): pass
-`codec=build_codec("fp4", error_feedback=True)` and `fragments=4, overlap_steps=5` to DiLoCo.
+`codec=build_codec("fp4", error_feedback=True)` and `fragments=4, overlap_steps=5` to DiLoCo or
+DistributedDiLoCo.
 """
 
 from diloco import _before_torch  # noqa: F401  (first: it may set what PyTorch reads once)
