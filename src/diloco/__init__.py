@@ -16,7 +16,7 @@ Across processes, in your own loop (torchrun; README.md has a whole script):
 
 Compressed outer_grads and Streaming DiLoCo (docs/communication.md): pass
 `codec=build_codec("fp4", error_feedback=True)` and `fragments=4, overlap_steps=5` to DiLoCo or
-DistributedDiLoCo.
+DistributedDiLoCo; `dylu=True` to DistributedDiLoCo for workers of different speeds.
 """
 
 from diloco import _before_torch  # noqa: F401  (first: it may set what PyTorch reads once)

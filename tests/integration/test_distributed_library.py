@@ -138,6 +138,28 @@ for name, (codec, outer_opt) in CODECS.items():
         "params": streaming.global_params, "model": [p.detach().clone() for p in model.parameters()],
         "version": streaming.version, "bytes": streaming.bytes_sent,
     }  # fmt: skip
+# DyLU: rank 1's steps take twice rank 0's time (a scripted timer), so from round 2 on it
+# takes ⌊H / 2⌋ steps a round; the loop runs until the rounds are done, each step's schedule
+# position read from schedule_step
+torch.manual_seed(rank)
+model = make_model()
+opt = inner_opt(model.parameters())
+clock = [0.0]
+dylu = DistributedDiLoCo(
+    model, inner_steps=H, outer_opt=Nesterov(lr=0.7, momentum=0.9), dylu=True, timer=lambda: clock[0]
+)
+data, positions = batches(rank), []
+while dylu.version < ROUNDS:
+    positions.append(dylu.schedule_step)
+    loss = loss_fn(model, next(data))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    clock[0] += 1.0 + rank
+    dylu.step()
+both = [None, None]
+dist.all_gather_object(both, positions)
+saved["dylu"] = {"params": dylu.global_params, "version": dylu.version, "positions": both}
 if rank == 1:
     outer.step()  # one inner step more than rank 0
 try:
@@ -306,6 +328,40 @@ def test_streaming_diloco_refuses_a_checkpoint_in_flight_and_sync(two_processes)
     assert "call step() after every inner step" in two_processes["streaming refuses sync"]
 
 
+@pytest.mark.timeout(120)
+def test_dylu_in_two_processes_equals_the_simulators_dylu_bit_for_bit(two_processes):
+    """Worker 1 twice as slow: both take H = 5 in round 1, then 5 and 2; the schedule positions
+    are the simulator's (each worker crosses the round's stretch, lr_step + ⌊j · stride⌋), and so
+    is θ_global after 4 rounds, weighted by the steps taken."""
+    from diloco.core.dylu import RoundPlanner
+    from diloco.core.outer_side import OuterSide
+    from diloco.runtime.clock import Clock
+    from diloco.runtime.distributed_dylu import UNBOUNDED
+    from diloco.runtime.pool import InlinePool
+    from diloco.runtime.sim import make_worker
+
+    real, scope = two_processes["dylu"], _setup()
+    H, K = scope["H"], scope["K"]
+    fast, slow = real["positions"]
+    assert len(fast) == 4 * H and len(slow) == H + 3 * 2  # 5, 5, 5, 5 and 5, 2, 2, 2 steps
+    # round 2 starts at schedule step 10 / 2 = 5 and advances (5 + 2) / 2 = 3.5: strides 0.7, 1.75
+    assert fast[H : 2 * H] == [5, 5, 6, 7, 7] and slow[H : H + 2] == [5, 6]
+    assert fast[:H] == slow[:H] == [0, 1, 2, 3, 4]
+    torch.manual_seed(0)
+    side = OuterSide(scope["make_model"](), K, update=scope["Nesterov"](lr=0.7, momentum=0.9))
+    workers = [
+        make_worker(scope["make_model"], scope["inner_opt"], scope["batches"](w), loss_fn=scope["loss_fn"])
+        for w in range(K)
+    ]
+    planner = RoundPlanner(K, H, UNBOUNDED)
+    sim = DiLoCo.from_side(
+        side, InlinePool(workers, threads=1), Clock([1.0, 2.0]), inner_steps=H, planner=planner
+    )
+    took = [sim.round().steps for _ in range(scope["ROUNDS"])]
+    assert took == [[5, 5], [5, 2], [5, 2], [5, 2]] and real["version"] == sim.side.version == 4
+    assert all(r.equal(s) for r, s in zip(real["params"], sim.side.params, strict=True))
+
+
 def test_processes_that_reach_the_sync_after_unequal_steps_are_told_so(two_processes):
     assert "different numbers of inner steps (0, 1 by rank)" in two_processes["unequal"]
 
@@ -406,7 +462,11 @@ def _setup() -> dict:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("streaming", [{}, {"fragments": 2, "overlap_steps": 1}], ids=["plain", "streaming"])
+@pytest.mark.parametrize(
+    "streaming",
+    [{}, {"fragments": 2, "overlap_steps": 1}, {"dylu": True}],
+    ids=["plain", "streaming", "dylu"],
+)
 def test_a_run_checkpointed_mid_round_and_resumed_equals_one_that_never_stopped(
     tmp_path, one_process, streaming
 ):
@@ -440,7 +500,7 @@ def test_a_run_checkpointed_mid_round_and_resumed_equals_one_that_never_stopped(
     mid = H + 3  # inside the second round (streaming: fragment 0 merged at 2, fragment 1 sent at 4)
     saved, _ = train(0, mid)
     _, resumed = train(mid, steps, saved)
-    if not streaming:
+    if not streaming.get("fragments"):
         resumed.sync()  # right after a round's sync: nothing to send, θ_global stays where it is
     assert resumed.version == whole.version == 4
     assert resumed.bytes_sent == whole.bytes_sent
@@ -484,8 +544,11 @@ def test_streaming_refuses_another_schedules_checkpoint_and_a_load_in_flight_and
     with pytest.raises(ValueError, match=r"checkpoint is of fragments=2, overlap_steps=0, α=0.0, this "
                        r"DistributedDiLoCo of fragments=2, overlap_steps=3, α=0.5"):  # fmt: skip
         other.load_state_dict(saved)
+    plain = DistributedDiLoCo(scope["make_model"](), inner_steps=10).state_dict()
     with pytest.raises(ValueError, match="checkpoint is of plain DiLoCo"):
-        other.load_state_dict(DistributedDiLoCo(scope["make_model"](), inner_steps=10).state_dict())
+        other.load_state_dict(plain)
+    with pytest.raises(ValueError, match="plain DiLoCo, this DistributedDiLoCo of plain DiLoCo with DyLU"):
+        DistributedDiLoCo(scope["make_model"](), inner_steps=10, dylu=True).load_state_dict(plain)
     for _ in range(2):  # fragment 0 sent at step 2, merged at 5
         other.step()
     with pytest.raises(RuntimeError, match="fragment 0's exchange is in flight at step 2.*load_state_dict"):
@@ -567,6 +630,7 @@ def test_a_model_with_a_scalar_parameter_syncs(one_process):
         ({"fragments": 2, "overlap_steps": 2}, "overlap_steps 2 must be below inner_steps / fragments = 2"),
         ({"overlap_steps": 1, "mix_alpha": 1.5}, r"mix_alpha must lie in \[0, 1\]"),
         ({"fragments": 2}, "2 fragments need at least as many numbered blocks, the model has 0"),
+        ({"fragments": 2, "dylu": True}, "dylu and Streaming DiLoCo"),
     ],
 )
 def test_wrong_arguments_are_named(one_process, wrong, says):

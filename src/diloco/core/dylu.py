@@ -21,7 +21,8 @@ measured seconds per step that every worker trains until (`--dylu-by time`). Wha
   worker takes H every round, and the run is plain sync DiLoCo bit for bit).
 
 Every runtime uses `RoundPlanner`: the simulator with its clock's times, torchrun with the times
-its ranks measure and all-gather, the parameter server with its workers' reported times.
+its ranks measure and all-gather (`DistributedDiLoCo(dylu=True)` too, in a user's own loop), the
+parameter server with its workers' reported times.
 
     diloco train --dylu --heterogeneity very --rounds 8
 """

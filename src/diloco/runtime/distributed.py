@@ -16,6 +16,7 @@ tested in tests/integration/test_distributed_library.py).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,10 +30,11 @@ from diloco.core.outer_side import OuterSide
 from diloco.errors import NonFinite
 from diloco.runtime.collective import sum_in_buckets
 from diloco.runtime.distributed_checks import _check_arguments, _cpu_copy, _digest, _schedule
+from diloco.runtime.distributed_dylu import DyluSteps
 from diloco.runtime.distributed_streaming import StreamingSteps
 
 
-class DistributedDiLoCo(StreamingSteps):
+class DistributedDiLoCo(StreamingSteps, DyluSteps):
     """The outer side of sync DiLoCo for one process of a torch.distributed job.
 
     `model` is this process's model (on any device; the module itself, not wrapped in
@@ -60,7 +62,10 @@ class DistributedDiLoCo(StreamingSteps):
     `fragments` P > 1 or `overlap_steps` τ > 0 is Streaming DiLoCo (distributed_streaming.py):
     fragment p's outer_grad is sent at its own step of the round and merged τ steps later,
     θ ← `mix_alpha`·θ + (1 − mix_alpha)·θ_global (replaced when τ = 0), each fragment with its own
-    copy of `outer_opt`; `on_nonfinite` "stop" and `step()` only.
+    copy of `outer_opt`; `on_nonfinite` "stop" and `step()` only. `dylu` is sync DiLoCo with
+    dynamic local updates (distributed_dylu.py): each worker's steps a round follow its speed,
+    timed by `timer` (default time.perf_counter); loop until `version` reaches your rounds, and
+    take each inner step's lr at `schedule_step`.
     """
 
     def __init__(
@@ -78,6 +83,8 @@ class DistributedDiLoCo(StreamingSteps):
         fragments: int = 1,
         overlap_steps: int = 0,
         mix_alpha: float = 0.5,
+        dylu: bool = False,
+        timer: Callable[[], float] | None = None,
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -102,6 +109,8 @@ class DistributedDiLoCo(StreamingSteps):
                 dist.broadcast(value, src=self._root, group=group)
                 t.copy_(value)
         schedule = _schedule(inner_steps, fragments, overlap_steps, mix_alpha, on_nonfinite)
+        if dylu and schedule is not None:
+            raise ValueError("dylu and Streaming DiLoCo (fragments, overlap_steps) do not go together")
         if schedule is not None:
             outer_opt = Fragmented([copy.deepcopy(outer_opt or Nesterov()) for _ in range(fragments)])
         self.side = OuterSide(
@@ -115,6 +124,7 @@ class DistributedDiLoCo(StreamingSteps):
         self.steps_in_round = 0
         self.dropped = False  # this worker's outer_grad was left out of the last sync (non-finite)
         self._setup_schedule(schedule)
+        self._setup_dylu(dylu, timer)
 
     @property
     def global_params(self) -> list[torch.Tensor]:
@@ -159,13 +169,13 @@ class DistributedDiLoCo(StreamingSteps):
         return [self.worker_id, self.local, self.k, self.M]
 
     def step(self) -> bool:
-        """Count one inner step; at every `inner_steps`-th, run the outer step (every process
-        must call it equally often). Returns whether this call synchronised (with `fragments`:
-        whether it ended a round, every fragment merged)."""
+        """Count one inner step; at every `inner_steps`-th (with DyLU: `round_steps`-th), run the
+        outer step (every process must call it equally often). Returns whether this call
+        synchronised (with `fragments`: whether it ended a round, every fragment merged)."""
         self.steps_in_round += 1
         if self.schedule is not None:
             return self._streaming_step()
-        if self.steps_in_round < self.inner_steps:
+        if self.steps_in_round < self.round_steps:
             return False
         self.sync()
         return True
@@ -183,23 +193,26 @@ class DistributedDiLoCo(StreamingSteps):
                 "round: call step() after every inner step, not sync()"
             )
         # one small all-gather: every process's step count, its θ_global's fingerprint (all must
-        # hold the same) and, in a worker of several, its parameters' fingerprint
-        worker_digest = self._worker_digest() if self.steps_in_round else 0
-        global_digest = self._global_digest() if self.steps_in_round else -1
-        every = self._gather([self.steps_in_round, worker_digest, global_digest])
+        # hold the same), in a worker of several its parameters' fingerprint, with DyLU its time
+        some = self.steps_in_round or self.planner is not None
+        worker_digest = self._worker_digest() if some else 0
+        global_digest = self._global_digest() if some else -1
+        every = self._gather([self.steps_in_round, worker_digest, global_digest, self._elapsed_us()])
         steps = [int(row[0]) for row in every]
-        if len(set(steps)) > 1:
+        # equal everywhere; with DyLU, equal within each worker
+        apart = [steps[w * self.M : (w + 1) * self.M] for w in range(self.k)] if self.planner else [steps]
+        if any(len(set(group)) > 1 for group in apart):
             raise RuntimeError(
-                "the workers reached the outer sync after different numbers of inner steps "
+                "the processes reached the outer sync after different numbers of inner steps "
                 f"({', '.join(map(str, steps))} by rank): every process must call "
-                "step() (or sync()) equally often"
+                "step() (or sync()) equally often" + (" as its worker's others" if self.planner else "")
             )
-        if self.steps_in_round == 0:
+        if not any(steps):
             return
         self._check_global([int(row[2]) for row in every])
         self._check_worker_replicas([int(row[1]) for row in every])
         side, w = self.side, self.worker_id
-        side.begin_round()
+        side.begin_round(steps=self._plan.steps if self._plan else None)
         message, finite = None, True
         if self.local == 0:  # a worker's processes hold the same parameters: its leader encodes
             outer_grad, finite = outer_grad_from(side.params, self.params)
@@ -207,9 +220,10 @@ class DistributedDiLoCo(StreamingSteps):
         # every process learns every worker's message size and finiteness: the same decisions
         rows = self._by_worker([message.nbytes if message else 0, int(finite)])
         self.dropped = not bool(rows[w][1])
+        took = [int(every[i * self.M][0]) for i in range(self.k)]
         for i, row in enumerate(rows):
             try:
-                side.report(i, int(row[0]), bool(row[1]))
+                side.report(i, int(row[0]), bool(row[1]), steps=took[i] if self.planner else None)
             except NonFinite:
                 raise NonFinite(
                     f"worker {i}'s outer_grad holds a NaN or Inf after round {side.rounds_done + 1}; "
@@ -224,10 +238,12 @@ class DistributedDiLoCo(StreamingSteps):
             if self.M > 1:
                 dist.broadcast_object_list(box, src=self._leader, group=self.worker_group)
             summed = side.reduce([Encoded.from_bytes(b) for b in box[0]])
-        side.end_round(summed, self.steps_in_round)
+        elapsed_us = [int(every[i * self.M][3]) for i in range(self.k)]
+        side.end_round(summed, self._dylu_end(took, elapsed_us) if self.planner else self.steps_in_round)
         for p, g in zip(self.params, side.params, strict=True):
             p.copy_(g)
         self.steps_in_round = 0
+        self._round_began = self.timer()
 
     def _gather(self, values: list[int]) -> list[torch.Tensor]:
         mine = torch.tensor(values, dtype=torch.int64)
@@ -297,6 +313,8 @@ class DistributedDiLoCo(StreamingSteps):
             "steps_in_round": self.steps_in_round,
             "where": self._where(),  # [worker, process in the worker, workers, processes a worker]
             "streaming": self._schedule_key(),  # [fragments, overlap_steps, α], None: plain DiLoCo
+            "dylu": self._dylu_state(),  # its planner (spent steps, measured speeds), None: without
+            "round_elapsed_s": self.timer() - self._round_began,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -308,7 +326,9 @@ class DistributedDiLoCo(StreamingSteps):
         self._refuse_in_flight("load_state_dict()")
         where = [int(x) for x in state.get("where", self._where())]
         outer = state["outer"]
-        other_schedule = state.get("streaming") != self._schedule_key()
+        other_schedule = state.get("streaming") != self._schedule_key() or (state.get("dylu") is None) != (
+            self.planner is None
+        )
         mine = [where != self._where(), outer["version"], state["steps_in_round"], other_schedule]
         digest = _digest(list(outer["global"].values())) if self.check_global else -1
         every = self._gather([*map(int, mine), digest])
@@ -322,7 +342,7 @@ class DistributedDiLoCo(StreamingSteps):
         if any(int(row[0]) for row in every):
             raise ValueError("another process was given a checkpoint of another process; nothing was loaded")
         if any(int(row[3]) for row in every):
-            raise ValueError(self._other_schedule(state.get("streaming")))
+            raise ValueError(self._other_schedule(state.get("streaming"), state.get("dylu") is not None))
         if len({tuple(int(x) for x in row) for row in every}) > 1:
             raise ValueError(
                 "the processes were given checkpoints of different rounds or θ_global: give each "
@@ -331,3 +351,5 @@ class DistributedDiLoCo(StreamingSteps):
         self.side.load_state_dict(outer)
         self.codec_state = dict(state["codec"])
         self.steps_in_round = int(state["steps_in_round"])
+        self._load_dylu(state.get("dylu"))
+        self._round_began -= float(state.get("round_elapsed_s", 0.0))

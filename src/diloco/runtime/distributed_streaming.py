@@ -43,13 +43,15 @@ class StreamingSteps(StreamingRounds):
         s = self.schedule
         return None if s is None else [s.fragments, s.overlap_steps, s.alpha]
 
-    def _other_schedule(self, theirs: list | None) -> str:
-        def name(key: list | None) -> str:
-            return "plain DiLoCo" if key is None else "fragments={}, overlap_steps={}, α={}".format(*key)
+    def _other_schedule(self, theirs: list | None, dylu: bool) -> str:
+        def name(key: list | None, dylu: bool) -> str:
+            what = "plain DiLoCo" if key is None else "fragments={}, overlap_steps={}, α={}".format(*key)
+            return what + (" with DyLU" if dylu else "")
 
+        mine = name(self._schedule_key(), self.planner is not None)
         return (
-            f"the checkpoint is of {name(theirs)}, this DistributedDiLoCo of {name(self._schedule_key())}: "
-            "build it as the checkpoint's was; nothing was loaded"
+            f"the checkpoint is of {name(theirs, dylu)}, this DistributedDiLoCo of {mine}: build it as "
+            "the checkpoint's was; nothing was loaded"
         )
 
     def _refuse_in_flight(self, call: str) -> None:
