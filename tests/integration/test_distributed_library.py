@@ -157,9 +157,15 @@ while dylu.version < ROUNDS:
     opt.step()
     clock[0] += 1.0 + rank
     dylu.step()
+    if dylu.version == 2 and dylu.steps_in_round == 2 - rank:  # mid-round 3, at unequal counts
+        again = DistributedDiLoCo(make_model(), inner_steps=H, dylu=True, timer=lambda: clock[0])
+        again.load_state_dict(dylu.state_dict())  # what a resumed worker knows: plan and place
+        resumed = [(dylu.round_steps, dylu.schedule_step), (again.round_steps, again.schedule_step)]
 both = [None, None]
 dist.all_gather_object(both, positions)
 saved["dylu"] = {"params": dylu.global_params, "version": dylu.version, "positions": both}
+saved["dylu resumed"] = [None, None]
+dist.all_gather_object(saved["dylu resumed"], resumed)
 if rank == 1:
     outer.step()  # one inner step more than rank 0
 try:
@@ -359,6 +365,10 @@ def test_dylu_in_two_processes_equals_the_simulators_dylu_bit_for_bit(two_proces
     )
     took = [sim.round().steps for _ in range(scope["ROUNDS"])]
     assert took == [[5, 5], [5, 2], [5, 2], [5, 2]] and real["version"] == sim.side.version == 4
+    # a checkpoint of round 3 with worker 0 at step 2 and worker 1 at step 1 loads (each its own
+    # count), and the loaded planner plans the same steps and schedule positions
+    (fast_was, fast_now), (slow_was, slow_now) = two_processes["dylu resumed"]
+    assert fast_was == fast_now == (5, fast[2 * H + 2]) and slow_was == slow_now == (2, slow[H + 2 + 1])
     assert all(r.equal(s) for r, s in zip(real["params"], sim.side.params, strict=True))
 
 

@@ -183,10 +183,11 @@ class DistributedDiLoCo(StreamingSteps, DyluSteps):
     @torch.no_grad()
     def sync(self) -> None:
         """The outer step now, on the inner steps taken since the last one (every process must
-        call it together; `step()` calls it for you every `inner_steps`). With no inner step
-        since the last one, on every process, it does nothing (an outer step on nothing would
-        still move θ_global by the outer momentum); with a different number of steps, or
-        another θ_global, on some process it raises on every process, before anything changes."""
+        call it together; `step()` calls it for you every `inner_steps`, with DyLU every
+        `round_steps`). With no inner step since the last one, on every process, it does nothing
+        (an outer step on nothing would still move θ_global by the outer momentum); with a
+        different number of steps (with DyLU: within a worker), or another θ_global, on some
+        process it raises on every process, before anything changes."""
         if self.schedule is not None:
             raise RuntimeError(
                 "Streaming DiLoCo (fragments, overlap_steps) syncs each fragment at its own step of the "
@@ -208,6 +209,7 @@ class DistributedDiLoCo(StreamingSteps, DyluSteps):
                 "step() (or sync()) equally often" + (" as its worker's others" if self.planner else "")
             )
         if not any(steps):
+            self._round_began = self.timer()  # (the time to learn it is no worker's speed)
             return
         self._check_global([int(row[2]) for row in every])
         self._check_worker_replicas([int(row[1]) for row in every])
@@ -331,7 +333,12 @@ class DistributedDiLoCo(StreamingSteps, DyluSteps):
         )
         mine = [where != self._where(), outer["version"], state["steps_in_round"], other_schedule]
         digest = _digest(list(outer["global"].values())) if self.check_global else -1
-        every = self._gather([*map(int, mine), digest])
+        every = [row.tolist() for row in self._gather([*map(int, mine), digest])]
+        if self.planner is not None:  # mid-round, workers of different speeds hold different counts
+            for w in range(self.k):
+                if len({row[2] for row in every[w * self.M : (w + 1) * self.M]}) == 1:
+                    for row in every[w * self.M : (w + 1) * self.M]:
+                        row[2] = 0
         if where != self._where():
             w, i, k, M = where
             raise ValueError(
@@ -343,7 +350,7 @@ class DistributedDiLoCo(StreamingSteps, DyluSteps):
             raise ValueError("another process was given a checkpoint of another process; nothing was loaded")
         if any(int(row[3]) for row in every):
             raise ValueError(self._other_schedule(state.get("streaming"), state.get("dylu") is not None))
-        if len({tuple(int(x) for x in row) for row in every}) > 1:
+        if len({tuple(row) for row in every}) > 1:
             raise ValueError(
                 "the processes were given checkpoints of different rounds or θ_global: give each "
                 "process the state_dict() it saved itself, all from the same step; nothing was loaded"

@@ -58,8 +58,8 @@ class DyluSteps:
         the next round planned; returns how far the schedule step advanced."""
         advance = self.planner.spend(sum(took))
         for w, (steps, us) in enumerate(zip(took, elapsed_us, strict=True)):
-            if steps:
-                self.planner.record(w, us / 1e6, steps)
+            if steps:  # (a timer that did not move: a microsecond, not a division by zero)
+                self.planner.record(w, max(us, 1) / 1e6, steps)
         self._plan = self.planner.plan()
         return advance
 
