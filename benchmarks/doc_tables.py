@@ -372,6 +372,63 @@ def _lr_grid(data: dict, start: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def _grid(grid: dict[str, float | None], pick: float | None) -> str:
+    """A tuning grid: each lr's tuning loss, the pick's in bold (`–`: not run)."""
+    cells = []
+    for lr, v in grid.items():
+        cell = f"{lr}: {'–' if v is None else _round(v, 4)}"
+        cells.append(f"**{cell}**" if pick is not None and float(lr) == pick else cell)
+    return ", ".join(cells)
+
+
+def tuning(data: dict) -> str:
+    """Part dp's tuning (issue 36): every arm's grid on the tuning seed and split, and its pick."""
+    t = data["dp"]["tuning"]
+    out = [
+        f"| arm (tuning seed {t['seed']}, tuning split) | grid: tuning loss at each lr (the pick in bold) "
+        "| pick |",
+        "| --- | --- | --- |",
+    ]
+    for arm, r in t["arms"].items():
+        if "grids" in r:  # data parallel, single: an inner-lr grid per warm-up
+            lr = r.get("lr")
+            grid = "; ".join(
+                f"warm-up {name.split()[-1]}: {_grid(g, lr if name == r['pick'] else None)}"
+                for name, g in r["grids"].items()
+            )
+            pick = "tuning" if lr is None else f"inner lr {lr:g}, warm-up {r['pick'].split()[-1]}"
+            pick += " (on the widened grid's edge)" if r.get("lr_at_grid_edge") else ""
+        else:  # DiLoCo: its outer-lr grid
+            grid = _grid(r["grid"], r["pick"])
+            pick = "tuning" if r["pick"] is None else f"outer lr {r['pick']:g}"
+        out.append(f"| {arm} | {grid} | {pick} |")
+    return "\n".join(out) + "\n"
+
+
+def h500(data: dict) -> str:
+    """Part H500 (issue 36, reproduce_diloco_H500.json): data parallel and DiLoCo at each H over
+    the paper's interval, each tuned on the tuning seed and split."""
+    dp, steps = data["dp"], data["steps_per_worker"]
+    t = dp.get("tuning") or {}
+    dp_bytes = dp.get("bytes_sent_per_worker")
+    tuned = f"inner lr {t['lr']:g}, warm-up {t['warmup']}" if t.get("lr") is not None else "tuning"
+    out = [
+        f"| run (warm, k = {data['k']}, {steps:,} steps per worker) | syncs | tuned | final val_loss "
+        "| vs data parallel | bytes sent per worker, data parallel / this |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| data parallel | {steps:,} | {tuned} | {_loss(dp.get('val_loss'))} | — | — |",
+    ]
+    for H, e in data["by_H"].items():
+        lr = e.get("outer_lr")
+        tuned = "tuning" if lr is None else f"outer lr {lr:g} ({_grid(e['lr_grid_tuning'], lr)})"
+        out.append(
+            f"| DiLoCo H = {H} | {steps // int(H):,} | {tuned} | {_loss(e.get('val_loss'))} | "
+            f"{_paired_by_seed(e.get('vs_dp'), e.get('vs_dp_paired'))} | "
+            f"{_bytes_ratio(dp_bytes, e.get('bytes_sent_per_worker'))} |"
+        )
+    return "\n".join(out) + "\n"
+
+
 JITTER_NAMES = {
     "sync": "sync DiLoCo",
     "sync_dylu": "sync + DyLU (`--dylu`)",
@@ -540,6 +597,8 @@ TABLES: dict[str, Callable[[dict], str]] = {
     "schedule": schedule,
     "lr_grid_warm": lambda data: _lr_grid(data, "warm"),
     "lr_grid_scratch": lambda data: _lr_grid(data, "scratch"),
+    "tuning": tuning,
+    "h500": h500,
 }
 
 
