@@ -233,19 +233,20 @@ for name, (codec, outer_opt) in CODECS.items():
     dist.all_gather_object(fingerprints, (_digest(outer.global_params), _digest(list(model.parameters()))))
     saved[name] = {"params": outer.global_params, "bytes": outer.bytes_sent, "version": outer.version}
     saved[name]["fingerprints"] = fingerprints
-# Streaming DiLoCo (2 fragments, overlap 1, fp32) in workers of two: the leaders exchange
-torch.manual_seed(rank)
-model = make_model()
-outer = DistributedDiLoCo(
-    model, inner_steps=H, outer_opt=Nesterov(lr=0.7, momentum=0.9), procs_per_worker=2, fragments=2,
-    overlap_steps=1,
-)  # fmt: skip
-ddp = DistributedDataParallel(model, process_group=outer.worker_group)
-user_loop(ddp, inner_opt(model.parameters()), batches(rank), outer, H * ROUNDS)
-fingerprints = [None] * 4
-dist.all_gather_object(fingerprints, (_digest(outer.global_params), _digest(list(model.parameters()))))
-saved["streaming"] = {"params": outer.global_params, "bytes": outer.bytes_sent, "version": outer.version}
-saved["streaming"]["fingerprints"] = fingerprints
+# Streaming DiLoCo (2 fragments, overlap 1) in workers of two: the leaders exchange
+for name, (codec, outer_opt) in CODECS.items():
+    torch.manual_seed(rank)
+    model = make_model()
+    outer = DistributedDiLoCo(
+        model, inner_steps=H, outer_opt=outer_opt(), codec=codec(), procs_per_worker=2, fragments=2,
+        overlap_steps=1,
+    )  # fmt: skip
+    ddp = DistributedDataParallel(model, process_group=outer.worker_group)
+    user_loop(ddp, inner_opt(model.parameters()), batches(rank), outer, H * ROUNDS)
+    fingerprints = [None] * 4
+    dist.all_gather_object(fingerprints, (_digest(outer.global_params), _digest(list(model.parameters()))))
+    streaming = {"params": outer.global_params, "bytes": outer.bytes_sent, "version": outer.version}
+    saved[f"streaming {name}"] = {**streaming, "fingerprints": fingerprints}
 # without DDP a worker's two processes drift apart: every process is told at the sync
 torch.manual_seed(rank)
 model = make_model()
@@ -401,7 +402,8 @@ def test_workers_of_two_processes_equal_two_simulated_workers_at_double_batch(tm
     """4 processes as 2 workers of 2 (DDP inside each): every process ends with the same θ_global
     and model; with fp32 it is the simulator with each worker's two half-batches as one batch, up
     to the rounding of DDP's averaged gradients, and so is Streaming DiLoCo's (2 fragments,
-    overlap 1); without DDP every process is told at the sync."""
+    overlap 1; SparseLoCo's too, whose non-leaders send placeholders of the message's size);
+    without DDP every process is told at the sync."""
     proc = _torchrun(tmp_path, ISLANDS, str(tmp_path / "global.pt"), nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = torch.load(tmp_path / "global.pt")
@@ -414,17 +416,17 @@ def test_workers_of_two_processes_equal_two_simulated_workers_at_double_batch(tm
             yield torch.cat([x0, x1]), torch.cat([y0, y1])
 
     streaming = {"fragments": 2, "overlap_steps": 1}
-    for name in [*scope["CODECS"], "streaming"]:
+    for name in [*scope["CODECS"], *(f"streaming {c}" for c in scope["CODECS"])]:
         real = saved[name]
         assert len({global_ for global_, _ in real["fingerprints"]}) == 1, name
         models = [model for _, model in real["fingerprints"]]
         assert models[0] == models[1] and models[2] == models[3], name  # a worker's processes agree
-        if name != "streaming":  # (a streaming model is its own mixed with θ_global: apart from it)
+        if "streaming" not in name:  # (a streaming model is its own mixed with θ_global: apart from it)
             assert set(models) == {real["fingerprints"][0][0]}, name
-        codec, more = ("fp32", streaming) if name == "streaming" else (name, {})
-        sim = _simulated(scope, codec, [double(w) for w in range(2)], **more)
+        codec = name.split()[-1]
+        sim = _simulated(scope, codec, [double(w) for w in range(2)], **(streaming if codec != name else {}))
         assert real["version"] == sim.side.version and real["bytes"] == sim.side.bytes_sent[0] > 0
-        if name != "sparseloco":  # (top-k's choices can flip on a rounding: compared across processes above)
+        if codec == "fp32":  # (top-k's choices can flip on a rounding: compared across processes above)
             simulated = [p.detach() for p in sim.side.params]
             num = sum(
                 float((a.detach() - b).pow(2).sum()) for a, b in zip(real["params"], simulated, strict=True)
