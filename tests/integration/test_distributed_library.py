@@ -205,6 +205,8 @@ for checks in ((False, False), (True, False)):
             outer.side.params[0].add_(1e-3)
     try:
         user_loop(model, inner_opt(model.parameters()), batches(rank), outer, 1)
+        if not any(checks):  # θ_globals apart: each process's checkpoint still loads, unchecked
+            outer.load_state_dict(outer.state_dict())
         thetas = [None] * 2
         dist.all_gather_object(thetas, outer.global_params[0].clone())
         saved[f"unchecked {checks}"] = (outer.version, thetas)
@@ -640,7 +642,8 @@ def test_a_model_with_a_scalar_parameter_syncs(one_process):
         ({"fragments": 2, "on_nonfinite": "drop"}, "stops on a NaN: leave on_nonfinite at 'stop'"),
         ({"fragments": 6}, "fragments 6 is more than inner_steps 5.*use fragments=5 or fewer"),
         ({"fragments": 2, "overlap_steps": 2}, "overlap_steps 2 must be below inner_steps / fragments = 2"),
-        ({"overlap_steps": 1, "mix_alpha": 1.5}, r"mix_alpha must lie in \[0, 1\]"),
+        ({"overlap_steps": 1, "mix_alpha": 1.0}, r"mix_alpha must lie in \[0, 1\), got 1.0: the weight"),
+        ({"fragments": 0}, "fragments must be at least 1 and overlap_steps at least 0, got 0 and 0"),
         ({"fragments": 2}, "2 fragments need at least as many numbered blocks, the model has 0"),
         ({"fragments": 2, "dylu": True}, "dylu and Streaming DiLoCo"),
     ],

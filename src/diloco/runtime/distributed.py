@@ -110,7 +110,9 @@ class DistributedDiLoCo(StreamingSteps, DyluSteps):
                 t.copy_(value)
         schedule = _schedule(inner_steps, fragments, overlap_steps, mix_alpha, on_nonfinite)
         if dylu and schedule is not None:
-            raise ValueError("dylu and Streaming DiLoCo (fragments, overlap_steps) do not go together")
+            raise ValueError(
+                "dylu and Streaming DiLoCo do not go together: pass dylu or fragments/overlap_steps"
+            )
         if schedule is not None:
             outer_opt = Fragmented([copy.deepcopy(outer_opt or Nesterov()) for _ in range(fragments)])
         self.side = OuterSide(
@@ -170,7 +172,8 @@ class DistributedDiLoCo(StreamingSteps, DyluSteps):
 
     def step(self) -> bool:
         """Count one inner step; at every `inner_steps`-th (with DyLU: `round_steps`-th), run the
-        outer step (every process must call it equally often). Returns whether this call
+        outer step (every process must call it equally often; with DyLU, as its worker's others).
+        Returns whether this call
         synchronised (with `fragments`: whether it ended a round, every fragment merged)."""
         self.steps_in_round += 1
         if self.schedule is not None:
@@ -350,6 +353,10 @@ class DistributedDiLoCo(StreamingSteps, DyluSteps):
             raise ValueError("another process was given a checkpoint of another process; nothing was loaded")
         if any(int(row[3]) for row in every):
             raise ValueError(self._other_schedule(state.get("streaming"), state.get("dylu") is not None))
+        if -1 in (digests := {row[4] for row in every}) and digests != {-1}:
+            raise ValueError(
+                "check_global is off on some processes and on on others: pass the same on every process"
+            )
         if len({tuple(row) for row in every}) > 1:
             raise ValueError(
                 "the processes were given checkpoints of different rounds or θ_global: give each "

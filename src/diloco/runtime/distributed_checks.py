@@ -44,13 +44,20 @@ def _schedule(
     """Streaming DiLoCo's schedule, None for plain DiLoCo; what it cannot do is refused here."""
     if fragments == 1 and overlap_steps == 0:
         return None
+    if fragments < 1 or overlap_steps < 0:
+        raise ValueError(
+            f"fragments must be at least 1 and overlap_steps at least 0, got {fragments} and {overlap_steps}"
+        )
     if on_nonfinite != "stop":
         raise ValueError(
             "Streaming DiLoCo (fragments > 1 or overlap_steps > 0) stops on a NaN: leave on_nonfinite "
             "at 'stop'"
         )
-    if not 0.0 <= mix_alpha <= 1.0:
-        raise ValueError(f"mix_alpha must lie in [0, 1], got {mix_alpha}")
+    if not 0.0 <= mix_alpha < 1.0:
+        raise ValueError(
+            f"mix_alpha must lie in [0, 1), got {mix_alpha}: the weight of a worker's own parameters in "
+            "a merge (at 1 it would never take θ_global)"
+        )
     try:
         return Schedule(H, fragments, overlap_steps, mix_alpha)
     except Exception as e:  # its messages name the command line's flags: named as arguments here
