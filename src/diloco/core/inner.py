@@ -43,6 +43,14 @@ def outer_grad_from(start: list[torch.Tensor], params: list[torch.Tensor]) -> tu
     return outer_grad, all(bool(torch.isfinite(g).all()) for g in outer_grad)
 
 
+def merge_into(param: torch.Tensor, merged: torch.Tensor, alpha: float) -> None:
+    """Streaming DiLoCo's merge of one tensor: param ← α·param + (1 − α)·merged (α = 0: replaced)."""
+    if alpha == 0.0:
+        param.copy_(merged)
+    else:
+        param.mul_(alpha).add_(merged.to(param.device), alpha=1.0 - alpha)
+
+
 def encode_outer_grad(
     codec: Codec, outer_grad: list[torch.Tensor], finite: bool, state: dict[str, Any]
 ) -> Encoded:
@@ -226,11 +234,7 @@ class Worker:
         if merge is not None:
             indices, tensors, alpha = merge
             for i, g in zip(indices, tensors, strict=True):
-                p = self.params[i]
-                if alpha == 0.0:
-                    p.copy_(g)
-                else:
-                    p.mul_(alpha).add_(g.to(p.device), alpha=1.0 - alpha)
+                merge_into(self.params[i], g, alpha)
                 self.anchor[i] = g.detach().clone().cpu()
         total_loss, lr = 0.0, self.optimizer.param_groups[0]["lr"]
         with torch.enable_grad():

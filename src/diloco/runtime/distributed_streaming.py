@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from diloco.core.inner import encode_outer_grad, outer_grad_from
+from diloco.core.inner import encode_outer_grad, merge_into, outer_grad_from
 from diloco.core.streaming import Schedule
 from diloco.errors import NonFinite
 from diloco.runtime.collective_streaming import StreamingRounds
@@ -115,10 +115,5 @@ class StreamingSteps(StreamingRounds):
                 f"a worker's outer_grad of fragment {p} holds a NaN or Inf in round "
                 f"{self.side.rounds_done + 1}; that fragment of θ_global is unchanged: lower the inner lr"
             ) from None
-        alpha = self.schedule.alpha
         for i, g in zip(self.groups[p], fragment, strict=True):
-            param = self.params[i]
-            if alpha == 0.0:
-                param.copy_(g)
-            else:
-                param.mul_(alpha).add_(g.to(param.device), alpha=1.0 - alpha)
+            merge_into(self.params[i], g, self.schedule.alpha)
