@@ -66,12 +66,16 @@ Runs are cached: each run's folder under `--workdir` is named by a hash of its f
 (without `--out`, `--threads`, `--procs`; `--init-from` by the pretraining run's folder name,
 `--config` by its text), and a finished run (summary.json) is reused, so parts can run one at
 a time in separate invocations; a failed run (e.g. a diverged outer lr) keeps its `failed.json`
-and counts as failed (the worst of a grid). The folders (models, logs) are git-ignored and stay
-on the machine that ran them, so every finished run's result (summary.json, time, its evaluation
-curve) also goes to a ledger kept in git, benchmarks/results/reproduce_ledger/runs.jsonl (one
-JSON object per run, sorted by name; `--model micro`: reproduce_micro_ledger/; `--quick`: the
-workdir's _ledger/; `--ledger` another folder), beside part_timing.json (each part's wall time
-over every invocation). A
+and counts as failed (the worst of a grid). Each run checkpoints about every tenth of its rounds
+(`--checkpoint-every`, not part of its name: a checkpoint changes no result), so a run the lane
+was stopped in continues from its folder's latest checkpoint, bit for bit, when the part runs
+again (its ledger row says `resumed`; its `elapsed_s` is then the last attempt's); a resume that
+fails starts the run over, and a finished run's checkpoints are deleted. The folders (models,
+logs) are git-ignored and stay on the machine that ran them, so every finished run's result
+(summary.json, time, its evaluation curve) also goes to a ledger kept in git,
+benchmarks/results/reproduce_ledger/runs.jsonl (one JSON object per run, sorted by name;
+`--model micro`: reproduce_micro_ledger/; `--quick`: the workdir's _ledger/; `--ledger` another
+folder), beside part_timing.json (each part's wall time over every invocation). A
 run in the ledger is not run again on a new machine, except a pretraining run whose model a
 new warm-started run needs: it runs again, and a result that differs from the ledger's is
 reported (the runs are meant to be deterministic). The JSON always covers every part from the
@@ -645,7 +649,10 @@ class Ctx:
         elif (d / "summary.json").is_file():
             res = json.loads((d / "summary.json").read_text())
             bench = d / "bench.json"
-            res["elapsed_s"] = json.loads(bench.read_text())["elapsed_s"] if bench.is_file() else None
+            record = json.loads(bench.read_text()) if bench.is_file() else {}
+            res["elapsed_s"] = record.get("elapsed_s")
+            if record.get("resumed"):
+                res["resumed"] = True  # elapsed_s is the last attempt's only
         elif (row := self.ledger.rows.get(run.name)) is not None:
             res = {"failed": True, **row["failed"]} if "failed" in row else {**row["summary"]}
             res.setdefault("elapsed_s", row.get("elapsed_s"))
@@ -683,6 +690,8 @@ class Ctx:
             row["failed"] = {k: v for k, v in res.items() if k != "cmd"}
         else:
             row["elapsed_s"] = res.pop("elapsed_s", None)
+            if res.pop("resumed", False):
+                row["resumed"] = True  # from a checkpoint: elapsed_s is the last attempt's only
             res.pop("run_dir", None)  # the machine's path
             row["summary"] = res
             xs, ys = self.curve(run.name)
@@ -696,36 +705,65 @@ class Ctx:
         row["recorded"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         self.ledger.put(row)
 
-    def command(self, run: Run) -> list[str]:
+    def command(self, run: Run, resume: bool = False) -> list[str]:
+        """The run's `diloco train`; it checkpoints about every tenth of its rounds (a checkpoint
+        changes no result: the run's name ignores it), so a lane stopped mid-run continues it
+        (`resume`: from the folder's latest checkpoint, bit for bit) instead of starting over."""
         cmd = [sys.executable, "-m", "diloco", "train"]
+        tail = ["--threads", "1", "--procs", "1", "--no-progress"]
+        if resume:
+            return cmd + ["--resume", str(self.dir(run)), *tail]
         if self.quick:
             cmd += ["--config", str(self.config_path)]
         cmd += list(run.flags)
         if run.init is not None:
             cmd += ["--init-from", str(self.dir(run.init))]
-        return cmd + ["--out", str(self.dir(run)), "--threads", "1", "--procs", "1", "--no-progress"]
+        rounds = int(run.flags[run.flags.index("--rounds") + 1])
+        cmd += ["--checkpoint-every", str(max(1, rounds // 10)), "--keep-checkpoints", "1"]
+        return cmd + ["--out", str(self.dir(run)), *tail]
 
     def train(self, run: Run) -> tuple[bool, float]:
-        """Run one `diloco train` (in a worker thread); its folder gets bench.json or failed.json."""
+        """Run one `diloco train` (in a worker thread); its folder gets bench.json or failed.json.
+        A folder an interrupted attempt left with a checkpoint is resumed from it (a resume that
+        fails starts the run over); one without starts over. A finished run's checkpoints go."""
         d = self.dir(run)
-        shutil.rmtree(d, ignore_errors=True)  # an unfinished earlier attempt
-        cmd = self.command(run)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-        elapsed = round(time.perf_counter() - t0, 2)
-        if proc.returncode in STOPPED:  # the lane was stopped: no result (a crash, -9 or -11, is one)
-            raise Stopped(f"{run.label} was stopped (exit code {proc.returncode}): not recorded")
+        resume = not (d / "failed.json").exists() and any((d / "checkpoints").glob("round-[0-9]*"))
+        if resume:
+            _log(f"resume {run.label} [{run.name}] from its folder's latest checkpoint")
+        proc, elapsed = self._attempt(run, resume)
+        if resume and proc.returncode != 0:
+            _log(f"{run.label} [{run.name}]: its resume failed (exit code {proc.returncode}); it starts over")
+            resume = False
+            proc, elapsed = self._attempt(run, resume)
         d.mkdir(parents=True, exist_ok=True)
-        record = {"label": run.label, "cmd": cmd, "elapsed_s": elapsed, "returncode": proc.returncode}
+        record = {"label": run.label, "cmd": self.command(run, resume), "elapsed_s": elapsed}
+        record["returncode"] = proc.returncode
+        if resume:
+            record["resumed"] = True  # elapsed_s is this attempt's only
         ok = proc.returncode == 0 and (d / "summary.json").is_file()
-        if not ok:
+        if ok:
+            shutil.rmtree(d / "checkpoints", ignore_errors=True)
+        else:
             record["stderr_tail"] = proc.stderr[-3000:]
         (d / ("bench.json" if ok else "failed.json")).write_text(json.dumps(record, indent=2) + "\n")
         self.keep(run)
         self.ledger.save()
         return ok, elapsed
+
+    def _attempt(self, run: Run, resume: bool) -> tuple[subprocess.CompletedProcess, float]:
+        """One `diloco train` process (afresh in an emptied folder unless `resume`); `Stopped`
+        when a signal stopped it."""
+        if not resume:
+            shutil.rmtree(self.dir(run), ignore_errors=True)  # an earlier attempt without a checkpoint
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+        t0 = time.perf_counter()
+        cmd = self.command(run, resume)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        elapsed = round(time.perf_counter() - t0, 2)
+        if proc.returncode in STOPPED:  # the lane was stopped: no result (a crash, -9 or -11, is one)
+            raise Stopped(f"{run.label} was stopped (exit code {proc.returncode}): not recorded")
+        return proc, elapsed
 
 
 STOPPED = (130, -2, -15, -1)  # Ctrl-C (diloco train's own exit code, or the signal), SIGTERM, SIGHUP

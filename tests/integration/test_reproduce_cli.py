@@ -207,7 +207,7 @@ def test_a_run_whose_process_a_signal_kills_leaves_no_result(tmp_path):
     mod = _module()
     ctx = _ctx(mod, tmp_path)
     run = ctx.dp(4, 0, True)
-    ctx.command = lambda run: [
+    ctx.command = lambda run, resume=False: [
         sys.executable,
         "-c",
         "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
@@ -217,9 +217,75 @@ def test_a_run_whose_process_a_signal_kills_leaves_no_result(tmp_path):
     assert not ctx.finished(run) and not (tmp_path / run.name / "failed.json").exists()
     assert not _ctx(mod, tmp_path).finished(run)  # a restart reads the ledger: nothing there
     crash = "import os; os.abort()"  # a crash is a result: failed, with its stderr
-    ctx.command = lambda run: [sys.executable, "-c", crash]
+    ctx.command = lambda run, resume=False: [sys.executable, "-c", crash]
     assert ctx.train(run)[0] is False and ctx.finished(run)
     assert json.loads((tmp_path / run.name / "failed.json").read_text())["returncode"] == -6
+
+
+def _quick_ctx(mod, workdir: Path):
+    """`--quick`'s context (a tiny model: seconds a run), its config written as main() does."""
+    args = argparse.Namespace(
+        quick=True, ks=(4,), starts=("warm",), lr_grid=(0.7,), serial_ks=(4,), model="nano",
+        steps=mod.QUICK_STEPS, H=mod.QUICK_H, hs=(mod.QUICK_H,), h_k=4, seeds=1,
+        pretrain_steps=mod.QUICK_STEPS, jobs=1, workdir=workdir, ledger=workdir / "runs.jsonl",
+    )  # fmt: skip
+    workdir.mkdir(parents=True, exist_ok=True)
+    ctx = mod.Ctx(args)
+    ctx.config_path.write_text(mod.QUICK_CONFIG)
+    return ctx
+
+
+@pytest.mark.timeout(180)
+def test_a_run_stopped_after_a_checkpoint_resumes_from_it_to_the_same_result(tmp_path):
+    """A lane stopped mid-run (here the run's first attempt stops after round 2 of 4, leaving a
+    checkpoint and no summary) continues the run from its checkpoint: the same model, bit for bit,
+    as the run made in one go (and as the run made without checkpoints), its checkpoints removed,
+    and the ledger row says it was resumed."""
+    mod = _module()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    results = {}
+    for name in ("whole", "stopped"):
+        ctx = _quick_ctx(mod, tmp_path / name)
+        run = ctx.diloco(0, k=2, H=10, steps=40)
+        assert "--checkpoint-every" in ctx.command(run) and "--checkpoint-every" not in run.flags
+        if name == "stopped":
+            first = subprocess.run(
+                [*ctx.command(run), "--stop-after", "2"], env=env, capture_output=True, timeout=120
+            )
+            assert first.returncode == 0, first.stderr
+            assert not (ctx.dir(run) / "summary.json").exists()
+            assert (ctx.dir(run) / "checkpoints" / "round-000002").is_dir()
+        ok, _ = ctx.train(run)
+        assert ok and not (ctx.dir(run) / "checkpoints").exists()
+        bench = json.loads((ctx.dir(run) / "bench.json").read_text())
+        assert bench.get("resumed", False) == (name == "stopped")
+        assert ctx.ledger.rows[run.name].get("resumed", False) == (name == "stopped")
+        results[name] = (ctx.dir(run) / "model.safetensors").read_bytes(), ctx.result(run)["val_loss"]
+    assert results["stopped"] == results["whole"]
+    # and a checkpointed run is the run without checkpoints (the ledger's older rows were made so)
+    cmd = ctx.command(run)
+    i = cmd.index("--checkpoint-every")
+    plain = tmp_path / "plain"
+    cmd = [*cmd[:i], *cmd[i + 4 :]]
+    cmd[cmd.index("--out") + 1] = str(plain)
+    assert subprocess.run(cmd, env=env, capture_output=True, timeout=120).returncode == 0
+    assert (plain / "model.safetensors").read_bytes() == results["whole"][0]
+
+
+@pytest.mark.timeout(180)
+def test_a_run_whose_resume_fails_starts_over(tmp_path, capsys):
+    """A folder whose checkpoint cannot be resumed (garbage here) does not become a failed run:
+    the run starts over in an emptied folder."""
+    mod = _module()
+    ctx = _quick_ctx(mod, tmp_path)
+    run = ctx.single(0, steps=20)
+    junk = ctx.dir(run) / "checkpoints" / "round-000001"
+    junk.mkdir(parents=True)
+    (junk / "state.json").write_text("not a checkpoint")
+    ok, _ = ctx.train(run)
+    assert ok and "resumed" not in json.loads((ctx.dir(run) / "bench.json").read_text())
+    assert "its resume failed" in capsys.readouterr().err
+    assert ctx.result(run)["inner_steps"] == 20
 
 
 @pytest.mark.timeout(60)
