@@ -113,9 +113,9 @@ def validate(cfg: Any) -> None:
         settings.in_range(cfg, "round_timeout_s", lo=0.0)
         settings.in_range(cfg, "worker_timeout_s", lo=0.0, lo_open=True)
         settings.in_range(cfg, "max_update_norm_ratio", lo=0.0)
-        settings.in_range(cfg, "max_inflight_pushes", lo=0)
-        settings.in_range(cfg, "max_inflight_downloads", lo=1)
-        settings.in_range(cfg, "max_staleness", lo=0)
+        settings.at_least(cfg, "max_inflight_pushes", minimum=0)
+        settings.at_least(cfg, "max_inflight_downloads", minimum=1)
+        settings.at_least(cfg, "max_staleness", minimum=0)
         if cfg.max_staleness and cfg.method != "async":
             raise UserError(
                 "max_staleness (--max-staleness) limits how stale an async push may be; a sync round's "
@@ -135,7 +135,7 @@ def validate(cfg: Any) -> None:
 
 def _validate_communication(cfg: Any) -> None:
     settings.in_range(cfg, "topk_fraction", lo=0.0, hi=1.0, lo_open=True)
-    settings.in_range(cfg, "topk_chunk", lo=0)
+    settings.at_least(cfg, "topk_chunk", minimum=0)
     if cfg.topk_bits not in TOPK_BITS:
         raise UserError(
             f"topk_bits (--topk-bits) must be one of {', '.join(map(str, TOPK_BITS))}, got {cfg.topk_bits}."
