@@ -66,11 +66,15 @@ Runs are cached: each run's folder under `--workdir` is named by a hash of its f
 (without `--out`, `--threads`, `--procs`; `--init-from` by the pretraining run's folder name,
 `--config` by its text), and a finished run (summary.json) is reused, so parts can run one at
 a time in separate invocations; a failed run (e.g. a diverged outer lr) keeps its `failed.json`
-and counts as failed (the worst of a grid). Each run checkpoints about every tenth of its rounds
-(`--checkpoint-every`, not part of its name: a checkpoint changes no result), so a run the lane
-was stopped in continues from its folder's latest checkpoint, bit for bit, when the part runs
-again (its ledger row says `resumed`; its `elapsed_s` is then the last attempt's); a resume that
-fails starts the run over, and a finished run's checkpoints are deleted. The folders (models,
+and counts as failed (the worst of a grid). Each run checkpoints every tenth of its rounds (every
+round below 20 rounds; `--checkpoint-every`, not part of its name: a checkpoint changes no
+result), so a run the lane was stopped in continues from its folder's latest checkpoint, bit for
+bit, when the part runs again (its ledger row says `resumed`; its `elapsed_s` is the run's
+summary `wall_time_s`, which counts the work before the checkpoint but not the work lost after
+it); a resume that `diloco train` refuses (exit code 2) starts the run over; checkpoints are
+deleted once a run has finished or failed. Move a lane's worktree to another commit only when
+no folder holds a checkpoint, or to one that changes no result (a resume would mix two versions
+of the code in one run). The folders (models,
 logs) are git-ignored and stay on the machine that ran them, so every finished run's result
 (summary.json, time, its evaluation curve) also goes to a ledger kept in git,
 benchmarks/results/reproduce_ledger/runs.jsonl (one JSON object per run, sorted by name;
@@ -652,7 +656,7 @@ class Ctx:
             record = json.loads(bench.read_text()) if bench.is_file() else {}
             res["elapsed_s"] = record.get("elapsed_s")
             if record.get("resumed"):
-                res["resumed"] = True  # elapsed_s is the last attempt's only
+                res["resumed"] = True
         elif (row := self.ledger.rows.get(run.name)) is not None:
             res = {"failed": True, **row["failed"]} if "failed" in row else {**row["summary"]}
             res.setdefault("elapsed_s", row.get("elapsed_s"))
@@ -678,6 +682,7 @@ class Ctx:
         d = self.dir(run)
         if not ((d / "failed.json").is_file() or (d / "summary.json").is_file()):
             return
+        shutil.rmtree(d / "checkpoints", ignore_errors=True)  # e.g. a run that ended after its lane
         self._results.pop(run.name, None)
         res = dict(self.result(run) or {})
         old = self.ledger.rows.get(run.name)
@@ -691,7 +696,7 @@ class Ctx:
         else:
             row["elapsed_s"] = res.pop("elapsed_s", None)
             if res.pop("resumed", False):
-                row["resumed"] = True  # from a checkpoint: elapsed_s is the last attempt's only
+                row["resumed"] = True  # continued from a checkpoint (elapsed_s: over its attempts)
             res.pop("run_dir", None)  # the machine's path
             row["summary"] = res
             xs, ys = self.curve(run.name)
@@ -724,31 +729,42 @@ class Ctx:
 
     def train(self, run: Run) -> tuple[bool, float]:
         """Run one `diloco train` (in a worker thread); its folder gets bench.json or failed.json.
-        A folder an interrupted attempt left with a checkpoint is resumed from it (a resume that
-        fails starts the run over); one without starts over. A finished run's checkpoints go."""
+        A folder an interrupted attempt left with a checkpoint is resumed from it; a resume that
+        `diloco train` refuses (exit code 2: the checkpoint cannot be read) starts the run over,
+        while a resumed run that fails in training (3) is a failed run. A finished or failed run's
+        checkpoints are deleted."""
         d = self.dir(run)
         resume = not (d / "failed.json").exists() and any((d / "checkpoints").glob("round-[0-9]*"))
         if resume:
             _log(f"resume {run.label} [{run.name}] from its folder's latest checkpoint")
         proc, elapsed = self._attempt(run, resume)
-        if resume and proc.returncode != 0:
-            _log(f"{run.label} [{run.name}]: its resume failed (exit code {proc.returncode}); it starts over")
+        refused = None
+        if resume and proc.returncode == 2:
+            refused = {"returncode": 2, "stderr_tail": proc.stderr[-1000:]}
+            why = proc.stderr.strip().splitlines()[-1:] or ["no message"]
+            _log(f"{run.label} [{run.name}]: its resume was refused ({why[0]}); it starts over")
             resume = False
             proc, elapsed = self._attempt(run, resume)
         d.mkdir(parents=True, exist_ok=True)
-        record = {"label": run.label, "cmd": self.command(run, resume), "elapsed_s": elapsed}
+        record = {"label": run.label, "cmd": self.command(run), "elapsed_s": elapsed}
         record["returncode"] = proc.returncode
-        if resume:
-            record["resumed"] = True  # elapsed_s is this attempt's only
+        if refused:
+            record["resume_refused"] = refused
         ok = proc.returncode == 0 and (d / "summary.json").is_file()
-        if ok:
-            shutil.rmtree(d / "checkpoints", ignore_errors=True)
-        else:
+        if resume:
+            # the run's wall time over its attempts: its summary counts the work before the
+            # checkpoint too (not the work an interrupted attempt lost after it)
+            record["resumed"] = {"cmd": self.command(run, True), "attempt_elapsed_s": elapsed}
+            if ok:
+                wall = json.loads((d / "summary.json").read_text()).get("wall_time_s") or 0.0
+                record["elapsed_s"] = round(max(elapsed, wall), 2)
+        shutil.rmtree(d / "checkpoints", ignore_errors=True)
+        if not ok:
             record["stderr_tail"] = proc.stderr[-3000:]
         (d / ("bench.json" if ok else "failed.json")).write_text(json.dumps(record, indent=2) + "\n")
         self.keep(run)
         self.ledger.save()
-        return ok, elapsed
+        return ok, record["elapsed_s"]
 
     def _attempt(self, run: Run, resume: bool) -> tuple[subprocess.CompletedProcess, float]:
         """One `diloco train` process (afresh in an emptied folder unless `resume`); `Stopped`

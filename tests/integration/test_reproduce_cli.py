@@ -235,47 +235,60 @@ def _quick_ctx(mod, workdir: Path):
     return ctx
 
 
-@pytest.mark.timeout(180)
-def test_a_run_stopped_after_a_checkpoint_resumes_from_it_to_the_same_result(tmp_path):
+def _arm(ctx, arm: str):
+    """One quick run of each kind the lanes start: 4 rounds of 10 steps."""
+    if arm == "single":
+        return ctx.single(0, steps=40)
+    if arm == "dp":
+        return ctx.dp(2, 0, steps=40)
+    extra = ("--codec", "topk", "--error-feedback", "--topk-fraction", "0.1", "--topk-chunk", "64")
+    if arm == "sparseloco":
+        return ctx.diloco(0, k=2, H=10, steps=40, opt="sparseloco", extra=(*extra, "--topk-bits", "2"))
+    return ctx.diloco(0, k=2, H=10, steps=40)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("arm", ["diloco", "sparseloco", "dp", "single"])
+def test_a_run_stopped_after_a_checkpoint_resumes_from_it_to_the_same_result(tmp_path, arm):
     """A lane stopped mid-run (here the run's first attempt stops after round 2 of 4, leaving a
-    checkpoint and no summary) continues the run from its checkpoint: the same model, bit for bit,
-    as the run made in one go (and as the run made without checkpoints), its checkpoints removed,
-    and the ledger row says it was resumed."""
+    checkpoint and no summary) continues from its checkpoint to the run made in one go without
+    checkpoints (as the ledger's older rows were made), bit for bit: the same model and the same
+    evaluation curve; its checkpoints are deleted and the ledger row says it was resumed."""
     mod = _module()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    results = {}
-    for name in ("whole", "stopped"):
-        ctx = _quick_ctx(mod, tmp_path / name)
-        run = ctx.diloco(0, k=2, H=10, steps=40)
-        assert "--checkpoint-every" in ctx.command(run) and "--checkpoint-every" not in run.flags
-        if name == "stopped":
-            first = subprocess.run(
-                [*ctx.command(run), "--stop-after", "2"], env=env, capture_output=True, timeout=120
-            )
-            assert first.returncode == 0, first.stderr
-            assert not (ctx.dir(run) / "summary.json").exists()
-            assert (ctx.dir(run) / "checkpoints" / "round-000002").is_dir()
-        ok, _ = ctx.train(run)
-        assert ok and not (ctx.dir(run) / "checkpoints").exists()
-        bench = json.loads((ctx.dir(run) / "bench.json").read_text())
-        assert bench.get("resumed", False) == (name == "stopped")
-        assert ctx.ledger.rows[run.name].get("resumed", False) == (name == "stopped")
-        results[name] = (ctx.dir(run) / "model.safetensors").read_bytes(), ctx.result(run)["val_loss"]
-    assert results["stopped"] == results["whole"]
-    # and a checkpointed run is the run without checkpoints (the ledger's older rows were made so)
+    plain, ctx = _quick_ctx(mod, tmp_path / "plain"), _quick_ctx(mod, tmp_path / "lane")
+    run = _arm(ctx, arm)
     cmd = ctx.command(run)
     i = cmd.index("--checkpoint-every")
-    plain = tmp_path / "plain"
+    assert cmd[i : i + 4] == ["--checkpoint-every", "1", "--keep-checkpoints", "1"]  # 4 rounds: every round
+    assert "--checkpoint-every" not in run.flags  # not part of the run's name
     cmd = [*cmd[:i], *cmd[i + 4 :]]
-    cmd[cmd.index("--out") + 1] = str(plain)
-    assert subprocess.run(cmd, env=env, capture_output=True, timeout=120).returncode == 0
-    assert (plain / "model.safetensors").read_bytes() == results["whole"][0]
+    cmd[cmd.index("--out") + 1] = str(plain.dir(run))
+    whole = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert whole.returncode == 0, whole.stderr
+    first = subprocess.run(
+        [*ctx.command(run), "--stop-after", "2"], env=env, capture_output=True, timeout=120
+    )
+    assert first.returncode == 0, first.stderr
+    assert not (ctx.dir(run) / "summary.json").exists()
+    assert (ctx.dir(run) / "checkpoints" / "round-000002").is_dir()
+    ok, elapsed = ctx.train(run)
+    assert ok and not (ctx.dir(run) / "checkpoints").exists()
+    bench = json.loads((ctx.dir(run) / "bench.json").read_text())
+    assert "--resume" in bench["resumed"]["cmd"] and "--resume" not in bench["cmd"]
+    summary = json.loads((ctx.dir(run) / "summary.json").read_text())
+    assert elapsed == bench["elapsed_s"] >= summary["wall_time_s"]  # the work of both attempts
+    assert ctx.ledger.rows[run.name]["resumed"] is True
+    model = (ctx.dir(run) / "model.safetensors").read_bytes()
+    assert model == (plain.dir(run) / "model.safetensors").read_bytes()
+    assert ctx.curve(run.name) == plain.curve(run.name) and len(ctx.curve(run.name)[0]) >= 2
 
 
 @pytest.mark.timeout(180)
-def test_a_run_whose_resume_fails_starts_over(tmp_path, capsys):
-    """A folder whose checkpoint cannot be resumed (garbage here) does not become a failed run:
-    the run starts over in an emptied folder."""
+def test_a_resume_that_diloco_refuses_starts_the_run_over(tmp_path, capsys):
+    """A folder whose checkpoint cannot be read (garbage here: `diloco train --resume` exits 2)
+    does not become a failed run: the run starts over in an emptied folder, and its record keeps
+    why the resume was refused."""
     mod = _module()
     ctx = _quick_ctx(mod, tmp_path)
     run = ctx.single(0, steps=20)
@@ -283,9 +296,29 @@ def test_a_run_whose_resume_fails_starts_over(tmp_path, capsys):
     junk.mkdir(parents=True)
     (junk / "state.json").write_text("not a checkpoint")
     ok, _ = ctx.train(run)
-    assert ok and "resumed" not in json.loads((ctx.dir(run) / "bench.json").read_text())
-    assert "its resume failed" in capsys.readouterr().err
+    bench = json.loads((ctx.dir(run) / "bench.json").read_text())
+    assert ok and "resumed" not in bench and bench["resume_refused"]["returncode"] == 2
+    assert "resumed" not in ctx.ledger.rows[run.name]
     assert ctx.result(run)["inner_steps"] == 20
+    assert "its resume was refused" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_a_resumed_run_that_fails_in_training_is_failed_not_run_again(tmp_path):
+    """Exit code 3 (the run failed: diverged) after a resume is the run's result: recorded as
+    failed once, not started over (it would fail again after hours), its checkpoints deleted."""
+    mod = _module()
+    ctx = _ctx(mod, tmp_path)
+    run = ctx.dp(4, 0, True)
+    (ctx.dir(run) / "checkpoints" / "round-000003").mkdir(parents=True)
+    log = tmp_path / "attempts.txt"
+    script = f"import sys; open({str(log)!r}, 'a').write(sys.argv[1] + chr(10)); sys.exit(3)"
+    ctx.command = lambda run, resume=False: [sys.executable, "-c", script, "resume" if resume else "fresh"]
+    assert ctx.train(run)[0] is False
+    assert log.read_text().split() == ["resume"]  # one process: not started over
+    failed = json.loads((ctx.dir(run) / "failed.json").read_text())
+    assert failed["returncode"] == 3 and "resume_refused" not in failed
+    assert not (ctx.dir(run) / "checkpoints").exists() and "failed" in ctx.ledger.rows[run.name]
 
 
 @pytest.mark.timeout(60)
