@@ -777,12 +777,21 @@ class Ctx:
         cmd = self.command(run, resume)
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
         elapsed = round(time.perf_counter() - t0, 2)
-        if proc.returncode in STOPPED:  # the lane was stopped: no result (a crash, -9 or -11, is one)
-            raise Stopped(f"{run.label} was stopped (exit code {proc.returncode}): not recorded")
+        if proc.returncode in STOPPED:  # the lane was stopped: no result (a crash, -6 or -11, is one)
+            why = (
+                " (SIGKILL: kill -9, a session's end, or the kernel out of memory)"
+                if proc.returncode == -9
+                else ""
+            )
+            raise Stopped(f"{run.label} was stopped (exit code {proc.returncode}){why}: not recorded")
         return proc, elapsed
 
 
-STOPPED = (130, -2, -15, -1)  # Ctrl-C (diloco train's own exit code, or the signal), SIGTERM, SIGHUP
+# Ctrl-C (diloco train's own exit code, or the signal), SIGTERM, SIGHUP, SIGKILL: a lane's run
+# killed by a signal is stopped, not failed (a failed run counts as the worst of its grid, so a
+# run that a session's end killed would bias a tuning pick); the rare kill for memory shows as
+# the lane stopping again at the same run.
+STOPPED = (130, -2, -15, -1, -9)
 
 
 class Stopped(Exception):

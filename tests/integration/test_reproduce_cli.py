@@ -201,20 +201,21 @@ def test_a_choice_whose_one_option_failed_whole_picks_the_other(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_run_whose_process_a_signal_kills_leaves_no_result(tmp_path):
-    """A stopped lane's run (SIGTERM here; Ctrl-C, SIGHUP too) is not a failed run: nothing in its
-    folder or the ledger, so a restart runs it again; a crash (abort) is recorded as failed."""
+@pytest.mark.parametrize(("signal_name", "code"), [("SIGTERM", -15), ("SIGKILL", -9), ("SIGHUP", -1)])
+def test_a_run_whose_process_a_signal_kills_leaves_no_result(tmp_path, signal_name, code):
+    """A stopped lane's run (SIGTERM, SIGKILL as a session's end sends, SIGHUP; Ctrl-C too) is not
+    a failed run: nothing in its folder or the ledger, so a restart runs it again (from its
+    checkpoint, which stays); a crash (abort) is recorded as failed."""
     mod = _module()
     ctx = _ctx(mod, tmp_path)
     run = ctx.dp(4, 0, True)
-    ctx.command = lambda run, resume=False: [
-        sys.executable,
-        "-c",
-        "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
-    ]
-    with pytest.raises(mod.Stopped, match=r"stopped \(exit code -15\)"):
+    kill = f"import os, signal; os.kill(os.getpid(), signal.{signal_name})"
+    ctx.command = lambda run, resume=False: [sys.executable, "-c", kill]
+    (ctx.dir(run) / "checkpoints" / "round-000002").mkdir(parents=True)
+    with pytest.raises(mod.Stopped, match=rf"stopped \(exit code {code}\)"):
         ctx.train(run)
     assert not ctx.finished(run) and not (tmp_path / run.name / "failed.json").exists()
+    assert (ctx.dir(run) / "checkpoints" / "round-000002").is_dir()
     assert not _ctx(mod, tmp_path).finished(run)  # a restart reads the ledger: nothing there
     crash = "import os; os.abort()"  # a crash is a result: failed, with its stderr
     ctx.command = lambda run, resume=False: [sys.executable, "-c", crash]
