@@ -74,8 +74,8 @@ summary `wall_time_s`, which counts the work before the checkpoint but not the w
 it); a resume that `diloco train` refuses (exit code 2) starts the run over; checkpoints are
 deleted once a run has finished or failed. Move a lane's worktree to another commit only when
 no folder holds a checkpoint, or to one that changes no result (a resume would mix two versions
-of the code in one run). The folders (models,
-logs) are git-ignored and stay on the machine that ran them, so every finished run's result
+of the code in one run). The folders (models, logs) are git-ignored and stay on the machine
+that ran them, so every finished run's result
 (summary.json, time, its evaluation curve) also goes to a ledger kept in git,
 benchmarks/results/reproduce_ledger/runs.jsonl (one JSON object per run, sorted by name;
 `--model micro`: reproduce_micro_ledger/; `--quick`: the workdir's _ledger/; `--ledger` another
@@ -682,7 +682,7 @@ class Ctx:
         d = self.dir(run)
         if not ((d / "failed.json").is_file() or (d / "summary.json").is_file()):
             return
-        shutil.rmtree(d / "checkpoints", ignore_errors=True)  # e.g. a run that ended after its lane
+        shutil.rmtree(d / "checkpoints", ignore_errors=True)  # a run that ended needs none
         self._results.pop(run.name, None)
         res = dict(self.result(run) or {})
         old = self.ledger.rows.get(run.name)
@@ -711,7 +711,7 @@ class Ctx:
         self.ledger.put(row)
 
     def command(self, run: Run, resume: bool = False) -> list[str]:
-        """The run's `diloco train`; it checkpoints about every tenth of its rounds (a checkpoint
+        """The run's `diloco train`; it checkpoints every tenth of its rounds (a checkpoint
         changes no result: the run's name ignores it), so a lane stopped mid-run continues it
         (`resume`: from the folder's latest checkpoint, bit for bit) instead of starting over."""
         cmd = [sys.executable, "-m", "diloco", "train"]
@@ -758,7 +758,6 @@ class Ctx:
             if ok:
                 wall = json.loads((d / "summary.json").read_text()).get("wall_time_s") or 0.0
                 record["elapsed_s"] = round(max(elapsed, wall), 2)
-        shutil.rmtree(d / "checkpoints", ignore_errors=True)
         if not ok:
             record["stderr_tail"] = proc.stderr[-3000:]
         (d / ("bench.json" if ok else "failed.json")).write_text(json.dumps(record, indent=2) + "\n")

@@ -173,8 +173,8 @@ class DistributedDiLoCo(StreamingSteps, DyluSteps):
     def step(self) -> bool:
         """Count one inner step; at every `inner_steps`-th (with DyLU: `round_steps`-th), run the
         outer step (every process must call it equally often; with DyLU, as its worker's others).
-        Returns whether this call
-        synchronised (with `fragments`: whether it ended a round, every fragment merged)."""
+        Returns whether this call synchronised (with `fragments`: whether it ended a round, every
+        fragment merged)."""
         self.steps_in_round += 1
         if self.schedule is not None:
             return self._streaming_step()
