@@ -372,15 +372,6 @@ def _lr_grid(data: dict, start: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def _grid(grid: dict[str, float | None], pick: float | None) -> str:
-    """A tuning grid: each lr's tuning loss, the pick's in bold (`–`: not run)."""
-    cells = []
-    for lr, v in grid.items():
-        cell = f"{lr}: {'–' if v is None else _round(v, 4)}"
-        cells.append(f"**{cell}**" if pick is not None and float(lr) == pick else cell)
-    return ", ".join(cells)
-
-
 def tuning(data: dict) -> str:
     """Part dp's tuning (issue 36): every arm's grid on the tuning seed and split, and its pick."""
     t = data["dp"]["tuning"]
@@ -398,10 +389,15 @@ def tuning(data: dict) -> str:
             )
             pick = "tuning" if lr is None else f"inner lr {lr:g}, warm-up {r['pick'].split()[-1]}"
             pick += " (on the widened grid's edge)" if r.get("lr_at_grid_edge") else ""
-        else:  # DiLoCo: its outer-lr grid
-            grid = _grid(r["grid"], r["pick"])
+        else:  # DiLoCo: its outer-lr grid at single's inner lr and warm-up
+            inner = r.get("inner_lr")
+            at = "" if inner is None else f"at inner lr {inner:g}, warm-up {r['warmup']}: "
+            grid = at + (_grid(r["grid"], r["pick"]) if r["grid"] else "waits for single's pick")
             pick = "tuning" if r["pick"] is None else f"outer lr {r['pick']:g}"
+            pick += " (on the widened grid's edge)" if r.get("lr_at_grid_edge") else ""
         out.append(f"| {arm} | {grid} | {pick} |")
+    for arm, g in t.get("ablations", {}).items():  # runs of an earlier rule, not used for a pick
+        out.append(f"| ablation: {arm} | {_grid(g, None)} | not used |")
     return "\n".join(out) + "\n"
 
 
@@ -421,6 +417,8 @@ def h500(data: dict) -> str:
     for H, e in data["by_H"].items():
         lr = e.get("outer_lr")
         tuned = "tuning" if lr is None else f"outer lr {lr:g} ({_grid(e['lr_grid_tuning'], lr)})"
+        if e.get("inner_lr") is not None:
+            tuned += f"; inner lr {e['inner_lr']:g}, warm-up {e['warmup']} (single's)"
         out.append(
             f"| DiLoCo H = {H} | {steps // int(H):,} | {tuned} | {_loss(e.get('val_loss'))} | "
             f"{_paired_by_seed(e.get('vs_dp'), e.get('vs_dp_paired'))} | "

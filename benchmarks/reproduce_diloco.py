@@ -20,13 +20,14 @@ Parts (`--part`, repeatable or a comma list; default all):
   it is the longest run). Every arm is tuned by the same rules (issue 36): on the tuning seed
   (TUNE_SEED, 100) and the tuning split (`--tune-fraction` TUNE_FRACTION, held out of every run
   of the part; tuning runs `--eval-on tune`), data parallel and single over an inner-lr grid
-  {5e-4, 1e-3, 2e-3, 4e-3} for each warm-up {30, 100} (the serial reference takes single's pick),
-  DiLoCo over its outer-lr grid {0.3, 0.5, 0.7, 1.0} (`--lr-grid`) at each H of `--dp-hs`
-  (default 50); each pick then runs on every reported seed. (Every tuned grid grows past an edge
-  the best sits on, by ×1.4 or ÷1.4, inner lr ×2 or ÷2, at most twice; `*_at_grid_edge` says
-  when the best is still on the edge.) Before issue 36 only DiLoCo's outer lr was tuned, on seed
-  0 and the reported split: reproduce_diloco_2026-12-01.json. `tuning` records the split, the
-  seed, every grid and pick; `dp_tuned_final_val_loss`, `diloco_warm_vs_dp_tuned_gap` (k = 4),
+  {5e-4, 1e-3, 2e-3, 4e-3} for each warm-up {30, 100} (the serial reference takes single's
+  pick), DiLoCo over its outer-lr grid {0.3, 0.5, 0.7, 1.0} (`--lr-grid`) at each H of `--dp-hs`
+  (default 50) at single's pick of inner lr and warm-up (its inner AdamW is single's); each pick
+  then runs on every reported seed. (Every tuned grid grows past an edge the best sits on, by
+  ×1.4 or ÷1.4, inner lr ×2 or ÷2, at most twice; `*_at_grid_edge` says when the best is still
+  on the edge.) Before issue 36 only DiLoCo's outer lr was tuned, on seed 0 and the reported
+  split: reproduce_diloco_2026-12-01.json. `tuning` records the split, the seed, every grid and
+  pick; `dp_tuned_final_val_loss`, `diloco_warm_vs_dp_tuned_gap` (k = 4),
   `diloco_warm_vs_dp_tuned_gap_k8`. Top-level fields (the headline k = 8; the same per k under
   `per_k`):
   `dp_final_val_loss` (data parallel, warm-started: the baseline of the warm comparison),
@@ -56,7 +57,8 @@ Parts (`--part`, repeatable or a comma list; default all):
   each outer_grad pruned (top-k 0.5, with and without `--error-feedback`: the DiLoCo paper's
   pruning claim), vs fp32, k = 4.
 - `H500`: the paper's headline interval: nano, warm, k = 4, H500_STEPS (10,000) steps per worker,
-  DiLoCo at H = 50 and 500 (each its own outer-lr grid over part dp's DiLoCo pick ÷1.4, ×1, ×1.4)
+  DiLoCo at H = 50 and 500 (each its own outer-lr grid over part dp's DiLoCo pick ÷1.4, ×1, ×1.4,
+  at part dp's single pick)
   against data parallel re-tuned at these steps around part dp's pick (inner lr ÷2, ×1, ×2 at its
   warm-up); also its own JSON
   (reproduce_diloco_H500.json: `h500_vs_dp_gap`, `h500_bytes_ratio_vs_dp`, `h50_vs_dp_gap`) and
@@ -389,22 +391,71 @@ class Around(Centred):
 
 
 @dataclass
-class OuterAround(Centred):
-    """An outer-lr grid centred on another DiLoCo arm's pick (÷/× GRID_STEP), made once the pick
-    is known: part H500's DiLoCo at each H re-tunes around part dp's (k = 4, warm) at its own
-    steps, widening at an edge like any `Tuned`. Scheduled like a `Tuned`."""
+class AtInner(Centred):
+    """DiLoCo's outer-lr grid at single's picked inner lr and warm-up, made once single's grids
+    have finished: DiLoCo's inner optimizer is single's AdamW on the same per-worker batch, so it
+    takes single's tuned settings (as the paper's inner settings are its single-worker
+    baseline's) and tunes its outer lr on top. Scheduled like a `Tuned`."""
 
-    source: Tuned
-    make: Callable[[float, int], Run]  # (lr, seed) -> a reported run
-    tune: Callable[[float], Run]  # lr -> a tuning run
+    source: Choice  # single's
+    make: Callable[[float, float, int, int], Run]  # (outer lr, inner lr, warm-up, seed) -> a reported run
+    tune: Callable[[float, float, int], Run]  # (outer lr, inner lr, warm-up) -> a tuning run
+    base: tuple[float, ...]
+    seeds: list[int]
+
+    def picked(self, ctx: Ctx) -> tuple[float, int] | None:
+        """Single's (inner lr, warm-up), once picked."""
+        return _picked(self.source, ctx)
+
+    def inner(self, ctx: Ctx) -> Tuned | None:
+        picked = self.picked(ctx)
+        if picked is None:
+            return None
+        ilr, w = picked
+        return Tuned(
+            lambda lr, s: self.make(lr, ilr, w, s),
+            self.base,
+            self.seeds,
+            tune=lambda lr: self.tune(lr, ilr, w),
+        )
+
+    def best(self, ctx: Ctx) -> float | None:
+        t = self.inner(ctx)
+        return t.best(ctx) if t else None
+
+    def at_edge(self, ctx: Ctx) -> bool | None:
+        t = self.inner(ctx)
+        return t.at_edge(ctx) if t else None
+
+    def table(self, ctx: Ctx) -> dict[str, float | None]:
+        t = self.inner(ctx)
+        return t.table(ctx) if t else {}
+
+
+@dataclass
+class OuterAround(Centred):
+    """An outer-lr grid centred on another DiLoCo arm's pick (÷/× GRID_STEP), at that arm's inner
+    lr and warm-up, made once the pick is known: part H500's DiLoCo at each H re-tunes around
+    part dp's (k = 4, warm) at its own steps, widening at an edge like any `Tuned`. Scheduled like
+    a `Tuned`."""
+
+    source: AtInner
+    make: Callable[[float, float, int, int], Run]  # (outer lr, inner lr, warm-up, seed) -> a reported run
+    tune: Callable[[float, float, int], Run]  # (outer lr, inner lr, warm-up) -> a tuning run
     seeds: list[int]
 
     def inner(self, ctx: Ctx) -> Tuned | None:
         lr = self.source.best(ctx)
         if lr is None:
             return None
+        ilr, w = self.source.picked(ctx)
         base = (float(f"{lr / GRID_STEP:.2g}"), lr, float(f"{lr * GRID_STEP:.2g}"))
-        return Tuned(self.make, base, self.seeds, tune=self.tune)
+        return Tuned(
+            lambda olr, s: self.make(olr, ilr, w, s),
+            base,
+            self.seeds,
+            tune=lambda olr: self.tune(olr, ilr, w),
+        )
 
 
 @dataclass
@@ -412,7 +463,7 @@ class Plan:
     """What one part runs: fixed runs, and tuned ones whose other seeds wait for the grid."""
 
     runs: list[Run] = field(default_factory=list)
-    tuned: list[Tuned | Choice | Follow | Around | OuterAround] = field(default_factory=list)
+    tuned: list[Tuned | Choice | Follow | Around | AtInner | OuterAround] = field(default_factory=list)
     later: list[Run] = field(default_factory=list)  # references, run after the others of their kind
 
     def all_runs(self, ctx: Ctx) -> list[Run]:
@@ -984,28 +1035,46 @@ def _picked(choice: Choice, ctx: Ctx) -> tuple[float, int] | None:
     return None if name is None else (choice.options[name].best(ctx), int(name.split()[-1]))
 
 
-def dp_arms(ctx: Ctx, k: int, warm: bool) -> tuple[Choice, Choice, dict[int, Tuned]]:
-    """Part dp's tuned arms at (k, start): single, data parallel, and DiLoCo at each --dp-hs."""
+def dp_arms(ctx: Ctx, k: int, warm: bool) -> tuple[Choice, Choice, dict[int, AtInner]]:
+    """Part dp's tuned arms at (k, start): single, data parallel, and DiLoCo at each --dp-hs (its
+    outer-lr grid at single's pick)."""
     single = _inner_choice(ctx, lambda s, t, lr, w: ctx.single(s, warm, fair=True, tuning=t, lr=lr, warmup=w))
     dp = _inner_choice(ctx, lambda s, t, lr, w: ctx.dp(k, s, warm, fair=True, tuning=t, lr=lr, warmup=w))
+
+    def run(seed: int, tuning: bool, H: int, lr: float, ilr: float | None, w: int | None) -> Run:
+        inner, note = ctx._inner(ilr, w)
+        return ctx.diloco(
+            seed, k=k, H=H, lr=lr, warm=warm, extra=tuple(inner), note=note, fair=True, tuning=tuning
+        )
+
     diloco = {
-        H: Tuned(
-            functools.partial(lambda lr, s, H: ctx.diloco(s, k=k, H=H, lr=lr, warm=warm, fair=True), H=H),
+        H: AtInner(
+            single,
+            functools.partial(lambda lr, ilr, w, s, H: run(s, False, H, lr, ilr, w), H=H),
+            functools.partial(lambda lr, ilr, w, H: run(TUNE_SEED, True, H, lr, ilr, w), H=H),
             ctx.dp_lr_grid,
             ctx.seeds,
-            tune=functools.partial(
-                lambda lr, H: ctx.diloco(TUNE_SEED, k=k, H=H, lr=lr, warm=warm, fair=True, tuning=True), H=H
-            ),
         )
         for H in ctx.dp_hs
     }
     return single, dp, diloco
 
 
+def untuned_inner(ctx: Ctx, k: int, warm: bool, H: int) -> dict[str, float | None]:
+    """The ablation of issue 36's first rule: DiLoCo's outer-lr grid at the default inner lr
+    (1e-3, warm-up 30) on the tuning seed and split; only the runs the ledger has (none run)."""
+    out = {}
+    for lr in ctx.dp_lr_grid + tuple(x for x in (1.4, 2.0) if x not in ctx.dp_lr_grid):
+        run = ctx.diloco(TUNE_SEED, k=k, H=H, lr=lr, warm=warm, fair=True, tuning=True)
+        if ctx.finished(run):
+            out[_num(lr)] = _loss(ctx.result(run))
+    return out
+
+
 def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     """DiLoCo vs data parallel, every arm tuned by the tuning rules (TUNE_SEED, TUNE_FRACTION)."""
     plan = Plan()
-    arms: dict[tuple[int, bool], tuple[Choice, Choice, dict[int, Tuned]]] = {}
+    arms: dict[tuple[int, bool], tuple[Choice, Choice, dict[int, AtInner]]] = {}
     serial: dict[int, Follow] = {}
     starts = [start == "warm" for start in ctx.dp_starts]
     for warm in sorted(starts, reverse=True):  # warm first: the issue's target
@@ -1042,7 +1111,10 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             "outer_lr_grid": list(ctx.dp_lr_grid),
             "widening": "a grid whose best is on an edge grows past it (inner lr "
             f"×/÷{_num(INNER_GRID_STEP)}, outer lr ×/÷{_num(GRID_STEP)}), at most {GRID_WIDEN} times",
+            "diloco_inner": "DiLoCo's inner AdamW takes single's picked inner lr and warm-up (the "
+            "same optimizer on the same per-worker batch); its outer lr is then tuned on top",
             "arms": {},
+            "ablations": {},
         }
         per_k = {}
         for k in ctx.dp_ks:
@@ -1065,7 +1137,18 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                         versus(di, dp, "vs_dp")
                     di["outer_lr_at_grid_edge"] = t.at_edge(ctx)
                     di["lr_grid_tuning"] = t.table(ctx)
-                    tuning["arms"][f"diloco k={k} H={H} {start}"] = {"grid": t.table(ctx), "pick": lr}
+                    picked = t.picked(ctx)
+                    di["inner_lr"], di["warmup"] = picked if picked else (None, None)
+                    tuning["arms"][f"diloco k={k} H={H} {start}"] = {
+                        "inner": "single's pick",
+                        "inner_lr": di["inner_lr"],
+                        "warmup": di["warmup"],
+                        "grid": t.table(ctx),
+                        "pick": lr,
+                        "lr_at_grid_edge": t.at_edge(ctx),
+                    }
+                    if ablation := untuned_inner(ctx, k, warm, H):
+                        tuning["ablations"][f"diloco k={k} H={H} {start}, inner lr 1e-3 wu 30"] = ablation
                     by_H[str(H)] = di
                 head = by_H.get(str(ctx.H)) or next(iter(by_H.values()))
                 row[start] = {
@@ -1404,18 +1487,27 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
         lambda lr, w: ctx.dp(K, TUNE_SEED, True, fair=True, tuning=True, lr=lr, warmup=w, steps=steps),
         ctx.seeds,
     )
+
+    def run(seed: int, tuning: bool, H: int, lr: float, ilr: float, w: int) -> Run:
+        inner, note = ctx._inner(ilr, w)
+        return ctx.diloco(
+            seed,
+            k=K,
+            H=H,
+            lr=lr,
+            warm=True,
+            extra=tuple(inner),
+            note=note,
+            fair=True,
+            tuning=tuning,
+            steps=steps,
+        )
+
     tuned = {
         H: OuterAround(
             diloco_dp.get(ctx.H) or next(iter(diloco_dp.values())),
-            functools.partial(
-                lambda lr, s, H: ctx.diloco(s, k=K, H=H, lr=lr, warm=True, fair=True, steps=steps), H=H
-            ),
-            functools.partial(
-                lambda lr, H: ctx.diloco(
-                    TUNE_SEED, k=K, H=H, lr=lr, warm=True, fair=True, tuning=True, steps=steps
-                ),
-                H=H,
-            ),
+            functools.partial(lambda lr, ilr, w, s, H: run(s, False, H, lr, ilr, w), H=H),
+            functools.partial(lambda lr, ilr, w, H: run(TUNE_SEED, True, H, lr, ilr, w), H=H),
             ctx.seeds,
         )
         for H in hs
@@ -1431,6 +1523,8 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             e = versus(e, base, "vs_dp") if lr is not None else {"val_loss": None, "vs_dp": None}
             e["outer_lr_at_grid_edge"] = t.at_edge(ctx) if t else None
             e["lr_grid_tuning"] = t.table(ctx) if t else None
+            picked = around.source.picked(ctx)
+            e["inner_lr"], e["warmup"] = picked if picked else (None, None)
             e["bytes_ratio_vs_dp"] = ratio(base.get("bytes_sent_per_worker"), e.get("bytes_sent_per_worker"))
             by_H[str(H)] = e
         lo, hi = (by_H.get(str(h), {}) for h in hs)
@@ -1450,7 +1544,8 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             "claim": "DiLoCo at H = 500 ends below data parallel while communicating 500x less",
             "note": "data parallel re-tunes its inner lr at these steps over part dp's pick ×/÷2 (at "
             f"part dp's warm-up); DiLoCo at each H its outer lr over part dp's DiLoCo pick "
-            f"×/÷{_num(GRID_STEP)}, widening at an edge; all on the tuning seed and split",
+            f"×/÷{_num(GRID_STEP)}, widening at an edge, at part dp's single pick (inner lr and "
+            "warm-up); all on the tuning seed and split",
         }
 
     return Plan(tuned=[dp, *tuned.values()]), report

@@ -115,7 +115,7 @@ def test_part_dp_tunes_every_arm_on_the_tuning_seed_and_split_only(tmp_path):
     ctx = _ctx(mod, tmp_path)
     plan, _ = mod.part_dp(ctx)
     grids = list({r.name: r for t in plan.tuned for r in t.grid_runs(ctx)}.values())  # serial: single's
-    assert len(grids) == 2 * 4 + 2 * 4 + 2  # dp and single: 4 lrs × 2 warm-ups; DiLoCo: 2 outer lrs
+    assert len(grids) == 2 * 4 + 2 * 4  # dp and single: 4 lrs × 2 warm-ups; DiLoCo waits for single's pick
     for r in grids:
         assert r.seed == mod.TUNE_SEED and _flag(r, "--eval-on") == "tune", r.label
         assert _flag(r, "--tune-fraction") == "0.05" and _flag(r.init, "--tune-fraction") == "0.05"
@@ -322,27 +322,96 @@ def test_a_resumed_run_that_fails_in_training_is_failed_not_run_again(tmp_path):
     assert not (ctx.dir(run) / "checkpoints").exists() and "failed" in ctx.ledger.rows[run.name]
 
 
+def _rows(runs_losses) -> str:
+    """Ledger rows for (run, val_loss) pairs: finished runs as the ledger holds them."""
+    rows = [
+        {"name": r.name, "label": r.label, "flags": list(r.flags), "summary": {"val_loss": v}}
+        for r, v in runs_losses
+    ]
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def _single_picks_2e3_at_warmup_100(mod, ctx) -> list:
+    """Single's tuning losses: warm-up 100 at inner lr 2e-3 is best (1.6), inside its grid."""
+    single, _, _ = mod.dp_arms(ctx, 4, True)
+    losses = {
+        30: {5e-4: 2.4, 1e-3: 2.2, 2e-3: 2.0, 4e-3: 2.1},
+        100: {5e-4: 2.3, 1e-3: 1.9, 2e-3: 1.6, 4e-3: 1.7},
+    }
+    return [
+        (single.options[f"warmup {w}"].tune(lr), v) for w, by_lr in losses.items() for lr, v in by_lr.items()
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_diloco_tunes_its_outer_lr_at_single_picked_inner_lr_and_warmup(tmp_path):
+    """DiLoCo's inner AdamW is single's on the same per-worker batch: its outer-lr grid waits for
+    single's pick, then runs at single's inner lr and warm-up (2e-3, 100 here) on the tuning seed
+    and split, and its reported seeds at the same; the report records them, and the runs of the
+    first rule (the default inner lr 1e-3, found in the ledger) as an ablation."""
+    mod = _module()
+    ctx = _ctx(mod, tmp_path)
+    _, _, diloco = mod.dp_arms(ctx, 4, True)
+    assert diloco[50].inner(ctx) is None and diloco[50].runs(ctx) == []  # single's grid has not run
+    untuned = [(ctx.diloco(mod.TUNE_SEED, k=4, H=50, lr=0.7, warm=True, fair=True, tuning=True), 1.74)]
+    (tmp_path / "runs.jsonl").write_text(_rows(_single_picks_2e3_at_warmup_100(mod, ctx) + untuned))
+    ctx = _ctx(mod, tmp_path)
+    _, _, diloco = mod.dp_arms(ctx, 4, True)
+    grid = diloco[50].grid_runs(ctx)[-2:]  # after single's 8
+    assert [
+        (
+            _flag(r, "--outer-lr"),
+            _flag(r, "--inner-lr"),
+            _flag(r, "--warmup-steps"),
+            r.seed,
+            _flag(r, "--eval-on"),
+        )
+        for r in grid
+    ] == [(lr, "0.002", "100", mod.TUNE_SEED, "tune") for lr in ("0.7", "1")]
+    rows = [(r, v) for r, v in zip(grid, (1.65, 1.6), strict=True)]
+    (tmp_path / "runs.jsonl").write_text(_rows(_single_picks_2e3_at_warmup_100(mod, ctx) + untuned + rows))
+    ctx = _ctx(mod, tmp_path)
+    _, _, diloco = mod.dp_arms(ctx, 4, True)
+    assert diloco[50].inner(ctx).grid(ctx) == (0.7, 1.0, 1.4)  # 1.0 on the edge: widens
+    _, report = mod.part_dp(ctx)
+    tuning = report()["tuning"]
+    arm = tuning["arms"]["diloco k=4 H=50 warm"]
+    assert (arm["inner_lr"], arm["warmup"], arm["grid"]) == (2e-3, 100, {"0.7": 1.65, "1": 1.6, "1.4": None})
+    assert tuning["ablations"] == {"diloco k=4 H=50 warm, inner lr 1e-3 wu 30": {"0.7": 1.74}}
+
+
 @pytest.mark.timeout(60)
 def test_part_H500_centres_each_H_outer_lr_grid_on_part_dp_diloco_pick(tmp_path):
-    """Part dp's DiLoCo (k = 4, warm) tuning losses by hand: 1.0 is best on its grid's edge, the
-    grid widens to 1.4, which is worse, so 1.0 is the pick; part H500's DiLoCo then tunes each H
-    over 1.0 ÷/× 1.4 on the tuning seed and split at its own steps, nothing before the pick."""
+    """Part dp's DiLoCo (k = 4, warm, at single's pick 2e-3 / 100) tuning losses by hand: 1.0 is
+    best on its grid's edge, the grid widens to 1.4, which is worse, so 1.0 is the pick; part
+    H500's DiLoCo then tunes each H over 1.0 ÷/× 1.4 at the same inner lr and warm-up, on the
+    tuning seed and split at its own steps, nothing before the pick."""
     mod = _module()
     ctx = _ctx(mod, tmp_path)
     plan, _ = mod.part_H500(ctx)
     assert [t.inner(ctx) for t in plan.tuned[1:]] == [None, None]  # part dp's grid has not run
+    single = _single_picks_2e3_at_warmup_100(mod, ctx)
+    (tmp_path / "runs.jsonl").write_text(_rows(single))
+    ctx = _ctx(mod, tmp_path)
     _, _, diloco = mod.dp_arms(ctx, 4, True)
-    rows = []
-    for lr, v in {0.7: 2.1, 1.0: 2.0, 1.4: 2.05}.items():
-        r = diloco[50].tune(lr)
-        rows.append({"name": r.name, "label": r.label, "flags": list(r.flags), "summary": {"val_loss": v}})
-    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = [(diloco[50].inner(ctx).tune(lr), v) for lr, v in {0.7: 2.1, 1.0: 2.0, 1.4: 2.05}.items()]
+    (tmp_path / "runs.jsonl").write_text(_rows(single + rows))
     ctx = _ctx(mod, tmp_path)
     plan, report = mod.part_H500(ctx)
     for around, rounds in zip(plan.tuned[1:], ("200", "20"), strict=True):
         new = around.inner(ctx).grid_runs(ctx)
         assert [
-            (_flag(r, "--outer-lr"), r.seed, _flag(r, "--eval-on"), _flag(r, "--rounds")) for r in new
-        ] == [(lr, mod.TUNE_SEED, "tune", rounds) for lr in ("0.71", "1", "1.4")]
+            (
+                _flag(r, "--outer-lr"),
+                _flag(r, "--inner-lr"),
+                _flag(r, "--warmup-steps"),
+                r.seed,
+                _flag(r, "--eval-on"),
+                _flag(r, "--rounds"),
+            )
+            for r in new
+        ] == [(lr, "0.002", "100", mod.TUNE_SEED, "tune", rounds) for lr in ("0.71", "1", "1.4")]
         assert around.runs(ctx) == []  # until its own grid has run
-    assert report()["by_H"]["50"]["lr_grid_tuning"] == {"0.71": None, "1": None, "1.4": None}
+    by_H = report()["by_H"]["50"]
+    assert by_H["lr_grid_tuning"] == {"0.71": None, "1": None, "1.4": None}
+    assert (by_H["inner_lr"], by_H["warmup"]) == (2e-3, 100)

@@ -32,8 +32,20 @@ def test_the_tuning_table_has_every_arm_its_grid_and_its_pick_in_bold():
         assert f"**{r.get('lr', r.get('pick')):g}: " in row, row  # the picked lr's cell
     warm = rows[list(arms).index("dp k=4 warm")]
     assert "inner lr 0.016, warm-up 30 (on the widened grid's edge)" in warm
-    assert "**0.016: 2.9725**" in warm  # warm-up 30's best, from the JSON's 2.97245839...
-    assert "outer lr 0.7" in rows[list(arms).index("diloco k=4 H=10 warm")]
+    assert "**0.016: 2.9691**" in warm  # warm-up 30's best, from the JSON's 2.96912988...
+    diloco = rows[list(arms).index("diloco k=4 H=10 warm")]
+    assert "at inner lr 0.008, warm-up 30: " in diloco  # single's pick (its warm row)
+    assert diloco.endswith("| outer lr 1 |")
+
+
+@pytest.mark.timeout(30)
+def test_the_tuning_table_lists_an_earlier_rule_runs_as_an_ablation_not_a_pick():
+    data = json.loads(json.dumps(DATA))
+    data["dp"]["tuning"]["ablations"] = {"diloco k=4 H=10 warm, inner lr 1e-3 wu 30": {"0.7": 3.61, "1": 3.5}}
+    last = _tables().tuning(data).splitlines()[-1]
+    assert (
+        last == "| ablation: diloco k=4 H=10 warm, inner lr 1e-3 wu 30 | 0.7: 3.6100, 1: 3.5000 | not used |"
+    )
 
 
 @pytest.mark.timeout(30)
@@ -41,8 +53,9 @@ def test_the_h500_table_has_data_parallel_and_each_H_with_its_gap_and_bytes():
     part = DATA["H500"]
     lines = _tables().h500(part).splitlines()
     assert len(lines) == 2 + 1 + len(part["by_H"])
-    assert lines[2].startswith("| data parallel | 80 | inner lr 0.016, warm-up 30 | 3.0555 (2.9686–3.1423)")
+    assert lines[2].startswith("| data parallel | 80 | inner lr 0.016, warm-up 30 | 3.0535 (2.9684–3.1387)")
     h10 = lines[3]
-    assert h10.startswith("| DiLoCo H = 10 | 8 | outer lr 0.5 (0.36: 3.3639, **0.5: 3.3096**")
-    assert "**+10.9%** (paired by seed +6.4% … +15.8%)" in h10 and h10.endswith("= 10.0× |")
-    assert lines[4].startswith("| DiLoCo H = 20 | 4 | outer lr 0.7") and "= 20.0× |" in lines[4]
+    assert h10.startswith("| DiLoCo H = 10 | 8 | outer lr 0.71 (0.51: 3.0236, **0.71: 3.0094**")
+    assert "inner lr 0.008, warm-up 30 (single's)" in h10
+    assert "**+6.4%** (paired by seed +1.0% … +12.2%)" in h10 and h10.endswith("= 10.0× |")
+    assert lines[4].startswith("| DiLoCo H = 20 | 4 | outer lr 0.36") and "= 20.0× |" in lines[4]
