@@ -95,22 +95,27 @@ def pruning(data: dict) -> str:
     return codec(data, ("fp32", "topk50", "topk50_ef"))
 
 
-def dp_warm(data: dict) -> str:
-    """reproduce_diloco.py's part dp from the warm start, k = 4 and 8 side by side."""
+def _dp(data: dict, start: str) -> str:
+    """reproduce_diloco.py's part dp from one start, k = 4 and 8 side by side; for a JSON with
+    issue 36's `tuning`, also each arm's settings picked on the tuning seed and split."""
     d = data["dp"]
-    ks = [str(k) for k in d["k"]]
-    rows = {k: d["per_k"][k]["warm"] for k in ks}
+    ks = [str(k) for k in d["k"] if start in d["per_k"][str(k)]]
+    rows = {k: d["per_k"][k][start] for k in ks}
     steps = f"{d['steps']:,}"
 
     def cells(get: Callable[[str, dict], str]) -> str:
         return " | ".join(get(k, rows[k]) for k in ks)
 
     lrs = sorted({_num(r["diloco_outer_lr"]) for r in rows.values() if r.get("diloco_outer_lr") is not None})
-    pre = d["pretrain"]["val_loss"]
     model = "" if data.get("model", "nano") == "nano" else f" {data['model']}"
+    if start == "warm":
+        pre = d["pretrain"]["val_loss"]
+        head = f"warm start from the {d['pretrain_steps']:,}-step{model} model, "
+        head += f"val_loss {_round(pre['mean'], 4)} mean"
+    else:
+        head = f"from scratch{',' if model else ''}{model}"
     out = [
-        f"| run (warm start from the {d['pretrain_steps']:,}-step{model} model, "
-        f"val_loss {_round(pre['mean'], 4)} mean) | " + " | ".join(f"k = {k}" for k in ks) + " |",
+        f"| run ({head}) | " + " | ".join(f"k = {k}" for k in ks) + " |",
         "| --- |" + " --- |" * len(ks),
         f"| `single` (1 worker, AdamW, {steps} steps) | "
         + cells(lambda k, r: _loss(r["single"]["val_loss"]) if k == ks[0] else "(same)")
@@ -124,14 +129,47 @@ def dp_warm(data: dict) -> str:
         "| DiLoCo vs data parallel | "
         + cells(lambda k, r: _paired_by_seed(r["diloco"].get("vs_dp"), r["diloco"].get("vs_dp_paired")))
         + " |",
-        f"| serial: 1 worker, k × {steps} steps (the same tokens) | " + cells(lambda k, r: _serial(r)) + " |",
+    ]
+    if any("serial" in r or start == "warm" and "tuning" not in d for r in rows.values()):
+        out.append(
+            f"| serial: 1 worker, k × {steps} steps (the same tokens) | "
+            + cells(lambda k, r: _serial(r))
+            + " |"
+        )
+    out.append(
         "| bytes sent per worker, data parallel / DiLoCo | "
         + cells(
             lambda k, r: _bytes_ratio(r["dp"]["bytes_sent_per_worker"], r["diloco"]["bytes_sent_per_worker"])
         )
-        + " |",
-    ]
+        + " |"
+    )
+    if "tuning" in d:
+        out.append("| picked on the tuning seed and split | " + cells(lambda k, r: _picks(r)) + " |")
     return "\n".join(out) + "\n"
+
+
+def _picks(row: dict) -> str:
+    """One k's tuned settings: single's and data parallel's inner lr and warm-up, DiLoCo's outer lr."""
+
+    def inner(e: dict) -> str:
+        lr, pick = e.get("lr"), e.get("pick")
+        return "tuning" if lr is None else f"inner lr {_num(lr)}, warm-up {pick.split()[-1]}"
+
+    di = row["diloco"]
+    outer = (
+        "tuning" if di.get("outer_lr") is None else f"outer lr {_num(di['outer_lr'])} at single's inner lr"
+    )
+    return f"single: {inner(row['single'])}; data parallel: {inner(row['dp'])}; DiLoCo: {outer}"
+
+
+def dp_warm(data: dict) -> str:
+    """reproduce_diloco.py's part dp from the warm start, k = 4 and 8 side by side."""
+    return _dp(data, "warm")
+
+
+def dp_scratch(data: dict) -> str:
+    """reproduce_diloco.py's part dp from scratch, k = 4 and 8 side by side."""
+    return _dp(data, "scratch")
 
 
 def _serial(row: dict) -> str:
@@ -593,6 +631,7 @@ TABLES: dict[str, Callable[[dict], str]] = {
     "single": single,
     "drop_rules": drop_rules,
     "schedule": schedule,
+    "dp_scratch": dp_scratch,
     "lr_grid_warm": lambda data: _lr_grid(data, "warm"),
     "lr_grid_scratch": lambda data: _lr_grid(data, "scratch"),
     "tuning": tuning,

@@ -59,3 +59,18 @@ def test_the_h500_table_has_data_parallel_and_each_H_with_its_gap_and_bytes():
     assert "inner lr 0.008, warm-up 30 (single's)" in h10
     assert "**+6.4%** (paired by seed +1.0% … +12.2%)" in h10 and h10.endswith("= 10.0× |")
     assert lines[4].startswith("| DiLoCo H = 20 | 4 | outer lr 0.36") and "= 20.0× |" in lines[4]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("start", ["warm", "scratch"])
+def test_the_dp_tables_show_each_start_with_every_arm_tuned_pick(start):
+    """Part dp's table per start: its losses from the JSON, and a row of each k's picks."""
+    text = getattr(_tables(), f"dp_{start}")(DATA)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()}
+    k4 = DATA["dp"]["per_k"]["4"][start]
+    dp = k4["dp"]["val_loss"]
+    assert rows["data parallel (k× batch, 40 steps)"].split(" | ")[1].startswith(f"{dp['mean']:.4f}")
+    picks = rows["picked on the tuning seed and split"].split(" | ")[1]
+    assert f"data parallel: inner lr {k4['dp']['lr']:g}, warm-up {k4['dp']['pick'].split()[-1]}" in picks
+    assert f"DiLoCo: outer lr {k4['diloco']['outer_lr']}" in picks
+    assert (start == "warm") == any(r.startswith("serial") for r in rows)
