@@ -322,6 +322,11 @@ def test_a_resumed_run_that_fails_in_training_is_failed_not_run_again(tmp_path):
     assert not (ctx.dir(run) / "checkpoints").exists() and "failed" in ctx.ledger.rows[run.name]
 
 
+def _settings(run, *names: str) -> tuple:
+    """A run's seed and the values of the flags named."""
+    return (run.seed, *(_flag(run, name) for name in names))
+
+
 def _rows(runs_losses) -> str:
     """Ledger rows for (run, val_loss) pairs: finished runs as the ledger holds them."""
     rows = [
@@ -358,16 +363,9 @@ def test_diloco_tunes_its_outer_lr_at_single_picked_inner_lr_and_warmup(tmp_path
     ctx = _ctx(mod, tmp_path)
     _, _, diloco = mod.dp_arms(ctx, 4, True)
     grid = diloco[50].grid_runs(ctx)[-2:]  # after single's 8
-    assert [
-        (
-            _flag(r, "--outer-lr"),
-            _flag(r, "--inner-lr"),
-            _flag(r, "--warmup-steps"),
-            r.seed,
-            _flag(r, "--eval-on"),
-        )
-        for r in grid
-    ] == [(lr, "0.002", "100", mod.TUNE_SEED, "tune") for lr in ("0.7", "1")]
+    assert [_settings(r, "--outer-lr", "--inner-lr", "--warmup-steps", "--eval-on") for r in grid] == [
+        (mod.TUNE_SEED, lr, "0.002", "100", "tune") for lr in ("0.7", "1")
+    ]
     rows = [(r, v) for r, v in zip(grid, (1.65, 1.6), strict=True)]
     (tmp_path / "runs.jsonl").write_text(_rows(_single_picks_2e3_at_warmup_100(mod, ctx) + untuned + rows))
     ctx = _ctx(mod, tmp_path)
@@ -401,16 +399,8 @@ def test_part_H500_centres_each_H_outer_lr_grid_on_part_dp_diloco_pick(tmp_path)
     for around, rounds in zip(plan.tuned[1:], ("200", "20"), strict=True):
         new = around.inner(ctx).grid_runs(ctx)
         assert [
-            (
-                _flag(r, "--outer-lr"),
-                _flag(r, "--inner-lr"),
-                _flag(r, "--warmup-steps"),
-                r.seed,
-                _flag(r, "--eval-on"),
-                _flag(r, "--rounds"),
-            )
-            for r in new
-        ] == [(lr, "0.002", "100", mod.TUNE_SEED, "tune", rounds) for lr in ("0.71", "1", "1.4")]
+            _settings(r, "--outer-lr", "--inner-lr", "--warmup-steps", "--eval-on", "--rounds") for r in new
+        ] == [(mod.TUNE_SEED, lr, "0.002", "100", "tune", rounds) for lr in ("0.71", "1", "1.4")]
         assert around.runs(ctx) == []  # until its own grid has run
     by_H = report()["by_H"]["50"]
     assert by_H["lr_grid_tuning"] == {"0.71": None, "1": None, "1.4": None}
