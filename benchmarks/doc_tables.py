@@ -109,21 +109,21 @@ def _dp(data: dict, start: str) -> str:
     lrs = sorted({_num(r["diloco_outer_lr"]) for r in rows.values() if r.get("diloco_outer_lr") is not None})
     model = "" if data.get("model", "nano") == "nano" else f" {data['model']}"
     if start == "warm":
-        pre = d["pretrain"]["val_loss"]
-        head = f"warm start from the {d['pretrain_steps']:,}-step{model} model, "
-        head += f"val_loss {_round(pre['mean'], 4)} mean"
+        pre = (d["pretrain"].get("val_loss") or {}).get("mean")
+        head = f"warm start from the {d['pretrain_steps']:,}-step{model} model"
+        head += "" if pre is None else f", val_loss {_round(pre, 4)} mean"
     else:
         head = f"from scratch{',' if model else ''}{model}"
     out = [
         f"| run ({head}) | " + " | ".join(f"k = {k}" for k in ks) + " |",
         "| --- |" + " --- |" * len(ks),
         f"| `single` (1 worker, AdamW, {steps} steps) | "
-        + cells(lambda k, r: _loss(r["single"]["val_loss"]) if k == ks[0] else "(same)")
+        + cells(lambda k, r: _loss(r["single"].get("val_loss")) if k == ks[0] else "(same)")
         + " |",
         f"| data parallel (k× batch, {steps} steps) | "
-        + cells(lambda k, r: _loss(r["dp"]["val_loss"]))
+        + cells(lambda k, r: _loss(r["dp"].get("val_loss")))
         + " |",
-        f"| **DiLoCo** (H = {d['H']}, Nesterov, best outer lr {' / '.join(lrs)}) | "
+        f"| **DiLoCo** (H = {d['H']}, Nesterov, best outer lr {' / '.join(lrs) or 'tuning'}) | "
         + cells(lambda k, r: f"**{_loss(r['diloco']['val_loss'])}**")
         + " |",
         "| DiLoCo vs data parallel | "
@@ -139,7 +139,9 @@ def _dp(data: dict, start: str) -> str:
     out.append(
         "| bytes sent per worker, data parallel / DiLoCo | "
         + cells(
-            lambda k, r: _bytes_ratio(r["dp"]["bytes_sent_per_worker"], r["diloco"]["bytes_sent_per_worker"])
+            lambda k, r: _bytes_ratio(
+                r["dp"].get("bytes_sent_per_worker"), r["diloco"].get("bytes_sent_per_worker")
+            )
         )
         + " |"
     )
@@ -153,12 +155,10 @@ def _picks(row: dict) -> str:
 
     def inner(e: dict) -> str:
         lr, pick = e.get("lr"), e.get("pick")
-        return "tuning" if lr is None else f"inner lr {_num(lr)}, warm-up {pick.split()[-1]}"
+        return "tuning" if lr is None else f"inner lr {lr:g}, warm-up {pick.split()[-1]}"
 
     di = row["diloco"]
-    outer = (
-        "tuning" if di.get("outer_lr") is None else f"outer lr {_num(di['outer_lr'])} at single's inner lr"
-    )
+    outer = "tuning" if di.get("outer_lr") is None else f"outer lr {di['outer_lr']:g} at single's inner lr"
     return f"single: {inner(row['single'])}; data parallel: {inner(row['dp'])}; DiLoCo: {outer}"
 
 

@@ -1043,6 +1043,7 @@ def dp_arms(ctx: Ctx, k: int, warm: bool) -> tuple[Choice, Choice, dict[int, AtI
 
     def run(seed: int, tuning: bool, H: int, lr: float, ilr: float | None, w: int | None) -> Run:
         inner, note = ctx._inner(ilr, w)
+        note = f" inner{note}"
         return ctx.diloco(
             seed, k=k, H=H, lr=lr, warm=warm, extra=tuple(inner), note=note, fair=True, tuning=tuning
         )
@@ -1062,13 +1063,14 @@ def dp_arms(ctx: Ctx, k: int, warm: bool) -> tuple[Choice, Choice, dict[int, AtI
 
 def untuned_inner(ctx: Ctx, k: int, warm: bool, H: int) -> dict[str, float | None]:
     """The ablation of issue 36's first rule: DiLoCo's outer-lr grid at the default inner lr
-    (1e-3, warm-up 30) on the tuning seed and split; only the runs the ledger has (none run)."""
-    out = {}
-    for lr in ctx.dp_lr_grid + tuple(x for x in (1.4, 2.0) if x not in ctx.dp_lr_grid):
-        run = ctx.diloco(TUNE_SEED, k=k, H=H, lr=lr, warm=warm, fair=True, tuning=True)
-        if ctx.finished(run):
-            out[_num(lr)] = _loss(ctx.result(run))
-    return out
+    (1e-3, warm-up 30) on the tuning seed and split, as far as the ledger has it (never run now)."""
+    old = Tuned(
+        lambda lr, s: ctx.diloco(s, k=k, H=H, lr=lr, warm=warm, fair=True),
+        ctx.dp_lr_grid,
+        ctx.seeds,
+        tune=lambda lr: ctx.diloco(TUNE_SEED, k=k, H=H, lr=lr, warm=warm, fair=True, tuning=True),
+    )
+    return {lr: v for lr, v in old.table(ctx).items() if v is not None}
 
 
 def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
@@ -1490,6 +1492,7 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
 
     def run(seed: int, tuning: bool, H: int, lr: float, ilr: float, w: int) -> Run:
         inner, note = ctx._inner(ilr, w)
+        note = f" inner{note}"
         return ctx.diloco(
             seed,
             k=K,

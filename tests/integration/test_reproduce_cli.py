@@ -363,8 +363,9 @@ def test_diloco_tunes_its_outer_lr_at_single_picked_inner_lr_and_warmup(tmp_path
     ctx = _ctx(mod, tmp_path)
     _, _, diloco = mod.dp_arms(ctx, 4, True)
     grid = diloco[50].grid_runs(ctx)[-2:]  # after single's 8
-    assert [_settings(r, "--outer-lr", "--inner-lr", "--warmup-steps", "--eval-on") for r in grid] == [
-        (mod.TUNE_SEED, lr, "0.002", "100", "tune") for lr in ("0.7", "1")
+    named = ("--outer-lr", "--inner-lr", "--warmup-steps", "--eval-on", "--tune-fraction")
+    assert [_settings(r, *named) for r in grid] == [
+        (mod.TUNE_SEED, lr, "0.002", "100", "tune", "0.05") for lr in ("0.7", "1")
     ]
     rows = [(r, v) for r, v in zip(grid, (1.65, 1.6), strict=True)]
     (tmp_path / "runs.jsonl").write_text(_rows(_single_picks_2e3_at_warmup_100(mod, ctx) + untuned + rows))
@@ -376,6 +377,15 @@ def test_diloco_tunes_its_outer_lr_at_single_picked_inner_lr_and_warmup(tmp_path
     arm = tuning["arms"]["diloco k=4 H=50 warm"]
     assert (arm["inner_lr"], arm["warmup"], arm["grid"]) == (2e-3, 100, {"0.7": 1.65, "1": 1.6, "1.4": None})
     assert tuning["ablations"] == {"diloco k=4 H=50 warm, inner lr 1e-3 wu 30": {"0.7": 1.74}}
+    assert diloco[50].runs(ctx) == []  # until 1.4 has run
+    rows.append((diloco[50].inner(ctx).tune(1.4), 1.62))
+    (tmp_path / "runs.jsonl").write_text(_rows(_single_picks_2e3_at_warmup_100(mod, ctx) + untuned + rows))
+    ctx = _ctx(mod, tmp_path)
+    _, _, diloco = mod.dp_arms(ctx, 4, True)
+    assert diloco[50].best(ctx) == 1.0 and diloco[50].at_edge(ctx) is False
+    assert [_settings(r, *named) for r in diloco[50].runs(ctx)] == [
+        (s, "1", "0.002", "100", None, "0.05") for s in (0, 1, 2)
+    ]  # the reported seeds, at single's inner lr and warm-up, scored on the validation split
 
 
 @pytest.mark.timeout(60)
@@ -405,3 +415,12 @@ def test_part_H500_centres_each_H_outer_lr_grid_on_part_dp_diloco_pick(tmp_path)
     by_H = report()["by_H"]["50"]
     assert by_H["lr_grid_tuning"] == {"0.71": None, "1": None, "1.4": None}
     assert (by_H["inner_lr"], by_H["warmup"]) == (2e-3, 100)
+    h500 = plan.tuned[2].inner(ctx)  # its grid run: 1.0 best, inside
+    more = [(h500.tune(lr), v) for lr, v in {0.71: 2.1, 1.0: 1.9, 1.4: 2.0}.items()]
+    (tmp_path / "runs.jsonl").write_text(_rows(single + rows + more))
+    ctx = _ctx(mod, tmp_path)
+    plan, _ = mod.part_H500(ctx)
+    assert [
+        _settings(r, "--outer-lr", "--inner-lr", "--warmup-steps", "--eval-on", "--rounds")
+        for r in plan.tuned[2].runs(ctx)
+    ] == [(s, "1", "0.002", "100", None, "20") for s in (0, 1, 2)]

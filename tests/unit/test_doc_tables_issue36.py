@@ -72,5 +72,24 @@ def test_the_dp_tables_show_each_start_with_every_arm_tuned_pick(start):
     assert rows["data parallel (k× batch, 40 steps)"].split(" | ")[1].startswith(f"{dp['mean']:.4f}")
     picks = rows["picked on the tuning seed and split"].split(" | ")[1]
     assert f"data parallel: inner lr {k4['dp']['lr']:g}, warm-up {k4['dp']['pick'].split()[-1]}" in picks
-    assert f"DiLoCo: outer lr {k4['diloco']['outer_lr']}" in picks
+    for k, cell in zip(("4", "8"), rows["picked on the tuning seed and split"].split(" | ")[1:], strict=True):
+        lr = DATA["dp"]["per_k"][k][start]["diloco"]["outer_lr"]
+        assert cell.rstrip(" |").endswith(f"DiLoCo: outer lr {lr:g} at single's inner lr"), cell
     assert (start == "warm") == any(r.startswith("serial") for r in rows)
+
+
+@pytest.mark.timeout(30)
+def test_the_dp_table_of_a_lane_still_tuning_says_not_run_and_tuning():
+    """The report runs with partial ledgers: arms without runs (DiLoCo waiting for single's
+    pick, its entry without bytes) render as "not run" and "tuning", not an error."""
+    data = json.loads(json.dumps(DATA))
+    for k in ("4", "8"):
+        row = data["dp"]["per_k"][k]["warm"]
+        row["diloco"], row["diloco_outer_lr"] = {"val_loss": None, "vs_dp": None}, None
+        row["dp"] = {"val_loss": None, "grids": {}, "pick": None, "lr": None}
+    data["dp"]["pretrain"] = {"val_loss": None}
+    lines = _tables().dp_warm(data).splitlines()
+    assert lines[0].startswith("| run (warm start from the 40-step") and "val_loss" not in lines[0]
+    assert "| **DiLoCo** (H = 10, Nesterov, best outer lr tuning) | **not run** | **not run** |" in lines
+    assert "| bytes sent per worker, data parallel / DiLoCo | not run | not run |" in lines
+    assert lines[-1].count("DiLoCo: tuning") == 2 and lines[-1].count("data parallel: tuning") == 2
