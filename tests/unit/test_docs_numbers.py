@@ -152,3 +152,149 @@ def test_a_changed_figure_in_a_generated_table_is_caught():
     )
     assert wrong != text and tables.render(wrong) == text
     assert tables._pct(0.01775) == "+1.78%" and tables._pct(-2e-05, 3) == "−0.002%"
+
+
+# -- numbers with a unit: a percentage, a ratio, a time, a size, a rate ---------------------------
+# A number of 1–3 decimals followed by one of these units, in prose or a hand-written table (the
+# generated tables are checked above), must be a value of a JSON file cited in its own section
+# (## or ###), at the precision written, in one of the unit's scales (a percentage: 100 × a
+# fraction, or a percentage; a time in ms: ms or s; ...). Fewer decimals match more values by
+# chance, so this catches a number no cited file holds (a file overwritten since, or a number
+# never saved), not every wrong digit. Numbers derived in the text from the section's figures, a
+# benchmark's settings, or history kept only in git are listed in UNIT_EXEMPT by a fragment of
+# their line, with the reason.
+UNIT = re.compile(r"(?<![\w.])([−+-]?\d+\.\d{1,3})(?!\d)(\s?(?:%|×)| ?ms\b| s\b| ?MB\b| ?GB\b| pushes/s\b)")
+SCALES = {
+    "%": (100.0, 1.0),
+    "×": (1.0,),
+    "ms": (1.0, 1000.0),
+    "s": (1.0, 0.001),
+    "MB": (1.0, 1e-6, 1 / 2**20, 1000.0),
+    "GB": (1.0, 1e-9, 1 / 2**30, 0.001, 1 / 1024),
+    "pushes/s": (1.0,),
+}
+DERIVED = "derived in the text from the figures of the table or sentence before it"
+HISTORY = "an earlier run in this section's history, kept in git only (the log of its commit)"
+SETTINGS = "the benchmark's settings (each worker's simulated seconds per step), not a result"
+NOT_RUN = "the size of the push files a row not run would write (pushes × message size)"
+SERVER_HISTORY = "server_capacity.json as an earlier commit wrote it (git log -p on the file)"
+UNIT_EXEMPT: dict[tuple[str, str], str] = {
+    ("results.md", "give 1.7× the tokens/s"): DERIVED + " (36,899 / 21,739 tokens/s)",
+    ("results.md", "| 2.46M | 11.6 MB |"): ISSUE_2,
+    ("results.md", "| 2.46M | 581.3 MB |"): ISSUE_2,
+    ("results.md", "0.58 / 0.75 / 1.51 / 3.33 s per step"): SETTINGS,
+    ("results.md", "0.58/0.75/1.51/3.33 s/step"): SETTINGS,
+    ("results.md", "async ends 4.3–5.0% below"): DERIVED + " (1 − the table's loss ratios)",
+    ("results.md", "ends 5.1–6.0% below"): DERIVED + " (1 − the table's loss ratios)",
+    ("results.md", "push files (21.7 GB)"): NOT_RUN,
+    ("results.md", "push files (22.2 GB)"): NOT_RUN,
+    ("results.md", "push files (88.7 GB)"): NOT_RUN,
+    ("results.md", "push files (11.4 GB)"): NOT_RUN,
+    ("results.md", "(median about 1.15×"): DERIVED + " (the table's tmpfs rows over its disk rows)",
+    ("results.md", "0.435 → 0.641 pushes/s"): SERVER_HISTORY + " (1dac1ca, d084047)",
+    ("results.md", "at 5.4 and 6.8 pushes/s"): "an A/B run by hand, one run each, not saved as JSON",
+    ("results.md", "first) at 0.658 pushes/s"): SERVER_HISTORY + " (e8cbb93)",
+    ("results.md", "2.47 GB in the main heap"): "a snapshot of the server's memory map, by hand",
+    ("results.md", "measured 2771.7 MB over an idle"): SERVER_HISTORY + " (d084047)",
+    ("results.md", "against 4.6 GB in the run before"): "a run's peak RSS that no JSON kept",
+    ("results.md", "peaked at 2.44 GB"): SERVER_HISTORY + " (d084047)",
+    ("results.md", "from 1.95 to 4.19 pushes/s"): SERVER_HISTORY + " (4856de4, e7d8f3d)",
+    ("results.md", "600.95 s simulated"): "a `diloco train --method async --dylu` run by hand",
+    (
+        "results.md",
+        "grace `auto` = 2.9 s here",
+    ): "what `--grace-s auto` works out to at these speeds (not saved)",
+    ("results.md", "dn_dylu ≤ 1.01 × sync"): "the issue's target, not a result",
+    ("results.md", "differ by 0.9% on the mean"): DERIVED + " (`jitter_per_seed`'s losses)",
+    ("results.md", "per seed by +7.0%, −1.8% and −2.2%"): DERIVED + " (`jitter_per_seed`'s losses)",
+    ("results.md", "| 2.6048 | +6.7% |"): DERIVED + " (the row's loss against sync's)",
+    ("results.md", "| 2.3094 | −5.4% |"): DERIVED + " (the row's loss against sync's)",
+    ("results.md", "one ended 6.7% above sync's loss"): DERIVED + " (the table's row)",
+    ("results.md", "(p50 about 8.4 ms"): "a hand run whose JSON was not kept (the text says so)",
+    ("results.md", "fp4 cuts the bytes 7.75×"): DERIVED + " (fp32's bytes_sent_per_worker ÷ fp4's)",
+    ("results.md", "against fp32 at 7.75× fewer bytes"): DERIVED + " (fp32's bytes ÷ fp4's)",
+    ("results.md", "| not reached (+1.8%) |"): DERIVED + " (the row's final loss against the target)",
+    ("results.md", "and 1.8% (fp4) above the target"): DERIVED + " (the table's rows)",
+    ("results.md", "the difference is 0.02% of a"): DERIVED + " ((85 − 64) µs ÷ 110 ms)",
+    ("reproduction.md", "ends only +2.9% in perplexity"): "the paper's number (the claim)",
+    ("reproduction.md", "ends 5.3% above Nesterov on seed 0"): DERIVED + " (2.1542 / 2.0465)",
+    ("reproduction.md", "clearly worse (+5.3%)"): DERIVED + " (2.1542 / 2.0465)",
+    ("reproduction.md", "+0.39%, 4 → 8 +0.08%, 8 → 4 +0.02%"): DERIVED
+    + " (the schedules' means against the constant ones')",
+}
+
+
+def _sections(doc: str):
+    """(first line, section text) of each ## / ### section, code blocks blanked, each generated
+    table reduced to its marker (which names its JSON)."""
+    text = (ROOT / "docs" / doc).read_text()
+    text = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    text = re.sub(
+        r"(<!-- table:[^>]*-->).*?<!-- /table -->",
+        lambda m: m.group(1) + "\n" * m.group(0).count("\n"),
+        text,
+        flags=re.S,
+    )
+    line = 1
+    for sec in re.split(r"(?m)^(?=#{2,3} )", text):
+        yield line, sec
+        line += sec.count("\n")
+
+
+def _exempt(doc: str, sec: str, start: int, end: int) -> str | None:
+    for (d, fragment), why in UNIT_EXEMPT.items():
+        if d != doc:
+            continue
+        for m in re.finditer(re.escape(fragment), sec):
+            if m.start() <= start and end <= m.end():
+                return why
+    return None
+
+
+def _unit_numbers():
+    for doc in DOCS:
+        for first, sec in _sections(doc):
+            files = tuple(sorted({m.group(1) for m in CITED.finditer(sec)}))
+            for m in UNIT.finditer(sec):
+                line = first + sec.count("\n", 0, m.start())
+                written, unit = m.group(1), m.group(2).strip()
+                why = _exempt(doc, sec, m.start(), m.end())
+                yield pytest.param(doc, written, unit, files, why, id=f"{doc}:{line}:{written}{unit}")
+
+
+def _unit_matches(written: str, unit: str, files: tuple[str, ...]) -> bool:
+    x = abs(float(written.replace("−", "-")))
+    tol = 0.5 * 10 ** -len(written.partition(".")[2]) * (1 + 1e-9)
+    return any(abs(abs(v) * s - x) <= tol for f in files for v in _file_values(f) for s in SCALES[unit])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("doc,written,unit,files,why", list(_unit_numbers()))
+def test_a_number_with_a_unit_is_in_a_json_its_section_cites(doc, written, unit, files, why):
+    if why:
+        pytest.skip(why)
+    assert files, f"{doc}: {written}{unit} is in a section that cites no JSON file"
+    assert _unit_matches(written, unit, files), f"{doc}: {written}{unit} is in none of {', '.join(files)}"
+
+
+@pytest.mark.timeout(60)
+def test_every_unit_exemption_still_covers_a_number():
+    covered = {
+        fragment
+        for doc in DOCS
+        for _, sec in _sections(doc)
+        for (d, fragment) in UNIT_EXEMPT
+        if d == doc
+        for m in re.finditer(re.escape(fragment), sec)
+        if any(m.start() <= n.start() and n.end() <= m.end() for n in UNIT.finditer(sec))
+    }
+    stale = [f for _, f in UNIT_EXEMPT if f not in covered]
+    assert not stale, f"exemptions that no longer cover a number: {stale}"
+
+
+@pytest.mark.timeout(60)
+def test_the_unit_check_can_fail():
+    """The validation cost's push p50 is its dated file's 6.904 ms; 7.0 ms is not."""
+    assert _unit_matches("6.9", "ms", ("server_transport_nano_2026-12-01.json",))
+    assert not _unit_matches("7.0", "ms", ("server_transport_nano_2026-12-01.json",))
+    assert len(list(_unit_numbers())) > 300
