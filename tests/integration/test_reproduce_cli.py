@@ -167,6 +167,22 @@ def test_a_choice_picks_the_best_warmup_and_lr_then_runs_the_reported_seeds(tmp_
 
 
 @pytest.mark.timeout(60)
+def test_an_inner_lr_grid_widens_up_to_three_times_past_its_edge(tmp_path):
+    """Data parallel's loss falls with every lr up to 3.2e-2 (the third widening), and further
+    still: the grid stops at 3.2e-2 and says its pick is on the edge."""
+    mod = _module()
+    ctx = _ctx(mod, tmp_path)
+    _, dp, _ = mod.dp_arms(ctx, 4, True)
+    t = dp.options["warmup 30"]
+    lrs = (5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2)
+    (tmp_path / "runs.jsonl").write_text(_rows([(t.tune(lr), 2.0 - 0.1 * i) for i, lr in enumerate(lrs)]))
+    ctx = _ctx(mod, tmp_path)
+    _, dp, _ = mod.dp_arms(ctx, 4, True)
+    t = dp.options["warmup 30"]
+    assert t.grid(ctx) == lrs[:-1] and t.best(ctx) == 3.2e-2 and t.at_edge(ctx)
+
+
+@pytest.mark.timeout(60)
 def test_a_run_marked_to_run_again_keeps_its_ledger_row_if_it_fails(tmp_path):
     mod = _module()
     ctx = _ctx(mod, tmp_path)
