@@ -96,6 +96,7 @@ in results/reproduce_micro_runs/ and its JSON reproduce_diloco_micro.json). Prog
     python benchmarks/reproduce_diloco.py --part dp --model micro
     python benchmarks/reproduce_diloco.py --report-only        # rebuild the JSON and figures
     python benchmarks/reproduce_diloco.py --plot-only          # figures only
+    python benchmarks/reproduce_diloco.py --part dp --pending  # what is left, and its run time
     python benchmarks/reproduce_diloco.py --quick              # a tiny model, a few minutes: plumbing
 
 Rough durations, nano, --seeds 3, --jobs 2 on this 2-core machine: an ESTIMATE, not measured end
@@ -1826,6 +1827,80 @@ def figures(ctx: Ctx, report: dict, where: Path, suffix: str = "") -> list[str]:
 
 
 # -- main ---------------------------------------------------------------------------------------
+def _work(flags: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], int]:
+    """A run's kind (method, workers) and its steps per worker, from its flags."""
+    f = list(flags)
+
+    def get(name: str, default: str) -> str:
+        return f[f.index(name) + 1] if name in f else default
+
+    kind = (get("--method", "diloco"), get("--workers", "1"))
+    return kind, int(get("--inner-steps", "50")) * int(get("--rounds", "1"))
+
+
+def _future(t, ctx: Ctx) -> list[Run] | None:
+    """The runs a tuned arm still waiting for a grid will add at least (its grid, if not yet
+    made, and its reported seeds), at placeholder settings that change no run's length; None
+    where they cannot be told yet (the serial reference)."""
+    seeds, lr, w = ctx.seeds, INNER_LR_GRID[0], WARMUPS[0]
+    if t.runs(ctx):
+        return []
+    if isinstance(t, Tuned):
+        return [t.make(t.base[0], s) for s in seeds]
+    if isinstance(t, Choice):
+        return _future(next(iter(t.options.values())), ctx)
+    if isinstance(t, Centred) and t.inner(ctx) is not None:
+        return _future(t.inner(ctx), ctx)
+    if isinstance(t, AtInner):
+        return [t.tune(o, lr, w) for o in t.base] + [t.make(t.base[0], lr, w, s) for s in seeds]
+    if isinstance(t, OuterAround):
+        return [t.tune(o, lr, w) for o in (1.0, 1.4, 0.71)] + [t.make(1.0, lr, w, s) for s in seeds]
+    if isinstance(t, Around):
+        return [t.tune(x, w) for x in (lr, 2 * lr, 4 * lr)] + [t.make(lr, w, s) for s in seeds]
+    return None
+
+
+def pending(ctx: Ctx, plans: dict[str, Plan]) -> dict:
+    """What is left of the parts as far as their finished runs tell (`--pending`): the runs they
+    would start now, and those their tuned arms waiting for a grid will add at least (reported
+    seeds, grids not yet made; not any widening), each with its run time estimated from the
+    ledger's runs of the same method and workers (median seconds per step per worker, measured
+    `--jobs` at a time). A run two parts share counts for the first."""
+    per_step: dict[tuple[str, str], list[float]] = {}
+    for row in ctx.ledger.rows.values():
+        if row.get("elapsed_s") and row.get("flags") and "failed" not in row:
+            kind, steps = _work(row["flags"])
+            per_step.setdefault(kind, []).append(row["elapsed_s"] / steps)
+    rate = {kind: statistics.median(v) for kind, v in per_step.items()}
+    out: dict = {"parts": {}}
+    seen: set[str] = set()
+    total = 0.0
+    for part, plan in plans.items():
+        left = [r for r in plan.all_runs(ctx) if not ctx.finished(r) and r.name not in seen]
+        later, untold = [], 0
+        for t in plan.tuned:
+            runs = _future(t, ctx)
+            untold += len(ctx.seeds) if runs is None else 0
+            later += [r for r in runs or [] if not ctx.finished(r) and r.name not in seen]
+        later = list({r.name: r for r in later if r not in left}.values())
+        seen |= {r.name for r in left + later}
+        known = [(k, n) for k, n in (_work(r.flags) for r in left + later)]
+        seconds = sum(rate[k] * n for k, n in known if k in rate)
+        out["parts"][part] = {
+            "runs_now": len(left),
+            "runs_after_grids": len(later),
+            "runs_not_told_yet": untold,
+            "runs_without_estimate": sum(1 for k, _ in known if k not in rate),
+            "run_time_h": round(seconds / 3600, 1),
+            "now": [r.label for r in left],
+        }
+        total += seconds
+    out["run_time_h"] = round(total / 3600, 1)
+    out["elapsed_h_at_jobs"] = round(total / 3600 / ctx.jobs, 1)
+    out["note"] = "a lower bound: widened grids and the runs not told yet come on top"
+    return out
+
+
 def _parts(values: list[str] | None) -> list[str]:
     if not values:
         return list(PARTS)
@@ -1915,6 +1990,11 @@ def main() -> None:
         "--report-only", action="store_true", help="no new runs: the JSON and figures from what exists"
     )
     ap.add_argument("--plot-only", action="store_true", help="no new runs: the figures only")
+    ap.add_argument(
+        "--pending",
+        action="store_true",
+        help="no new runs: print (JSON) the runs the parts would start now and their estimated run time",
+    )
     args = ap.parse_args()
     parts = _parts(args.part)
     args.H, hs = 50, args.hs or HS
@@ -1954,6 +2034,9 @@ def main() -> None:
     timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
     before = {p: dict(v) for p, v in timing.items()}  # earlier invocations' totals
     built = {p: BUILDERS[p](ctx) for p in PARTS}
+    if args.pending:
+        print(json.dumps(pending(ctx, {p: built[p][0] for p in parts}), indent=1))
+        return
     t0 = time.perf_counter()
 
     def record(part: str, span: float, n: int) -> None:

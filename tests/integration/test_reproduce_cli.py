@@ -440,3 +440,40 @@ def test_part_H500_centres_each_H_outer_lr_grid_on_part_dp_diloco_pick(tmp_path)
         _settings(r, "--outer-lr", "--inner-lr", "--warmup-steps", "--eval-on", "--rounds")
         for r in plan.tuned[2].runs(ctx)
     ] == [(s, "1", "0.002", "100", None, "20") for s in (0, 1, 2)]
+
+
+@pytest.mark.timeout(120)
+def test_pending_lists_the_runs_left_and_starts_none(tmp_path):
+    """`--pending` prints what the parts would start now and estimates nothing without a ledger
+    of timed runs; it starts no run and writes no JSON."""
+    out = _run(tmp_path, "--part", "dp", "--ks", "4", "--starts", "warm", "--pending")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    dp = got["parts"]["dp"]
+    assert dp["runs_now"] == 1 + 2 * 4 * 2  # the tuning seed's pretraining, single's and dp's grids
+    assert (
+        dp["runs_after_grids"] > 0 and dp["runs_without_estimate"] == dp["runs_now"] + dp["runs_after_grids"]
+    )
+    assert got["run_time_h"] == 0 and not (tmp_path / "out.json").exists()
+    assert not list((tmp_path / "runs").glob("*/"))  # no run folder
+
+
+@pytest.mark.timeout(60)
+def test_pending_estimates_a_run_from_the_ledger_rate_of_its_kind(tmp_path):
+    """Data parallel k = 4 ran 1,000 steps in 500 s: part H500's data parallel (10,000 steps) is
+    estimated at 5,000 s a run; single (no timed run) is not estimated."""
+    mod = _module()
+    ctx = _ctx(mod, tmp_path)
+    _, dp, _ = mod.dp_arms(ctx, 4, True)
+    timed = dp.options["warmup 30"].tune(5e-4)
+    row = {"name": timed.name, "label": timed.label, "flags": list(timed.flags), "elapsed_s": 500.0}
+    (tmp_path / "runs.jsonl").write_text(json.dumps({**row, "summary": {"val_loss": 2.0}}) + "\n")
+    ctx = _ctx(mod, tmp_path)
+    plan, _ = mod.part_H500(ctx)
+    got = mod.pending(ctx, {"H500": plan})["parts"]["H500"]
+    assert not [n for n in got["now"] if "10000 steps" in n]  # nothing of H500's own before the picks
+    assert got["runs_after_grids"] == 3 + 3 + 2 * (3 + 3)  # dp around its pick, DiLoCo at each H
+    # data parallel's 7 grid runs left (1,000 steps) and 6 runs of 10,000 steps, at 0.5 s a step;
+    # single's and DiLoCo's have no rate
+    assert got["run_time_h"] == round((7 * 500 + 6 * 5000) / 3600, 1)
+    assert got["runs_without_estimate"] == got["runs_now"] + got["runs_after_grids"] - 13
