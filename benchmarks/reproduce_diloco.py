@@ -1881,8 +1881,11 @@ def pending(ctx: Ctx, plans: dict[str, Plan]) -> dict:
         for t in plan.tuned:
             runs = _future(t, ctx)
             untold += len(ctx.seeds) if runs is None else 0
+            inits = [r.init for r in runs or [] if r.init is not None]  # pretraining: its model is needed
             later += [r for r in runs or [] if not ctx.finished(r) and r.name not in seen]
-        later = list({r.name: r for r in later if r not in left}.values())
+            later += [r for r in inits if not ctx.finished(r, model=True) and r.name not in seen]
+        now = {r.name for r in left}
+        later = list({r.name: r for r in later if r.name not in now}.values())
         seen |= {r.name for r in left + later}
         known = [(k, n) for k, n in (_work(r.flags) for r in left + later)]
         seconds = sum(rate[k] * n for k, n in known if k in rate)
