@@ -452,11 +452,16 @@ def h500(data: dict) -> str:
         "| --- | --- | --- | --- | --- | --- |",
         f"| data parallel | {steps:,} | {tuned} | {_loss(dp.get('val_loss'))} | — | — |",
     ]
+    if single := data.get("single_tuning"):  # a grid only: DiLoCo's inner lr at these steps
+        picked = (
+            "tuning" if single.get("lr") is None else f"inner lr {single['lr']:g}, warm-up {single['warmup']}"
+        )
+        out.append(f"| single (tuning grid only: DiLoCo's inner settings) | — | {picked} | — | — | — |")
     for H, e in data["by_H"].items():
         lr = e.get("outer_lr")
         tuned = "tuning" if lr is None else f"outer lr {lr:g} ({_grid(e['lr_grid_tuning'], lr)})"
         if e.get("inner_lr") is not None:
-            tuned += f"; inner lr {e['inner_lr']:g}, warm-up {e['warmup']} (single's)"
+            tuned += f"; inner lr {e['inner_lr']:g}, warm-up {e['warmup']} (single's at these steps)"
         out.append(
             f"| DiLoCo H = {H} | {steps // int(H):,} | {tuned} | {_loss(e.get('val_loss'))} | "
             f"{_paired_by_seed(e.get('vs_dp'), e.get('vs_dp_paired'))} | "

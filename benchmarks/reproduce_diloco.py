@@ -58,7 +58,7 @@ Parts (`--part`, repeatable or a comma list; default all):
   pruning claim), vs fp32, k = 4.
 - `H500`: the paper's headline interval: nano, warm, k = 4, H500_STEPS (10,000) steps per worker,
   DiLoCo at H = 50 and 500 (each its own outer-lr grid over part dp's DiLoCo pick ÷1.4, ×1, ×1.4,
-  at part dp's single pick)
+  at single's inner lr re-tuned at these steps around part dp's single pick, a grid only)
   against data parallel re-tuned at these steps around part dp's pick (inner lr ÷2, ×1, ×2 at its
   warm-up); also its own JSON
   (reproduce_diloco_H500.json: `h500_vs_dp_gap`, `h500_bytes_ratio_vs_dp`, `h50_vs_dp_gap`) and
@@ -361,8 +361,9 @@ class Centred:
 @dataclass
 class Around(Centred):
     """An inner-lr grid centred on another arm's pick (×/÷ INNER_GRID_STEP, at its warm-up), made
-    once the pick is known: part H500's data parallel re-tunes around part dp's pick at its own
-    steps, as its DiLoCo arms re-tune their outer lr. Scheduled like a `Tuned`."""
+    once the pick is known: part H500's data parallel and single re-tune around part dp's picks
+    at their own steps, as its DiLoCo arms re-tune their outer lr (no `seeds`: a grid only, for
+    another arm to take its pick). Scheduled like a `Tuned`."""
 
     source: Choice
     make: Callable[[float, int, int], Run]  # (lr, warmup, seed) -> a reported run
@@ -383,6 +384,12 @@ class Around(Centred):
             step=INNER_GRID_STEP,
             widen=INNER_WIDEN,
         )
+
+    def picked(self, ctx: Ctx) -> tuple[float, int] | None:
+        """The re-tuned (inner lr, warm-up), once its grid has finished."""
+        t = self.inner(ctx)
+        lr = t.best(ctx) if t else None
+        return None if lr is None else (lr, _picked(self.source, ctx)[1])
 
     def report(self, ctx: Ctx) -> dict:
         t = self.inner(ctx)
@@ -439,21 +446,26 @@ class AtInner(Centred):
 
 @dataclass
 class OuterAround(Centred):
-    """An outer-lr grid centred on another DiLoCo arm's pick (÷/× GRID_STEP), at that arm's inner
-    lr and warm-up, made once the pick is known: part H500's DiLoCo at each H re-tunes around
-    part dp's (k = 4, warm) at its own steps, widening at an edge like any `Tuned`. Scheduled like
-    a `Tuned`."""
+    """An outer-lr grid centred on another DiLoCo arm's pick (÷/× GRID_STEP), at the inner lr and
+    warm-up `settings` picked, made once both are known: part H500's DiLoCo at each H re-tunes
+    around part dp's (k = 4, warm) at its own steps, at single's inner settings re-tuned at those
+    steps, widening at an edge like any `Tuned`. Scheduled like a `Tuned`."""
 
     source: AtInner
+    settings: Around  # single's inner lr and warm-up at these steps
     make: Callable[[float, float, int, int], Run]  # (outer lr, inner lr, warm-up, seed) -> a reported run
     tune: Callable[[float, float, int], Run]  # (outer lr, inner lr, warm-up) -> a tuning run
     seeds: list[int]
 
+    def grid_runs(self, ctx: Ctx) -> list[Run]:
+        t = self.inner(ctx)
+        return self.source.grid_runs(ctx) + self.settings.grid_runs(ctx) + (t.grid_runs(ctx) if t else [])
+
     def inner(self, ctx: Ctx) -> Tuned | None:
-        lr = self.source.best(ctx)
-        if lr is None:
+        lr, picked = self.source.best(ctx), self.settings.picked(ctx)
+        if lr is None or picked is None:
             return None
-        ilr, w = self.source.picked(ctx)
+        ilr, w = picked
         base = (float(f"{lr / GRID_STEP:.2g}"), lr, float(f"{lr * GRID_STEP:.2g}"))
         return Tuned(
             lambda olr, s: self.make(olr, ilr, w, s),
@@ -1485,16 +1497,22 @@ def part_codec(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
 
 def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     """The paper's headline interval: nano, warm, k = 4, H500_STEPS steps per worker (20 rounds
-    at H = 500, 200 at H = 50); data parallel re-tuned at these steps around part dp's pick (k =
-    4, warm), DiLoCo at each H around part dp's DiLoCo pick (k = 4, warm, its H); all on the
-    tuning seed and split."""
+    at H = 500, 200 at H = 50); data parallel and single re-tuned at these steps around part dp's
+    picks (k = 4, warm), DiLoCo at each H around part dp's DiLoCo pick (k = 4, warm, its H) at
+    single's re-tuned inner lr and warm-up; all on the tuning seed and split."""
     steps, hs = ctx.h500_steps, ctx.h500_hs
-    _, dp_choice, diloco_dp = dp_arms(ctx, K, True)
+    single_choice, dp_choice, diloco_dp = dp_arms(ctx, K, True)
     dp = Around(
         dp_choice,
         lambda lr, w, s: ctx.dp(K, s, True, fair=True, lr=lr, warmup=w, steps=steps),
         lambda lr, w: ctx.dp(K, TUNE_SEED, True, fair=True, tuning=True, lr=lr, warmup=w, steps=steps),
         ctx.seeds,
+    )
+    single = Around(  # a grid only: DiLoCo's inner lr and warm-up at these steps
+        single_choice,
+        lambda lr, w, s: ctx.single(s, True, steps=steps, fair=True, lr=lr, warmup=w),
+        lambda lr, w: ctx.single(TUNE_SEED, True, steps=steps, fair=True, tuning=True, lr=lr, warmup=w),
+        [],
     )
 
     def run(seed: int, tuning: bool, H: int, lr: float, ilr: float, w: int) -> Run:
@@ -1516,6 +1534,7 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     tuned = {
         H: OuterAround(
             diloco_dp.get(ctx.H) or next(iter(diloco_dp.values())),
+            single,
             functools.partial(lambda lr, ilr, w, s, H: run(s, False, H, lr, ilr, w), H=H),
             functools.partial(lambda lr, ilr, w, H: run(TUNE_SEED, True, H, lr, ilr, w), H=H),
             ctx.seeds,
@@ -1533,7 +1552,7 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             e = versus(e, base, "vs_dp") if lr is not None else {"val_loss": None, "vs_dp": None}
             e["outer_lr_at_grid_edge"] = t.at_edge(ctx) if t else None
             e["lr_grid_tuning"] = t.table(ctx) if t else None
-            picked = around.source.picked(ctx)
+            picked = single.picked(ctx)
             e["inner_lr"], e["warmup"] = picked if picked else (None, None)
             e["bytes_ratio_vs_dp"] = ratio(base.get("bytes_sent_per_worker"), e.get("bytes_sent_per_worker"))
             by_H[str(H)] = e
@@ -1544,6 +1563,7 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             "steps_per_worker": steps,
             "hs": list(hs),
             "dp": base,
+            "single_tuning": single.report(ctx),
             "by_H": by_H,
             f"h{hs[1]}_vs_dp_gap": gap,
             f"h{hs[1]}_bytes_ratio_vs_dp": br,
@@ -1552,13 +1572,13 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             if gap is None or br is None
             else bool(gap <= 0.02 and br >= 400),
             "claim": "DiLoCo at H = 500 ends below data parallel while communicating 500x less",
-            "note": "data parallel re-tunes its inner lr at these steps over part dp's pick ×/÷2 (at "
-            f"part dp's warm-up); DiLoCo at each H its outer lr over part dp's DiLoCo pick "
-            f"×/÷{_num(GRID_STEP)}, widening at an edge, at part dp's single pick (inner lr and "
-            "warm-up); all on the tuning seed and split",
+            "note": "data parallel and single re-tune their inner lr at these steps over part dp's "
+            f"picks ×/÷2 (at part dp's warm-ups); DiLoCo at each H its outer lr over part dp's DiLoCo "
+            f"pick ×/÷{_num(GRID_STEP)}, at single's re-tuned inner lr and warm-up; every grid "
+            "widening at an edge; all on the tuning seed and split",
         }
 
-    return Plan(tuned=[dp, *tuned.values()]), report
+    return Plan(tuned=[dp, single, *tuned.values()]), report
 
 
 BUILDERS = {
@@ -1842,21 +1862,21 @@ def _future(t, ctx: Ctx) -> list[Run] | None:
     """The runs a tuned arm still waiting for a grid will add at least (its grid, if not yet
     made, and its reported seeds), at placeholder settings that change no run's length; None
     where they cannot be told yet (the serial reference)."""
-    seeds, lr, w = ctx.seeds, INNER_LR_GRID[0], WARMUPS[0]
+    lr, w = INNER_LR_GRID[0], WARMUPS[0]
     if t.runs(ctx):
         return []
     if isinstance(t, Tuned):
-        return [t.make(t.base[0], s) for s in seeds]
+        return [t.make(t.base[0], s) for s in t.seeds]
     if isinstance(t, Choice):
         return _future(next(iter(t.options.values())), ctx)
     if isinstance(t, Centred) and t.inner(ctx) is not None:
         return _future(t.inner(ctx), ctx)
     if isinstance(t, AtInner):
-        return [t.tune(o, lr, w) for o in t.base] + [t.make(t.base[0], lr, w, s) for s in seeds]
+        return [t.tune(o, lr, w) for o in t.base] + [t.make(t.base[0], lr, w, s) for s in t.seeds]
     if isinstance(t, OuterAround):
-        return [t.tune(o, lr, w) for o in (1.0, 1.4, 0.71)] + [t.make(1.0, lr, w, s) for s in seeds]
+        return [t.tune(o, lr, w) for o in (1.0, 1.4, 0.71)] + [t.make(1.0, lr, w, s) for s in t.seeds]
     if isinstance(t, Around):
-        return [t.tune(x, w) for x in (lr, 2 * lr, 4 * lr)] + [t.make(lr, w, s) for s in seeds]
+        return [t.tune(x, w) for x in (lr, 2 * lr, 4 * lr)] + [t.make(lr, w, s) for s in t.seeds]
     return None
 
 

@@ -407,13 +407,15 @@ def test_diloco_tunes_its_outer_lr_at_single_picked_inner_lr_and_warmup(tmp_path
 @pytest.mark.timeout(60)
 def test_part_H500_centres_each_H_outer_lr_grid_on_part_dp_diloco_pick(tmp_path):
     """Part dp's DiLoCo (k = 4, warm, at single's pick 2e-3 / 100) tuning losses by hand: 1.0 is
-    best on its grid's edge, the grid widens to 1.4, which is worse, so 1.0 is the pick; part
-    H500's DiLoCo then tunes each H over 1.0 ÷/× 1.4 at the same inner lr and warm-up, on the
-    tuning seed and split at its own steps, nothing before the pick."""
+    best on its grid's edge, the grid widens to 1.4, which is worse, so 1.0 is the pick. Part
+    H500 re-tunes single at its own steps around 2e-3 (at warm-up 100): 1e-3 is best on the
+    edge, 5e-4 worse, so 1e-3. Its DiLoCo then tunes each H over 1.0 ÷/× 1.4 at inner lr 1e-3,
+    warm-up 100, on the tuning seed and split at its own steps, nothing before both picks."""
     mod = _module()
     ctx = _ctx(mod, tmp_path)
     plan, _ = mod.part_H500(ctx)
-    assert [t.inner(ctx) for t in plan.tuned[1:]] == [None, None]  # part dp's grid has not run
+    dp10k, single10k, *by_H = plan.tuned
+    assert [t.inner(ctx) for t in (single10k, *by_H)] == [None, None, None]  # part dp's grids have not run
     single = _single_picks_2e3_at_warmup_100(mod, ctx)
     (tmp_path / "runs.jsonl").write_text(_rows(single))
     ctx = _ctx(mod, tmp_path)
@@ -421,25 +423,41 @@ def test_part_H500_centres_each_H_outer_lr_grid_on_part_dp_diloco_pick(tmp_path)
     rows = [(diloco[50].inner(ctx).tune(lr), v) for lr, v in {0.7: 2.1, 1.0: 2.0, 1.4: 2.05}.items()]
     (tmp_path / "runs.jsonl").write_text(_rows(single + rows))
     ctx = _ctx(mod, tmp_path)
+    plan, _ = mod.part_H500(ctx)
+    dp10k, single10k, *by_H = plan.tuned
+    assert [t.inner(ctx) for t in by_H] == [None, None]  # single has not run at these steps
+    grid = single10k.inner(ctx).grid_runs(ctx)
+    assert [_settings(r, "--inner-lr", "--warmup-steps", "--eval-on", "--rounds") for r in grid] == [
+        (mod.TUNE_SEED, lr, "100", "tune", "200") for lr in ("0.001", "0.002", "0.004")
+    ]
+    assert {r.name for r in grid} <= {r.name for r in by_H[0].grid_runs(ctx)}  # DiLoCo waits on them
+    again = [
+        (single10k.inner(ctx).tune(lr), v) for lr, v in {5e-4: 1.8, 1e-3: 1.7, 2e-3: 1.75, 4e-3: 1.9}.items()
+    ]
+    (tmp_path / "runs.jsonl").write_text(_rows(single + rows + again))
+    ctx = _ctx(mod, tmp_path)
     plan, report = mod.part_H500(ctx)
-    for around, rounds in zip(plan.tuned[1:], ("200", "20"), strict=True):
+    dp10k, single10k, *by_H = plan.tuned
+    assert single10k.picked(ctx) == (1e-3, 100) and single10k.runs(ctx) == []  # a grid only
+    for around, rounds in zip(by_H, ("200", "20"), strict=True):
         new = around.inner(ctx).grid_runs(ctx)
         assert [
             _settings(r, "--outer-lr", "--inner-lr", "--warmup-steps", "--eval-on", "--rounds") for r in new
-        ] == [(mod.TUNE_SEED, lr, "0.002", "100", "tune", rounds) for lr in ("0.71", "1", "1.4")]
+        ] == [(mod.TUNE_SEED, lr, "0.001", "100", "tune", rounds) for lr in ("0.71", "1", "1.4")]
         assert around.runs(ctx) == []  # until its own grid has run
-    by_H = report()["by_H"]["50"]
-    assert by_H["lr_grid_tuning"] == {"0.71": None, "1": None, "1.4": None}
-    assert (by_H["inner_lr"], by_H["warmup"]) == (2e-3, 100)
-    h500 = plan.tuned[2].inner(ctx)  # its grid run: 1.0 best, inside
+    got = report()
+    assert got["by_H"]["50"]["lr_grid_tuning"] == {"0.71": None, "1": None, "1.4": None}
+    assert (got["by_H"]["50"]["inner_lr"], got["by_H"]["50"]["warmup"]) == (1e-3, 100)
+    assert got["single_tuning"]["grid"] == {"0.0005": 1.8, "0.001": 1.7, "0.002": 1.75, "0.004": 1.9}
+    h500 = by_H[1].inner(ctx)  # its grid run: 1.0 best, inside
     more = [(h500.tune(lr), v) for lr, v in {0.71: 2.1, 1.0: 1.9, 1.4: 2.0}.items()]
-    (tmp_path / "runs.jsonl").write_text(_rows(single + rows + more))
+    (tmp_path / "runs.jsonl").write_text(_rows(single + rows + again + more))
     ctx = _ctx(mod, tmp_path)
     plan, _ = mod.part_H500(ctx)
     assert [
         _settings(r, "--outer-lr", "--inner-lr", "--warmup-steps", "--eval-on", "--rounds")
-        for r in plan.tuned[2].runs(ctx)
-    ] == [(s, "1", "0.002", "100", None, "20") for s in (0, 1, 2)]
+        for r in plan.tuned[3].runs(ctx)
+    ] == [(s, "1", "0.001", "100", None, "20") for s in (0, 1, 2)]
 
 
 @pytest.mark.timeout(120)
@@ -472,8 +490,9 @@ def test_pending_estimates_a_run_from_the_ledger_rate_of_its_kind(tmp_path):
     plan, _ = mod.part_H500(ctx)
     got = mod.pending(ctx, {"H500": plan})["parts"]["H500"]
     assert not [n for n in got["now"] if "10000 steps" in n]  # nothing of H500's own before the picks
-    # dp around its pick and its seeds, DiLoCo's grid and seeds at each H, the seeds' pretraining
-    assert got["runs_after_grids"] == 3 + 3 + 2 * (3 + 3) + 3
+    # dp around its pick and its seeds, single's grid (no seeds), DiLoCo's grid and seeds at each
+    # H, the seeds' pretraining
+    assert got["runs_after_grids"] == 3 + 3 + 3 + 2 * (3 + 3) + 3
     # data parallel's 7 grid runs left (1,000 steps) and 6 runs of 10,000 steps, at 0.5 s a step;
     # single's and DiLoCo's have no rate
     assert got["run_time_h"] == round((7 * 500 + 6 * 5000) / 3600, 1)

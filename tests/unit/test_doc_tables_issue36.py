@@ -56,7 +56,7 @@ def test_the_h500_table_has_data_parallel_and_each_H_with_its_gap_and_bytes():
     assert lines[2].startswith("| data parallel | 80 | inner lr 0.016, warm-up 30 | 3.0535 (2.9684–3.1387)")
     h10 = lines[3]
     assert h10.startswith("| DiLoCo H = 10 | 8 | outer lr 0.71 (0.51: 3.0236, **0.71: 3.0094**")
-    assert "inner lr 0.008, warm-up 30 (single's)" in h10
+    assert "inner lr 0.008, warm-up 30 (single's at these steps)" in h10
     assert "**+6.4%** (paired by seed +1.0% … +12.2%)" in h10 and h10.endswith("= 10.0× |")
     assert lines[4].startswith("| DiLoCo H = 20 | 4 | outer lr 0.36") and "= 20.0× |" in lines[4]
 
@@ -93,3 +93,13 @@ def test_the_dp_table_of_a_lane_still_tuning_says_not_run_and_tuning():
     assert "| **DiLoCo** (H = 10, Nesterov, best outer lr tuning) | **not run** | **not run** |" in lines
     assert "| bytes sent per worker, data parallel / DiLoCo | not run | not run |" in lines
     assert lines[-1].count("DiLoCo: tuning") == 2 and lines[-1].count("data parallel: tuning") == 2
+
+
+@pytest.mark.timeout(30)
+def test_the_h500_table_shows_single_retuned_at_its_steps():
+    part = json.loads(json.dumps(DATA["H500"]))
+    part["single_tuning"] = {"grid": {"0.004": 3.1, "0.008": 3.0, "0.016": 3.2}, "lr": 0.008, "warmup": 30}
+    lines = _tables().h500(part).splitlines()
+    single = "| single (tuning grid only: DiLoCo's inner settings) | — | inner lr 0.008, warm-up 30 |"
+    assert lines[3] == single + " — | — | — |"
+    assert len(lines) == 2 + 2 + len(part["by_H"])
