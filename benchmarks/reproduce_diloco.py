@@ -1498,7 +1498,7 @@ def part_codec(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
 def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     """The paper's headline interval: nano, warm, k = 4, H500_STEPS steps per worker (20 rounds
     at H = 500, 200 at H = 50); data parallel and single re-tuned at these steps around part dp's
-    picks (k = 4, warm), DiLoCo at each H around part dp's DiLoCo pick (k = 4, warm, its H) at
+    picks (k = 4, warm), DiLoCo at each H around part dp's DiLoCo pick (k = 4, warm, at --H) at
     single's re-tuned inner lr and warm-up; all on the tuning seed and split."""
     steps, hs = ctx.h500_steps, ctx.h500_hs
     single_choice, dp_choice, diloco_dp = dp_arms(ctx, K, True)
@@ -1867,14 +1867,18 @@ def _future(t, ctx: Ctx) -> list[Run] | None:
         return []
     if isinstance(t, Tuned):
         return [t.make(t.base[0], s) for s in t.seeds]
-    if isinstance(t, Choice):
-        return _future(next(iter(t.options.values())), ctx)
+    if isinstance(t, Choice):  # one option's seeds, whichever is picked
+        first = next(iter(t.options.values()))
+        return [first.make(first.base[0], s) for s in first.seeds]
     if isinstance(t, Centred) and t.inner(ctx) is not None:
         return _future(t.inner(ctx), ctx)
     if isinstance(t, AtInner):
         return [t.tune(o, lr, w) for o in t.base] + [t.make(t.base[0], lr, w, s) for s in t.seeds]
-    if isinstance(t, OuterAround):
-        return [t.tune(o, lr, w) for o in (1.0, 1.4, 0.71)] + [t.make(1.0, lr, w, s) for s in t.seeds]
+    if isinstance(t, OuterAround):  # part dp's DiLoCo grid first, if not yet made
+        source = [t.source.tune(o, lr, w) for o in t.source.base] if t.source.inner(ctx) is None else []
+        return (
+            source + [t.tune(o, lr, w) for o in (1.0, 1.4, 0.71)] + [t.make(1.0, lr, w, s) for s in t.seeds]
+        )
     if isinstance(t, Around):
         return [t.tune(x, w) for x in (lr, 2 * lr, 4 * lr)] + [t.make(lr, w, s) for s in t.seeds]
     return None

@@ -490,9 +490,9 @@ def test_pending_estimates_a_run_from_the_ledger_rate_of_its_kind(tmp_path):
     plan, _ = mod.part_H500(ctx)
     got = mod.pending(ctx, {"H500": plan})["parts"]["H500"]
     assert not [n for n in got["now"] if "10000 steps" in n]  # nothing of H500's own before the picks
-    # dp around its pick and its seeds, single's grid (no seeds), DiLoCo's grid and seeds at each
-    # H, the seeds' pretraining
-    assert got["runs_after_grids"] == 3 + 3 + 3 + 2 * (3 + 3) + 3
+    # dp around its pick and its seeds, single's grid (no seeds), part dp's DiLoCo grid (2 outer
+    # lrs), DiLoCo's grid and seeds at each H, the seeds' pretraining
+    assert got["runs_after_grids"] == 3 + 3 + 3 + 2 + 2 * (3 + 3) + 3
     # data parallel's 7 grid runs left (1,000 steps) and 6 runs of 10,000 steps, at 0.5 s a step;
     # single's and DiLoCo's have no rate
     assert got["run_time_h"] == round((7 * 500 + 6 * 5000) / 3600, 1)

@@ -158,12 +158,19 @@ def test_a_changed_figure_in_a_generated_table_is_caught():
 # A number of 1–3 decimals followed by one of these units, in prose or a hand-written table (the
 # generated tables are checked above), must be a value of a JSON file cited in its own section
 # (## or ###), at the precision written, in one of the unit's scales (a percentage: 100 × a
-# fraction, or a percentage; a time in ms: ms or s; ...). Fewer decimals match more values by
-# chance, so this catches a number no cited file holds (a file overwritten since, or a number
-# never saved), not every wrong digit. Numbers derived in the text from the section's figures, a
-# benchmark's settings, or history kept only in git are listed in UNIT_EXEMPT by a fragment of
-# their line, with the reason.
+# fraction, or a percentage; a time in ms: ms or s; ...), the first number of a range or a
+# change (4.3–5.0%, 3.9 → 2.5 s) in the second's unit. Its sign is not checked (the docs write a
+# negative gap as "2.9% below"). Fewer decimals match more values by chance, so this catches a
+# number no cited file holds (a file overwritten since, or a number never saved), not every
+# wrong digit. Numbers derived in the text from the section's figures, a benchmark's settings,
+# or history kept only in git are listed in UNIT_EXEMPT by a fragment of their line, with the
+# reason.
 UNIT = re.compile(r"(?<![\w.])([−+-]?\d+\.\d{1,3})(?!\d)(\s?(?:%|×)| ?ms\b| s\b| ?MB\b| ?GB\b| pushes/s\b)")
+# the first number of a range or a change, whose unit is the second's: 4.3–5.0%, 3.9 → 2.5 s
+RANGE = re.compile(
+    r"(?<![\w.])([−+-]?\d+\.\d{1,3})\s?(?:–|→)\s?"
+    r"(?=[−+-]?\d+\.\d{1,3}(\s?(?:%|×)| ?ms\b| s\b| ?MB\b| ?GB\b| pushes/s\b))"
+)
 SCALES = {
     "%": (100.0, 1.0),
     "×": (1.0,),
@@ -197,8 +204,8 @@ UNIT_EXEMPT: dict[tuple[str, str], str] = {
     ("results.md", "2.47 GB in the main heap"): "a snapshot of the server's memory map, by hand",
     ("results.md", "measured 2771.7 MB over an idle"): SERVER_HISTORY + " (d084047)",
     ("results.md", "against 4.6 GB in the run before"): "a run's peak RSS that no JSON kept",
-    ("results.md", "peaked at 2.44 GB"): SERVER_HISTORY + " (d084047)",
-    ("results.md", "from 1.95 to 4.19 pushes/s"): SERVER_HISTORY + " (4856de4, e7d8f3d)",
+    ("results.md", "peaked at 2.44 GB"): SERVER_HISTORY + " (9ce33a2)",
+    ("results.md", "from 1.95 to 4.19 pushes/s"): SERVER_HISTORY + " (before and at e7d8f3d)",
     ("results.md", "600.95 s simulated"): "a `diloco train --method async --dylu` run by hand",
     (
         "results.md",
@@ -255,10 +262,10 @@ def _unit_numbers():
     for doc in DOCS:
         for first, sec in _sections(doc):
             files = tuple(sorted({m.group(1) for m in CITED.finditer(sec)}))
-            for m in UNIT.finditer(sec):
+            for m in sorted([*UNIT.finditer(sec), *RANGE.finditer(sec)], key=lambda m: m.start()):
                 line = first + sec.count("\n", 0, m.start())
                 written, unit = m.group(1), m.group(2).strip()
-                why = _exempt(doc, sec, m.start(), m.end())
+                why = _exempt(doc, sec, m.start(), m.start(1) + len(written))
                 yield pytest.param(doc, written, unit, files, why, id=f"{doc}:{line}:{written}{unit}")
 
 
