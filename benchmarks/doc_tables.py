@@ -130,7 +130,8 @@ def _dp(data: dict, start: str) -> str:
         + cells(lambda k, r: _paired_by_seed(r["diloco"].get("vs_dp"), r["diloco"].get("vs_dp_paired")))
         + " |",
     ]
-    if any("serial" in r or start == "warm" and "tuning" not in d for r in rows.values()):
+    # the serial reference (warm only): every k's cell in the old JSON, the ks it ran for in issue 36's
+    if start == "warm" and ("tuning" not in d or any("serial" in r for r in rows.values())):
         out.append(
             f"| serial: 1 worker, k × {steps} steps (the same tokens) | "
             + cells(lambda k, r: _serial(r))

@@ -357,6 +357,25 @@ class Centred:
         t = self.inner(ctx)
         return t.runs(ctx) if t else []
 
+    def best(self, ctx: Ctx) -> float | None:
+        t = self.inner(ctx)
+        return t.best(ctx) if t else None
+
+    def at_edge(self, ctx: Ctx) -> bool | None:
+        t = self.inner(ctx)
+        return t.at_edge(ctx) if t else None
+
+    def table(self, ctx: Ctx) -> dict[str, float | None]:
+        t = self.inner(ctx)
+        return t.table(ctx) if t else {}
+
+
+def _outer_grid(make, tune, base: tuple[float, ...], seeds: list[int], inner: tuple[float, int]) -> Tuned:
+    """A DiLoCo outer-lr grid at fixed inner settings: `make(outer lr, inner lr, warm-up, seed)`,
+    `tune(outer lr, inner lr, warm-up)`."""
+    ilr, w = inner
+    return Tuned(lambda lr, s: make(lr, ilr, w, s), base, seeds, tune=lambda lr: tune(lr, ilr, w))
+
 
 @dataclass
 class Around(Centred):
@@ -387,8 +406,7 @@ class Around(Centred):
 
     def picked(self, ctx: Ctx) -> tuple[float, int] | None:
         """The re-tuned (inner lr, warm-up), once its grid has finished."""
-        t = self.inner(ctx)
-        lr = t.best(ctx) if t else None
+        lr = self.best(ctx)
         return None if lr is None else (lr, _picked(self.source, ctx)[1])
 
     def report(self, ctx: Ctx) -> dict:
@@ -421,27 +439,7 @@ class AtInner(Centred):
 
     def inner(self, ctx: Ctx) -> Tuned | None:
         picked = self.picked(ctx)
-        if picked is None:
-            return None
-        ilr, w = picked
-        return Tuned(
-            lambda lr, s: self.make(lr, ilr, w, s),
-            self.base,
-            self.seeds,
-            tune=lambda lr: self.tune(lr, ilr, w),
-        )
-
-    def best(self, ctx: Ctx) -> float | None:
-        t = self.inner(ctx)
-        return t.best(ctx) if t else None
-
-    def at_edge(self, ctx: Ctx) -> bool | None:
-        t = self.inner(ctx)
-        return t.at_edge(ctx) if t else None
-
-    def table(self, ctx: Ctx) -> dict[str, float | None]:
-        t = self.inner(ctx)
-        return t.table(ctx) if t else {}
+        return None if picked is None else _outer_grid(self.make, self.tune, self.base, self.seeds, picked)
 
 
 @dataclass
@@ -465,14 +463,8 @@ class OuterAround(Centred):
         lr, picked = self.source.best(ctx), self.settings.picked(ctx)
         if lr is None or picked is None:
             return None
-        ilr, w = picked
         base = (float(f"{lr / GRID_STEP:.2g}"), lr, float(f"{lr * GRID_STEP:.2g}"))
-        return Tuned(
-            lambda olr, s: self.make(olr, ilr, w, s),
-            base,
-            self.seeds,
-            tune=lambda olr: self.tune(olr, ilr, w),
-        )
+        return _outer_grid(self.make, self.tune, base, self.seeds, picked)
 
 
 @dataclass
@@ -673,15 +665,19 @@ class Ctx:
         fair: bool = False,
         tuning: bool = False,
         steps: int | None = None,
+        inner_lr: float | None = None,
+        warmup: int | None = None,
     ) -> Run:
         H = H or self.H
         n = steps or self.steps
         init, tag = self._start(seed, warm, fair)
+        inner, inner_note = self._inner(inner_lr, warmup)
+        note = (f" inner{inner_note}" if inner_note else "") + note
         flags = [*self.common(seed), "--method", "diloco", "--workers", k, "--inner-steps", H]
         flags += ["--rounds", n // H, "--outer-opt", opt, "--outer-lr", _num(lr)]
         if momentum is not None:
             flags += ["--outer-momentum", _num(momentum)]
-        flags += [*self.eval_every(H, n), *extra, *self.fair(fair, tuning)]
+        flags += [*self.eval_every(H, n), *inner, *extra, *self.fair(fair, tuning)]
         label = f"diloco k={k} H={H} {opt} lr={_num(lr)}" + (
             f" m={_num(momentum)}" if momentum is not None else ""
         )
@@ -1059,12 +1055,8 @@ def dp_arms(ctx: Ctx, k: int, warm: bool) -> tuple[Choice, Choice, dict[int, AtI
     single = _inner_choice(ctx, lambda s, t, lr, w: ctx.single(s, warm, fair=True, tuning=t, lr=lr, warmup=w))
     dp = _inner_choice(ctx, lambda s, t, lr, w: ctx.dp(k, s, warm, fair=True, tuning=t, lr=lr, warmup=w))
 
-    def run(seed: int, tuning: bool, H: int, lr: float, ilr: float | None, w: int | None) -> Run:
-        inner, note = ctx._inner(ilr, w)
-        note = f" inner{note}"
-        return ctx.diloco(
-            seed, k=k, H=H, lr=lr, warm=warm, extra=tuple(inner), note=note, fair=True, tuning=tuning
-        )
+    def run(seed: int, tuning: bool, H: int, lr: float, ilr: float, w: int) -> Run:
+        return ctx.diloco(seed, k=k, H=H, lr=lr, warm=warm, fair=True, tuning=tuning, inner_lr=ilr, warmup=w)
 
     diloco = {
         H: AtInner(
@@ -1516,19 +1508,8 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     )
 
     def run(seed: int, tuning: bool, H: int, lr: float, ilr: float, w: int) -> Run:
-        inner, note = ctx._inner(ilr, w)
-        note = f" inner{note}"
         return ctx.diloco(
-            seed,
-            k=K,
-            H=H,
-            lr=lr,
-            warm=True,
-            extra=tuple(inner),
-            note=note,
-            fair=True,
-            tuning=tuning,
-            steps=steps,
+            seed, k=K, H=H, lr=lr, warm=True, fair=True, tuning=tuning, steps=steps, inner_lr=ilr, warmup=w
         )
 
     tuned = {

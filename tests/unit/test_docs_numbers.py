@@ -248,25 +248,26 @@ def _sections(doc: str):
         line += sec.count("\n")
 
 
-def _exempt(doc: str, sec: str, start: int, end: int) -> str | None:
-    for (d, fragment), why in UNIT_EXEMPT.items():
-        if d != doc:
-            continue
-        for m in re.finditer(re.escape(fragment), sec):
-            if m.start() <= start and end <= m.end():
-                return why
+def _exempt(doc: str, sec: str, start: int, end: int) -> tuple[str, str] | None:
+    """The UNIT_EXEMPT key whose fragment covers sec[start:end], if any."""
+    for d, fragment in UNIT_EXEMPT:
+        if d == doc and any(
+            m.start() <= start and end <= m.end() for m in re.finditer(re.escape(fragment), sec)
+        ):
+            return d, fragment
     return None
 
 
 def _unit_numbers():
+    """(doc, number as written, unit, files its section cites, its exemption's key or None)."""
     for doc in DOCS:
         for first, sec in _sections(doc):
             files = tuple(sorted({m.group(1) for m in CITED.finditer(sec)}))
             for m in sorted([*UNIT.finditer(sec), *RANGE.finditer(sec)], key=lambda m: m.start()):
                 line = first + sec.count("\n", 0, m.start())
                 written, unit = m.group(1), m.group(2).strip()
-                why = _exempt(doc, sec, m.start(), m.start(1) + len(written))
-                yield pytest.param(doc, written, unit, files, why, id=f"{doc}:{line}:{written}{unit}")
+                key = _exempt(doc, sec, m.start(), m.start(1) + len(written))
+                yield pytest.param(doc, written, unit, files, key, id=f"{doc}:{line}:{written}{unit}")
 
 
 def _unit_matches(written: str, unit: str, files: tuple[str, ...]) -> bool:
@@ -276,26 +277,18 @@ def _unit_matches(written: str, unit: str, files: tuple[str, ...]) -> bool:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("doc,written,unit,files,why", list(_unit_numbers()))
-def test_a_number_with_a_unit_is_in_a_json_its_section_cites(doc, written, unit, files, why):
-    if why:
-        pytest.skip(why)
+@pytest.mark.parametrize("doc,written,unit,files,exempt", list(_unit_numbers()))
+def test_a_number_with_a_unit_is_in_a_json_its_section_cites(doc, written, unit, files, exempt):
+    if exempt:
+        pytest.skip(UNIT_EXEMPT[exempt])
     assert files, f"{doc}: {written}{unit} is in a section that cites no JSON file"
     assert _unit_matches(written, unit, files), f"{doc}: {written}{unit} is in none of {', '.join(files)}"
 
 
 @pytest.mark.timeout(60)
 def test_every_unit_exemption_still_covers_a_number():
-    covered = {
-        fragment
-        for doc in DOCS
-        for _, sec in _sections(doc)
-        for (d, fragment) in UNIT_EXEMPT
-        if d == doc
-        for m in re.finditer(re.escape(fragment), sec)
-        if any(m.start() <= n.start() and n.end() <= m.end() for n in UNIT.finditer(sec))
-    }
-    stale = [f for _, f in UNIT_EXEMPT if f not in covered]
+    used = {p.values[4] for p in _unit_numbers()}
+    stale = [fragment for key in UNIT_EXEMPT if key not in used for fragment in key[1:]]
     assert not stale, f"exemptions that no longer cover a number: {stale}"
 
 
