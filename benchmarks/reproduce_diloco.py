@@ -151,6 +151,7 @@ sys.path.insert(0, str(ROOT / "src"))
 PARTS = ("dp", "single", "workers", "H", "outer", "shards", "drop", "schedule", "codec", "H500")
 DP_KS = (4, 8)
 OUTER_LR_GRID = (0.3, 0.5, 0.7, 1.0)
+PAPER_OUTER_LR = 0.7  # the paper's outer lr: where DiLoCo's inner-lr grid runs (part dp)
 GRID_STEP, GRID_WIDEN = 1.4, 2  # a tuned lr's grid grows past an edge by ×1.4 (÷1.4), at most twice
 # The tuning rules of part dp and part H500 (issue 36): every arm picks its settings on a seed and
 # a split that are never reported. The tuning split is the end of every work's training text
@@ -163,6 +164,10 @@ INNER_LR_GRID, INNER_GRID_STEP = (5e-4, 1e-3, 2e-3, 4e-3), 2.0  # data parallel'
 # improving at its second widening's 1.6e-2 (1.5155 at 8e-3, 1.5057 at 1.6e-2, tuning split)
 INNER_WIDEN = 3
 WARMUPS = (30, 100)  # their warm-up steps, each with its own inner-lr grid
+DEFAULT_INNER = (
+    1e-3,
+    30,
+)  # `diloco train`'s inner lr and warm-up (InnerConfig), as DiLoCo ran before issue 36
 H500_STEPS, H500_HS = 10_000, (50, 500)
 OUTER_GRIDS = {  # name -> (--outer-opt, --outer-momentum or None, lr grid)
     "nesterov": ("nesterov", None, OUTER_LR_GRID),
@@ -377,12 +382,16 @@ def _outer_grid(make, tune, base: tuple[float, ...], seeds: list[int], inner: tu
     return Tuned(lambda lr, s: make(lr, ilr, w, s), base, seeds, tune=lambda lr: tune(lr, ilr, w))
 
 
+def _around(x: float, step: float) -> tuple[float, ...]:
+    """A grid of three centred on `x`: ÷step, ×1, ×step (two significant digits)."""
+    return (float(f"{x / step:.2g}"), x, float(f"{x * step:.2g}"))
+
+
 @dataclass
 class Around(Centred):
     """An inner-lr grid centred on another arm's pick (×/÷ INNER_GRID_STEP, at its warm-up), made
-    once the pick is known: part H500's data parallel and single re-tune around part dp's picks
-    at their own steps, as its DiLoCo arms re-tune their outer lr (no `seeds`: a grid only, for
-    another arm to take its pick). Scheduled like a `Tuned`."""
+    once the pick is known: part H500's data parallel re-tunes around part dp's pick at its own
+    steps, as its DiLoCo arms re-tune theirs. Scheduled like a `Tuned`."""
 
     source: Choice
     make: Callable[[float, int, int], Run]  # (lr, warmup, seed) -> a reported run
@@ -394,20 +403,14 @@ class Around(Centred):
         if picked is None:
             return None
         lr, w = picked
-        base = (float(f"{lr / INNER_GRID_STEP:.2g}"), lr, float(f"{lr * INNER_GRID_STEP:.2g}"))
         return Tuned(
             functools.partial(lambda lr, s, w: self.make(lr, w, s), w=w),
-            base,
+            _around(lr, INNER_GRID_STEP),
             self.seeds,
             tune=functools.partial(lambda lr, w: self.tune(lr, w), w=w),
             step=INNER_GRID_STEP,
             widen=INNER_WIDEN,
         )
-
-    def picked(self, ctx: Ctx) -> tuple[float, int] | None:
-        """The re-tuned (inner lr, warm-up), once its grid has finished."""
-        lr = self.best(ctx)
-        return None if lr is None else (lr, _picked(self.source, ctx)[1])
 
     def report(self, ctx: Ctx) -> dict:
         t = self.inner(ctx)
@@ -421,50 +424,78 @@ class Around(Centred):
 
 
 @dataclass
-class AtInner(Centred):
-    """DiLoCo's outer-lr grid at single's picked inner lr and warm-up, made once single's grids
-    have finished: DiLoCo's inner optimizer is single's AdamW on the same per-worker batch, so it
-    takes single's tuned settings (as the paper's inner settings are its single-worker
-    baseline's) and tunes its outer lr on top. Scheduled like a `Tuned`."""
+class Diloco(Centred):
+    """DiLoCo's two lrs, tuned one after the other on the tuning seed and split: its inner lr over
+    a grid at a fixed outer lr, then its outer lr over a grid at that pick (one pass of coordinate
+    steps; each grid widens at an edge like any `Tuned`). Part dp (`source` single's Choice): the
+    inner grid INNER_LR_GRID at the paper's outer lr (PAPER_OUTER_LR), the outer grid `outer_base`
+    (--lr-grid), at single's picked warm-up. Part H500 (`source` part dp's DiLoCo arm): both grids
+    centred on that arm's picks, the inner one at its outer pick. Scheduled like a `Tuned`; its
+    `inner` is the outer-lr grid, the one run on the seeds."""
 
-    source: Choice  # single's
+    source: Choice | Diloco
     make: Callable[[float, float, int, int], Run]  # (outer lr, inner lr, warm-up, seed) -> a reported run
     tune: Callable[[float, float, int], Run]  # (outer lr, inner lr, warm-up) -> a tuning run
-    base: tuple[float, ...]
     seeds: list[int]
+    outer_base: tuple[float, ...] = OUTER_LR_GRID  # part dp's outer grid (centred in part H500)
+
+    def _centres(self, ctx: Ctx) -> tuple[tuple[float, ...], float, int, tuple[float, ...]] | None:
+        """(inner grid, the outer lr it runs at, warm-up, outer grid), once the source has picked."""
+        if isinstance(self.source, Choice):
+            picked = _picked(self.source, ctx)
+            return None if picked is None else (INNER_LR_GRID, PAPER_OUTER_LR, picked[1], self.outer_base)
+        settings, outer = self.source.picked(ctx), self.source.best(ctx)
+        if settings is None or outer is None:
+            return None
+        ilr, w = settings
+        return _around(ilr, INNER_GRID_STEP), outer, w, _around(outer, GRID_STEP)
+
+    def inner_grid(self, ctx: Ctx) -> Tuned | None:
+        """The inner-lr grid (a grid only), once the source has picked."""
+        c = self._centres(ctx)
+        if c is None:
+            return None
+        base, outer, w, _ = c
+        return Tuned(
+            lambda ilr, s: self.make(outer, ilr, w, s),
+            base,
+            [],
+            tune=lambda ilr: self.tune(outer, ilr, w),
+            step=INNER_GRID_STEP,
+            widen=INNER_WIDEN,
+        )
 
     def picked(self, ctx: Ctx) -> tuple[float, int] | None:
-        """Single's (inner lr, warm-up), once picked."""
-        return _picked(self.source, ctx)
+        """DiLoCo's (inner lr, warm-up), once its inner-lr grid has finished."""
+        g = self.inner_grid(ctx)
+        ilr = g.best(ctx) if g else None
+        return None if ilr is None else (ilr, self._centres(ctx)[2])
 
     def inner(self, ctx: Ctx) -> Tuned | None:
         picked = self.picked(ctx)
-        return None if picked is None else _outer_grid(self.make, self.tune, self.base, self.seeds, picked)
-
-
-@dataclass
-class OuterAround(Centred):
-    """An outer-lr grid centred on another DiLoCo arm's pick (÷/× GRID_STEP), at the inner lr and
-    warm-up `settings` picked, made once both are known: part H500's DiLoCo at each H re-tunes
-    around part dp's (k = 4, warm) at its own steps, at single's inner settings re-tuned at those
-    steps, widening at an edge like any `Tuned`. Scheduled like a `Tuned`."""
-
-    source: AtInner
-    settings: Around  # single's inner lr and warm-up at these steps
-    make: Callable[[float, float, int, int], Run]  # (outer lr, inner lr, warm-up, seed) -> a reported run
-    tune: Callable[[float, float, int], Run]  # (outer lr, inner lr, warm-up) -> a tuning run
-    seeds: list[int]
+        return (
+            None
+            if picked is None
+            else _outer_grid(self.make, self.tune, self._centres(ctx)[3], self.seeds, picked)
+        )
 
     def grid_runs(self, ctx: Ctx) -> list[Run]:
-        t = self.inner(ctx)
-        return self.source.grid_runs(ctx) + self.settings.grid_runs(ctx) + (t.grid_runs(ctx) if t else [])
+        g, t = self.inner_grid(ctx), self.inner(ctx)
+        return self.source.grid_runs(ctx) + (g.grid_runs(ctx) if g else []) + (t.grid_runs(ctx) if t else [])
 
-    def inner(self, ctx: Ctx) -> Tuned | None:
-        lr, picked = self.source.best(ctx), self.settings.picked(ctx)
-        if lr is None or picked is None:
-            return None
-        base = (float(f"{lr / GRID_STEP:.2g}"), lr, float(f"{lr * GRID_STEP:.2g}"))
-        return _outer_grid(self.make, self.tune, base, self.seeds, picked)
+    def report(self, ctx: Ctx) -> dict:
+        c, g, t = self._centres(ctx), self.inner_grid(ctx), self.inner(ctx)
+        picked = self.picked(ctx)
+        return {
+            "inner_grid": g.table(ctx) if g else None,
+            "inner_grid_at_outer_lr": c[1] if c else None,
+            "inner_lr": picked[0] if picked else None,
+            "warmup": c[2] if c else None,
+            "inner_lr_at_grid_edge": g.at_edge(ctx) if g else None,
+            "grid": t.table(ctx) if t else None,
+            "pick": t.best(ctx) if t else None,
+            "lr_at_grid_edge": t.at_edge(ctx) if t else None,
+        }
 
 
 @dataclass
@@ -472,7 +503,7 @@ class Plan:
     """What one part runs: fixed runs, and tuned ones whose other seeds wait for the grid."""
 
     runs: list[Run] = field(default_factory=list)
-    tuned: list[Tuned | Choice | Follow | Around | AtInner | OuterAround] = field(default_factory=list)
+    tuned: list[Tuned | Choice | Follow | Around | Diloco] = field(default_factory=list)
     later: list[Run] = field(default_factory=list)  # references, run after the others of their kind
 
     def all_runs(self, ctx: Ctx) -> list[Run]:
@@ -671,6 +702,11 @@ class Ctx:
         H = H or self.H
         n = steps or self.steps
         init, tag = self._start(seed, warm, fair)
+        if (
+            inner_lr,
+            warmup,
+        ) == DEFAULT_INNER:  # the defaults' runs (before issue 36's grids) keep their names
+            inner_lr = warmup = None
         inner, inner_note = self._inner(inner_lr, warmup)
         note = (f" inner{inner_note}" if inner_note else "") + note
         flags = [*self.common(seed), "--method", "diloco", "--workers", k, "--inner-steps", H]
@@ -1049,9 +1085,9 @@ def _picked(choice: Choice, ctx: Ctx) -> tuple[float, int] | None:
     return None if name is None else (choice.options[name].best(ctx), int(name.split()[-1]))
 
 
-def dp_arms(ctx: Ctx, k: int, warm: bool) -> tuple[Choice, Choice, dict[int, AtInner]]:
+def dp_arms(ctx: Ctx, k: int, warm: bool) -> tuple[Choice, Choice, dict[int, Diloco]]:
     """Part dp's tuned arms at (k, start): single, data parallel, and DiLoCo at each --dp-hs (its
-    outer-lr grid at single's pick)."""
+    inner-lr grid at the paper's outer lr and single's warm-up, then its outer-lr grid)."""
     single = _inner_choice(ctx, lambda s, t, lr, w: ctx.single(s, warm, fair=True, tuning=t, lr=lr, warmup=w))
     dp = _inner_choice(ctx, lambda s, t, lr, w: ctx.dp(k, s, warm, fair=True, tuning=t, lr=lr, warmup=w))
 
@@ -1059,34 +1095,46 @@ def dp_arms(ctx: Ctx, k: int, warm: bool) -> tuple[Choice, Choice, dict[int, AtI
         return ctx.diloco(seed, k=k, H=H, lr=lr, warm=warm, fair=True, tuning=tuning, inner_lr=ilr, warmup=w)
 
     diloco = {
-        H: AtInner(
+        H: Diloco(
             single,
             functools.partial(lambda lr, ilr, w, s, H: run(s, False, H, lr, ilr, w), H=H),
             functools.partial(lambda lr, ilr, w, H: run(TUNE_SEED, True, H, lr, ilr, w), H=H),
-            ctx.dp_lr_grid,
             ctx.seeds,
+            ctx.dp_lr_grid,
         )
         for H in ctx.dp_hs
     }
     return single, dp, diloco
 
 
-def untuned_inner(ctx: Ctx, k: int, warm: bool, H: int) -> dict[str, float | None]:
-    """The ablation of issue 36's first rule: DiLoCo's outer-lr grid at the default inner lr
-    (1e-3, warm-up 30) on the tuning seed and split, as far as the ledger has it (never run now)."""
-    old = Tuned(
-        lambda lr, s: ctx.diloco(s, k=k, H=H, lr=lr, warm=warm, fair=True),
-        ctx.dp_lr_grid,
-        ctx.seeds,
-        tune=lambda lr: ctx.diloco(TUNE_SEED, k=k, H=H, lr=lr, warm=warm, fair=True, tuning=True),
-    )
-    return {lr: v for lr, v in old.table(ctx).items() if v is not None}
+def ablations(ctx: Ctx, k: int, warm: bool, H: int, single: Choice) -> dict[str, dict[str, float]]:
+    """DiLoCo's outer-lr grids under the rules issue 36 tried before (never run now; as far as the
+    ledger has them, on the tuning seed and split): at the default inner lr 1e-3, warm-up 30 (the
+    first rule), and at single's picked inner lr and warm-up (stop 64's)."""
+    settings = {"inner lr 1e-3 wu 30": (None, None)}
+    if (picked := _picked(single, ctx)) is not None:
+        settings[f"single's inner lr {_num(picked[0])} wu {picked[1]}"] = picked
+    out = {}
+    for name, (ilr, w) in settings.items():
+        old = Tuned(
+            lambda lr, s, ilr=ilr, w=w: ctx.diloco(
+                s, k=k, H=H, lr=lr, warm=warm, fair=True, inner_lr=ilr, warmup=w
+            ),
+            ctx.dp_lr_grid,
+            ctx.seeds,
+            tune=lambda lr, ilr=ilr, w=w: ctx.diloco(
+                TUNE_SEED, k=k, H=H, lr=lr, warm=warm, fair=True, tuning=True, inner_lr=ilr, warmup=w
+            ),
+        )
+        if table := {lr: v for lr, v in old.table(ctx).items() if v is not None}:
+            out[f"diloco k={k} H={H} {'warm' if warm else 'scratch'}, {name}"] = table
+    return out
 
 
 def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     """DiLoCo vs data parallel, every arm tuned by the tuning rules (TUNE_SEED, TUNE_FRACTION)."""
     plan = Plan()
-    arms: dict[tuple[int, bool], tuple[Choice, Choice, dict[int, AtInner]]] = {}
+    arms: dict[tuple[int, bool], tuple[Choice, Choice, dict[int, Diloco]]] = {}
     serial: dict[int, Follow] = {}
     starts = [start == "warm" for start in ctx.dp_starts]
     for warm in sorted(starts, reverse=True):  # warm first: the issue's target
@@ -1124,8 +1172,9 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             "widening": "a grid whose best is on an edge grows past it (inner lr "
             f"×/÷{_num(INNER_GRID_STEP)} at most {INNER_WIDEN} times, outer lr ×/÷{_num(GRID_STEP)} at most "
             f"{GRID_WIDEN} times)",
-            "diloco_inner": "DiLoCo's inner AdamW takes single's picked inner lr and warm-up (the "
-            "same optimizer on the same per-worker batch); its outer lr is then tuned on top",
+            "diloco_inner": "DiLoCo's inner lr over the inner-lr grid at the paper's outer lr "
+            f"{_num(PAPER_OUTER_LR)} and single's picked warm-up, then its outer lr over the outer-lr "
+            "grid at that inner lr",
             "arms": {},
             "ablations": {},
         }
@@ -1152,16 +1201,8 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                     di["lr_grid_tuning"] = t.table(ctx)
                     picked = t.picked(ctx)
                     di["inner_lr"], di["warmup"] = picked if picked else (None, None)
-                    tuning["arms"][f"diloco k={k} H={H} {start}"] = {
-                        "inner": "single's pick",
-                        "inner_lr": di["inner_lr"],
-                        "warmup": di["warmup"],
-                        "grid": t.table(ctx),
-                        "pick": lr,
-                        "lr_at_grid_edge": t.at_edge(ctx),
-                    }
-                    if ablation := untuned_inner(ctx, k, warm, H):
-                        tuning["ablations"][f"diloco k={k} H={H} {start}, inner lr 1e-3 wu 30"] = ablation
+                    tuning["arms"][f"diloco k={k} H={H} {start}"] = t.report(ctx)
+                    tuning["ablations"].update(ablations(ctx, k, warm, H, single_t))
                     by_H[str(H)] = di
                 head = by_H.get(str(ctx.H)) or next(iter(by_H.values()))
                 row[start] = {
@@ -1489,22 +1530,16 @@ def part_codec(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
 
 def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     """The paper's headline interval: nano, warm, k = 4, H500_STEPS steps per worker (20 rounds
-    at H = 500, 200 at H = 50); data parallel and single re-tuned at these steps around part dp's
-    picks (k = 4, warm), DiLoCo at each H around part dp's DiLoCo pick (k = 4, warm, at --H) at
-    single's re-tuned inner lr and warm-up; all on the tuning seed and split."""
+    at H = 500, 200 at H = 50); data parallel re-tuned at these steps around part dp's pick (k = 4,
+    warm), DiLoCo at each H its inner lr, then its outer lr, around part dp's DiLoCo picks (k = 4,
+    warm, at --H); all on the tuning seed and split."""
     steps, hs = ctx.h500_steps, ctx.h500_hs
-    single_choice, dp_choice, diloco_dp = dp_arms(ctx, K, True)
+    _, dp_choice, diloco_dp = dp_arms(ctx, K, True)
     dp = Around(
         dp_choice,
         lambda lr, w, s: ctx.dp(K, s, True, fair=True, lr=lr, warmup=w, steps=steps),
         lambda lr, w: ctx.dp(K, TUNE_SEED, True, fair=True, tuning=True, lr=lr, warmup=w, steps=steps),
         ctx.seeds,
-    )
-    single = Around(  # a grid only: DiLoCo's inner lr and warm-up at these steps
-        single_choice,
-        lambda lr, w, s: ctx.single(s, True, steps=steps, fair=True, lr=lr, warmup=w),
-        lambda lr, w: ctx.single(TUNE_SEED, True, steps=steps, fair=True, tuning=True, lr=lr, warmup=w),
-        [],
     )
 
     def run(seed: int, tuning: bool, H: int, lr: float, ilr: float, w: int) -> Run:
@@ -1513,9 +1548,8 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
         )
 
     tuned = {
-        H: OuterAround(
+        H: Diloco(
             diloco_dp.get(ctx.H) or next(iter(diloco_dp.values())),
-            single,
             functools.partial(lambda lr, ilr, w, s, H: run(s, False, H, lr, ilr, w), H=H),
             functools.partial(lambda lr, ilr, w, H: run(TUNE_SEED, True, H, lr, ilr, w), H=H),
             ctx.seeds,
@@ -1526,14 +1560,15 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     def report() -> dict:
         base = entry(ctx, dp.runs(ctx), tuning=dp.report(ctx))
         by_H = {}
-        for H, around in tuned.items():
-            t = around.inner(ctx)
+        for H, arm in tuned.items():
+            t = arm.inner(ctx)
             lr = t.best(ctx) if t else None
             e = entry(ctx, t.runs(ctx), outer_lr=lr, H=H, rounds=steps // H) if lr is not None else {}
             e = versus(e, base, "vs_dp") if lr is not None else {"val_loss": None, "vs_dp": None}
             e["outer_lr_at_grid_edge"] = t.at_edge(ctx) if t else None
             e["lr_grid_tuning"] = t.table(ctx) if t else None
-            picked = single.picked(ctx)
+            e["tuning"] = arm.report(ctx)
+            picked = arm.picked(ctx)
             e["inner_lr"], e["warmup"] = picked if picked else (None, None)
             e["bytes_ratio_vs_dp"] = ratio(base.get("bytes_sent_per_worker"), e.get("bytes_sent_per_worker"))
             by_H[str(H)] = e
@@ -1544,7 +1579,6 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             "steps_per_worker": steps,
             "hs": list(hs),
             "dp": base,
-            "single_tuning": single.report(ctx),
             "by_H": by_H,
             f"h{hs[1]}_vs_dp_gap": gap,
             f"h{hs[1]}_bytes_ratio_vs_dp": br,
@@ -1553,13 +1587,14 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             if gap is None or br is None
             else bool(gap <= 0.02 and br >= 400),
             "claim": "DiLoCo at H = 500 ends below data parallel while communicating 500x less",
-            "note": "data parallel and single re-tune their inner lr at these steps over part dp's "
-            f"picks ×/÷2 (at part dp's warm-ups); DiLoCo at each H its outer lr over part dp's DiLoCo "
-            f"pick ×/÷{_num(GRID_STEP)}, at single's re-tuned inner lr and warm-up; every grid "
-            "widening at an edge; all on the tuning seed and split",
+            "note": "data parallel re-tunes its inner lr at these steps over part dp's pick ×/÷2 (at "
+            "its warm-up); DiLoCo at each H its inner lr over part dp's DiLoCo pick ×/÷2 (at part "
+            "dp's DiLoCo outer lr and warm-up), then its outer lr over part dp's DiLoCo pick "
+            f"×/÷{_num(GRID_STEP)} at that inner lr; every grid widening at an edge; all on the tuning "
+            "seed and split",
         }
 
-    return Plan(tuned=[dp, single, *tuned.values()]), report
+    return Plan(tuned=[dp, *tuned.values()]), report
 
 
 BUILDERS = {
@@ -1853,13 +1888,18 @@ def _future(t, ctx: Ctx) -> list[Run] | None:
         return [first.make(first.base[0], s) for s in first.seeds]
     if isinstance(t, Centred) and t.inner(ctx) is not None:
         return _future(t.inner(ctx), ctx)
-    if isinstance(t, AtInner):
-        return [t.tune(o, lr, w) for o in t.base] + [t.make(t.base[0], lr, w, s) for s in t.seeds]
-    if isinstance(t, OuterAround):  # part dp's DiLoCo grid first, if not yet made
-        source = [t.source.tune(o, lr, w) for o in t.source.base] if t.source.inner(ctx) is None else []
-        return (
-            source + [t.tune(o, lr, w) for o in (1.0, 1.4, 0.71)] + [t.make(1.0, lr, w, s) for s in t.seeds]
-        )
+    if isinstance(t, Diloco):  # its grids not yet made (the source's first), then its seeds
+        if t.inner_grid(ctx) is not None:
+            first = []
+        elif isinstance(t.source, Diloco):  # part dp's DiLoCo grids (the tuning seed's runs)
+            first = [r for r in _future(t.source, ctx) or [] if r.seed == TUNE_SEED]
+            first += [t.tune(1.0, x, w) for x in (lr, 2 * lr, 4 * lr)]
+        else:
+            first = [t.tune(PAPER_OUTER_LR, x, w) for x in INNER_LR_GRID]
+        outer = [
+            t.tune(o, 8 * lr, w) for o in (t.outer_base if isinstance(t.source, Choice) else (0.71, 1.0, 1.4))
+        ]
+        return first + outer + [t.make(1.0, 8 * lr, w, s) for s in t.seeds]
     if isinstance(t, Around):
         return [t.tune(x, w) for x in (lr, 2 * lr, 4 * lr)] + [t.make(lr, w, s) for s in t.seeds]
     return None

@@ -364,100 +364,165 @@ def _single_picks_2e3_at_warmup_100(mod, ctx) -> list:
     ]
 
 
+def _write(tmp_path, mod, *rows):
+    """The ledger holds these (run, val_loss) rows; a fresh context reads it."""
+    (tmp_path / "runs.jsonl").write_text(_rows([r for part in rows for r in part]))
+    return _ctx(mod, tmp_path)
+
+
+def _diloco_picks_1e3_then_outer_1(mod, ctx) -> list:
+    """Part dp's DiLoCo (k = 4, H = 50, warm) tuning losses, single having picked 2e-3 at warm-up
+    100: its inner-lr grid at outer lr 0.7 is best at 1e-3 (not single's 2e-3), inside; its outer
+    grid at 1e-3 (0.7, 1.0: 0.7 is the inner grid's run) is best at 1.0 on the edge, widened to
+    1.4 (worse): outer 1.0."""
+    _, _, diloco = mod.dp_arms(ctx, 4, True)
+    inner = diloco[50].inner_grid(ctx)
+    rows = [(inner.tune(lr), v) for lr, v in {5e-4: 1.9, 1e-3: 1.7, 2e-3: 1.75, 4e-3: 1.85}.items()]
+    rows += [(diloco[50].tune(lr, 1e-3, 100), v) for lr, v in {1.0: 1.65, 1.4: 1.68}.items()]
+    return rows
+
+
 @pytest.mark.timeout(60)
-def test_diloco_tunes_its_outer_lr_at_single_picked_inner_lr_and_warmup(tmp_path):
-    """DiLoCo's inner AdamW is single's on the same per-worker batch: its outer-lr grid waits for
-    single's pick, then runs at single's inner lr and warm-up (2e-3, 100 here) on the tuning seed
-    and split, and its reported seeds at the same; the report records them, and the runs of the
-    first rule (the default inner lr 1e-3, found in the ledger) as an ablation."""
+def test_diloco_tunes_its_inner_lr_at_the_paper_outer_lr_then_its_outer_lr_at_that_pick(tmp_path):
+    """DiLoCo's two lrs get grids of their own, one after the other, on the tuning seed and split:
+    its inner-lr grid waits for single's warm-up (100 here) and runs at the paper's outer lr 0.7;
+    its outer-lr grid then runs at its own inner pick (1e-3, not single's 2e-3), sharing the 0.7
+    run, widening at an edge; the reported seeds run at both picks. The report records both
+    grids, and the earlier rules' runs the ledger has as ablations."""
     mod = _module()
     ctx = _ctx(mod, tmp_path)
     _, _, diloco = mod.dp_arms(ctx, 4, True)
-    assert diloco[50].inner(ctx) is None and diloco[50].runs(ctx) == []  # single's grid has not run
-    untuned = [(ctx.diloco(mod.TUNE_SEED, k=4, H=50, lr=0.7, warm=True, fair=True, tuning=True), 1.74)]
-    (tmp_path / "runs.jsonl").write_text(_rows(_single_picks_2e3_at_warmup_100(mod, ctx) + untuned))
-    ctx = _ctx(mod, tmp_path)
+    assert diloco[50].inner_grid(ctx) is None and diloco[50].runs(ctx) == []  # single's grid has not run
+    single = _single_picks_2e3_at_warmup_100(mod, ctx)
+    old = [(ctx.diloco(mod.TUNE_SEED, k=4, H=50, lr=0.7, warm=True, fair=True, tuning=True), 1.74)]
+    old += [(ctx.diloco(mod.TUNE_SEED, k=4, H=50, lr=1.0, warm=True, fair=True, tuning=True), 1.71)]
+    at_single = [  # stop 64's rule: DiLoCo at single's inner settings (a point of the inner grid below)
+        (ctx.diloco(mod.TUNE_SEED, k=4, H=50, lr=0.7, warm=True, fair=True, tuning=True, inner_lr=2e-3,
+                    warmup=100), 1.75)
+    ]  # fmt: skip
+    ctx = _write(tmp_path, mod, single, old, at_single)
     _, _, diloco = mod.dp_arms(ctx, 4, True)
-    grid = diloco[50].grid_runs(ctx)[-2:]  # after single's 8
     named = ("--outer-lr", "--inner-lr", "--warmup-steps", "--eval-on", "--tune-fraction")
-    assert [_settings(r, *named) for r in grid] == [
-        (mod.TUNE_SEED, lr, "0.002", "100", "tune", "0.05") for lr in ("0.7", "1")
-    ]
-    rows = [(r, v) for r, v in zip(grid, (1.65, 1.6), strict=True)]
-    (tmp_path / "runs.jsonl").write_text(_rows(_single_picks_2e3_at_warmup_100(mod, ctx) + untuned + rows))
-    ctx = _ctx(mod, tmp_path)
+    assert diloco[50].inner(ctx) is None  # its inner grid has not run
+    assert [_settings(r, *named) for r in diloco[50].grid_runs(ctx)[8:]] == [
+        (mod.TUNE_SEED, "0.7", lr, "100", "tune", "0.05") for lr in ("0.0005", "0.001", "0.002", "0.004")
+    ]  # after single's 8
+    assert [ctx.finished(r) for r in diloco[50].grid_runs(ctx)[8:]] == [
+        False,
+        False,
+        True,
+        False,
+    ]  # 2e-3: stop 64's
+    mine = _diloco_picks_1e3_then_outer_1(mod, ctx)
+    ctx = _write(tmp_path, mod, single, old, at_single, mine[:4])
     _, _, diloco = mod.dp_arms(ctx, 4, True)
-    assert diloco[50].inner(ctx).grid(ctx) == (0.7, 1.0, 1.4)  # 1.0 on the edge: widens
-    _, report = mod.part_dp(ctx)
-    tuning = report()["tuning"]
-    arm = tuning["arms"]["diloco k=4 H=50 warm"]
-    assert (arm["inner_lr"], arm["warmup"], arm["grid"]) == (2e-3, 100, {"0.7": 1.65, "1": 1.6, "1.4": None})
-    assert tuning["ablations"] == {"diloco k=4 H=50 warm, inner lr 1e-3 wu 30": {"0.7": 1.74}}
-    assert diloco[50].runs(ctx) == []  # until 1.4 has run
-    rows.append((diloco[50].inner(ctx).tune(1.4), 1.62))
-    (tmp_path / "runs.jsonl").write_text(_rows(_single_picks_2e3_at_warmup_100(mod, ctx) + untuned + rows))
-    ctx = _ctx(mod, tmp_path)
+    assert diloco[50].picked(ctx) == (1e-3, 100)
+    outer = diloco[50].inner(ctx).grid_runs(ctx)
+    assert [_settings(r, *named) for r in outer] == [
+        (mod.TUNE_SEED, lr, "0.001", "100", "tune", "0.05") for lr in ("0.7", "1")
+    ]
+    assert outer[0].name == diloco[50].inner_grid(ctx).tune(1e-3).name  # one run, two grids
+    ctx = _write(tmp_path, mod, single, old, at_single, mine[:5])
+    _, _, diloco = mod.dp_arms(ctx, 4, True)
+    assert diloco[50].inner(ctx).grid(ctx) == (0.7, 1.0, 1.4) and diloco[50].runs(ctx) == []  # widens
+    ctx = _write(tmp_path, mod, single, old, at_single, mine)
     _, _, diloco = mod.dp_arms(ctx, 4, True)
     assert diloco[50].best(ctx) == 1.0 and diloco[50].at_edge(ctx) is False
     assert [_settings(r, *named) for r in diloco[50].runs(ctx)] == [
-        (s, "1", "0.002", "100", None, "0.05") for s in (0, 1, 2)
-    ]  # the reported seeds, at single's inner lr and warm-up, scored on the validation split
+        (s, "1", "0.001", "100", None, "0.05") for s in (0, 1, 2)
+    ]  # the reported seeds, at DiLoCo's own picks, scored on the validation split
+    _, report = mod.part_dp(ctx)
+    tuning = report()["tuning"]
+    arm = tuning["arms"]["diloco k=4 H=50 warm"]
+    assert arm["inner_grid"] == {"0.0005": 1.9, "0.001": 1.7, "0.002": 1.75, "0.004": 1.85}
+    assert (arm["inner_grid_at_outer_lr"], arm["inner_lr"], arm["warmup"]) == (0.7, 1e-3, 100)
+    assert (arm["grid"], arm["pick"], arm["lr_at_grid_edge"]) == (
+        {"0.7": 1.7, "1": 1.65, "1.4": 1.68},
+        1.0,
+        False,
+    )
+    assert tuning["ablations"] == {
+        "diloco k=4 H=50 warm, inner lr 1e-3 wu 30": {"0.7": 1.74, "1": 1.71},
+        "diloco k=4 H=50 warm, single's inner lr 0.002 wu 100": {"0.7": 1.75},
+    }
 
 
 @pytest.mark.timeout(60)
-def test_part_H500_centres_each_H_outer_lr_grid_on_part_dp_diloco_pick(tmp_path):
-    """Part dp's DiLoCo (k = 4, warm, at single's pick 2e-3 / 100) tuning losses by hand: 1.0 is
-    best on its grid's edge, the grid widens to 1.4, which is worse, so 1.0 is the pick. Part
-    H500 re-tunes single at its own steps around 2e-3 (at warm-up 100): 1e-3 is best on the
-    edge, 5e-4 worse, so 1e-3. Its DiLoCo then tunes each H over 1.0 ÷/× 1.4 at inner lr 1e-3,
-    warm-up 100, on the tuning seed and split at its own steps, nothing before both picks."""
+def test_diloco_at_the_default_inner_settings_keeps_the_name_of_its_runs_before_issue_36(tmp_path):
+    """DiLoCo ran at `diloco train`'s default inner lr and warm-up before its inner lr had a grid:
+    the grid's run at those settings is the same command, so it has the same name (and ledger
+    row); any other setting is named by its flags."""
+    from diloco.config.sections import InnerConfig
+
+    mod = _module()
+    ctx = _ctx(mod, tmp_path)
+    assert mod.DEFAULT_INNER == (InnerConfig().lr, InnerConfig().warmup_steps)
+    plain = ctx.diloco(mod.TUNE_SEED, k=4, H=50, lr=0.7, warm=True, fair=True, tuning=True)
+    same = ctx.diloco(
+        mod.TUNE_SEED, k=4, H=50, lr=0.7, warm=True, fair=True, tuning=True, inner_lr=1e-3, warmup=30
+    )
+    other = ctx.diloco(
+        mod.TUNE_SEED, k=4, H=50, lr=0.7, warm=True, fair=True, tuning=True, inner_lr=1e-3, warmup=100
+    )
+    assert same == plain and "--inner-lr" not in same.flags
+    assert other.name != plain.name and _settings(other, "--inner-lr", "--warmup-steps")[1:] == (
+        "0.001",
+        "100",
+    )
+
+
+@pytest.mark.timeout(60)
+def test_part_H500_centres_each_H_grids_on_part_dp_diloco_picks(tmp_path):
+    """Part dp's DiLoCo (k = 4, warm) picked inner lr 1e-3 at warm-up 100 and outer lr 1.0. Part
+    H500 at each H first re-tunes its inner lr over 1e-3 ÷/× 2 at outer lr 1.0 (at its own steps,
+    on the tuning seed and split; at H = 500, 2e-3 is best on the edge and the grid widens to
+    4e-3, worse), then its outer lr over 1.0 ÷/× 1.4 at that pick; nothing before part dp's picks."""
     mod = _module()
     ctx = _ctx(mod, tmp_path)
     plan, _ = mod.part_H500(ctx)
-    dp10k, single10k, *by_H = plan.tuned
-    assert [t.inner(ctx) for t in (single10k, *by_H)] == [None, None, None]  # part dp's grids have not run
+    dp10k, *by_H = plan.tuned
+    assert [t.inner_grid(ctx) for t in by_H] == [None, None]  # part dp's grids have not run
     single = _single_picks_2e3_at_warmup_100(mod, ctx)
-    (tmp_path / "runs.jsonl").write_text(_rows(single))
-    ctx = _ctx(mod, tmp_path)
-    _, _, diloco = mod.dp_arms(ctx, 4, True)
-    rows = [(diloco[50].inner(ctx).tune(lr), v) for lr, v in {0.7: 2.1, 1.0: 2.0, 1.4: 2.05}.items()]
-    (tmp_path / "runs.jsonl").write_text(_rows(single + rows))
-    ctx = _ctx(mod, tmp_path)
+    ctx = _write(tmp_path, mod, single)
+    part_dp = _diloco_picks_1e3_then_outer_1(mod, ctx)
+    ctx = _write(tmp_path, mod, single, part_dp[:4])
     plan, _ = mod.part_H500(ctx)
-    dp10k, single10k, *by_H = plan.tuned
-    assert [t.inner(ctx) for t in by_H] == [None, None]  # single has not run at these steps
-    grid = single10k.inner(ctx).grid_runs(ctx)
-    assert [_settings(r, "--inner-lr", "--warmup-steps", "--eval-on", "--rounds") for r in grid] == [
-        (mod.TUNE_SEED, lr, "100", "tune", "200") for lr in ("0.001", "0.002", "0.004")
-    ]
-    assert {r.name for r in grid} <= {r.name for r in by_H[0].grid_runs(ctx)}  # DiLoCo waits on them
-    again = [
-        (single10k.inner(ctx).tune(lr), v) for lr, v in {5e-4: 1.8, 1e-3: 1.7, 2e-3: 1.75, 4e-3: 1.9}.items()
-    ]
-    (tmp_path / "runs.jsonl").write_text(_rows(single + rows + again))
-    ctx = _ctx(mod, tmp_path)
+    assert [t.inner_grid(ctx) for t in plan.tuned[1:]] == [None, None]  # part dp's outer lr not picked
+    ctx = _write(tmp_path, mod, single, part_dp)
     plan, report = mod.part_H500(ctx)
-    dp10k, single10k, *by_H = plan.tuned
-    assert single10k.picked(ctx) == (1e-3, 100) and single10k.runs(ctx) == []  # a grid only
-    for around, rounds in zip(by_H, ("200", "20"), strict=True):
-        new = around.inner(ctx).grid_runs(ctx)
-        assert [
-            _settings(r, "--outer-lr", "--inner-lr", "--warmup-steps", "--eval-on", "--rounds") for r in new
-        ] == [(mod.TUNE_SEED, lr, "0.001", "100", "tune", rounds) for lr in ("0.71", "1", "1.4")]
-        assert around.runs(ctx) == []  # until its own grid has run
-    got = report()
-    assert got["by_H"]["50"]["lr_grid_tuning"] == {"0.71": None, "1": None, "1.4": None}
-    assert (got["by_H"]["50"]["inner_lr"], got["by_H"]["50"]["warmup"]) == (1e-3, 100)
-    assert got["single_tuning"]["grid"] == {"0.0005": 1.8, "0.001": 1.7, "0.002": 1.75, "0.004": 1.9}
-    h500 = by_H[1].inner(ctx)  # its grid run: 1.0 best, inside
-    more = [(h500.tune(lr), v) for lr, v in {0.71: 2.1, 1.0: 1.9, 1.4: 2.0}.items()]
-    (tmp_path / "runs.jsonl").write_text(_rows(single + rows + again + more))
-    ctx = _ctx(mod, tmp_path)
+    dp10k, *by_H = plan.tuned
+    named = ("--outer-lr", "--inner-lr", "--warmup-steps", "--eval-on", "--rounds")
+    for arm, rounds in zip(by_H, ("200", "20"), strict=True):
+        assert [_settings(r, *named) for r in arm.inner_grid(ctx).grid_runs(ctx)] == [
+            (mod.TUNE_SEED, "1", lr, "100", "tune", rounds) for lr in ("0.0005", "0.001", "0.002")
+        ]
+        assert arm.inner(ctx) is None and arm.runs(ctx) == []
+        assert {r.name for r, _ in part_dp} <= {r.name for r in arm.grid_runs(ctx)}  # waits on part dp's
+    h50, h500 = by_H
+    inner = [(h50.inner_grid(ctx).tune(lr), v) for lr, v in {5e-4: 1.8, 1e-3: 1.7, 2e-3: 1.75}.items()]
+    inner += [
+        (h500.inner_grid(ctx).tune(lr), v) for lr, v in {5e-4: 1.9, 1e-3: 1.8, 2e-3: 1.7, 4e-3: 1.72}.items()
+    ]
+    ctx = _write(tmp_path, mod, single, part_dp, inner)
+    plan, report = mod.part_H500(ctx)
+    h50, h500 = plan.tuned[1:]
+    assert (h50.picked(ctx), h500.picked(ctx)) == ((1e-3, 100), (2e-3, 100))
+    assert h500.inner_grid(ctx).grid(ctx) == (5e-4, 1e-3, 2e-3, 4e-3)
+    for arm, ilr, rounds in zip((h50, h500), ("0.001", "0.002"), ("200", "20"), strict=True):
+        assert [_settings(r, *named) for r in arm.inner(ctx).grid_runs(ctx)] == [
+            (mod.TUNE_SEED, lr, ilr, "100", "tune", rounds) for lr in ("0.71", "1", "1.4")
+        ]
+        assert arm.runs(ctx) == []  # until its outer grid has run
+    got = report()["by_H"]
+    assert (got["500"]["inner_lr"], got["500"]["warmup"]) == (2e-3, 100)
+    assert got["500"]["tuning"]["inner_grid"] == {"0.0005": 1.9, "0.001": 1.8, "0.002": 1.7, "0.004": 1.72}
+    assert got["500"]["lr_grid_tuning"] == {"0.71": None, "1": 1.7, "1.4": None}  # 1: the inner grid's run
+    more = [(h500.inner(ctx).tune(lr), v) for lr, v in {0.71: 1.75, 1.4: 1.72}.items()]
+    ctx = _write(tmp_path, mod, single, part_dp, inner, more)
     plan, _ = mod.part_H500(ctx)
-    assert [
-        _settings(r, "--outer-lr", "--inner-lr", "--warmup-steps", "--eval-on", "--rounds")
-        for r in plan.tuned[3].runs(ctx)
-    ] == [(s, "1", "0.001", "100", None, "20") for s in (0, 1, 2)]
+    assert [_settings(r, *named) for r in plan.tuned[2].runs(ctx)] == [
+        (s, "1", "0.002", "100", None, "20") for s in (0, 1, 2)
+    ]
 
 
 @pytest.mark.timeout(120)
@@ -490,9 +555,10 @@ def test_pending_estimates_a_run_from_the_ledger_rate_of_its_kind(tmp_path):
     plan, _ = mod.part_H500(ctx)
     got = mod.pending(ctx, {"H500": plan})["parts"]["H500"]
     assert not [n for n in got["now"] if "10000 steps" in n]  # nothing of H500's own before the picks
-    # dp around its pick and its seeds, single's grid (no seeds), part dp's DiLoCo grid (2 outer
-    # lrs), DiLoCo's grid and seeds at each H, the seeds' pretraining
-    assert got["runs_after_grids"] == 3 + 3 + 3 + 2 + 2 * (3 + 3) + 3
+    # dp around its pick and its seeds; part dp's DiLoCo grids (inner lr 4 at outer 0.7, outer lr
+    # 0.7 and 1.0, one run shared); at each H DiLoCo's inner and outer grids and seeds; the seeds'
+    # pretraining
+    assert got["runs_after_grids"] == 3 + 3 + (4 + 2 - 1) + 2 * (3 + 3 + 3) + 3
     # data parallel's 7 grid runs left (1,000 steps) and 6 runs of 10,000 steps, at 0.5 s a step;
     # single's and DiLoCo's have no rate
     assert got["run_time_h"] == round((7 * 500 + 6 * 5000) / 3600, 1)
