@@ -152,15 +152,18 @@ def _dp(data: dict, start: str) -> str:
 
 
 def _picks(row: dict) -> str:
-    """One k's tuned settings: single's and data parallel's inner lr and warm-up, DiLoCo's outer lr."""
+    """One k's tuned settings: single's and data parallel's inner lr and warm-up, DiLoCo's inner
+    lr, warm-up and outer lr."""
 
     def inner(e: dict) -> str:
         lr, pick = e.get("lr"), e.get("pick")
         return "tuning" if lr is None else f"inner lr {lr:g}, warm-up {pick.split()[-1]}"
 
     di = row["diloco"]
-    outer = "tuning" if di.get("outer_lr") is None else f"outer lr {di['outer_lr']:g} at single's inner lr"
-    return f"single: {inner(row['single'])}; data parallel: {inner(row['dp'])}; DiLoCo: {outer}"
+    diloco = "tuning"
+    if di.get("outer_lr") is not None:
+        diloco = f"inner lr {di['inner_lr']:g}, warm-up {di['warmup']}, outer lr {di['outer_lr']:g}"
+    return f"single: {inner(row['single'])}; data parallel: {inner(row['dp'])}; DiLoCo: {diloco}"
 
 
 def dp_warm(data: dict) -> str:
@@ -411,6 +414,25 @@ def _lr_grid(data: dict, start: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def _diloco_grids(r: dict) -> tuple[str, str]:
+    """A DiLoCo arm's two grids (its `tuning` report) and its picks, as table cells."""
+    if r.get("inner_grid") is None:
+        return "not made yet: waits for the picks it starts from", "tuning"
+    inner = f"inner lr at outer lr {r['inner_grid_at_outer_lr']:g}, warm-up {r['warmup']}: "
+    inner += _grid(r["inner_grid"], r.get("inner_lr"))
+    if r.get("grid") is None:
+        return inner, "tuning" if r.get(
+            "inner_lr"
+        ) is None else f"inner lr {r['inner_lr']:g}; outer lr tuning"
+    outer = f"; outer lr at inner lr {r['inner_lr']:g}: {_grid(r['grid'], r['pick'])}"
+    pick = f"inner lr {r['inner_lr']:g}" + (
+        " (on the widened grid's edge)" if r.get("inner_lr_at_grid_edge") else ""
+    )
+    pick += ", outer lr " + ("tuning" if r["pick"] is None else f"{r['pick']:g}")
+    pick += " (on the widened grid's edge)" if r.get("lr_at_grid_edge") else ""
+    return inner + outer, pick
+
+
 def tuning(data: dict) -> str:
     """Part dp's tuning (issue 36): every arm's grid on the tuning seed and split, and its pick."""
     t = data["dp"]["tuning"]
@@ -428,12 +450,8 @@ def tuning(data: dict) -> str:
             )
             pick = "tuning" if lr is None else f"inner lr {lr:g}, warm-up {r['pick'].split()[-1]}"
             pick += " (on the widened grid's edge)" if r.get("lr_at_grid_edge") else ""
-        else:  # DiLoCo: its outer-lr grid at single's inner lr and warm-up
-            inner = r.get("inner_lr")
-            at = "" if inner is None else f"at inner lr {inner:g}, warm-up {r['warmup']}: "
-            grid = at + (_grid(r["grid"], r["pick"]) if r["grid"] else "waits for single's pick")
-            pick = "tuning" if r["pick"] is None else f"outer lr {r['pick']:g}"
-            pick += " (on the widened grid's edge)" if r.get("lr_at_grid_edge") else ""
+        else:  # DiLoCo: its inner-lr grid at a fixed outer lr, then its outer-lr grid at that pick
+            grid, pick = _diloco_grids(r)
         out.append(f"| {arm} | {grid} | {pick} |")
     for arm, g in t.get("ablations", {}).items():  # runs of an earlier rule, not used for a pick
         out.append(f"| ablation: {arm} | {_grid(g, None)} | not used |")
@@ -453,16 +471,9 @@ def h500(data: dict) -> str:
         "| --- | --- | --- | --- | --- | --- |",
         f"| data parallel | {steps:,} | {tuned} | {_loss(dp.get('val_loss'))} | — | — |",
     ]
-    if single := data.get("single_tuning"):  # a grid only: DiLoCo's inner lr at these steps
-        picked = (
-            "tuning" if single.get("lr") is None else f"inner lr {single['lr']:g}, warm-up {single['warmup']}"
-        )
-        out.append(f"| single (tuning grid only: DiLoCo's inner settings) | — | {picked} | — | — | — |")
     for H, e in data["by_H"].items():
-        lr = e.get("outer_lr")
-        tuned = "tuning" if lr is None else f"outer lr {lr:g} ({_grid(e['lr_grid_tuning'], lr)})"
-        if e.get("inner_lr") is not None:
-            tuned += f"; inner lr {e['inner_lr']:g}, warm-up {e['warmup']} (single's at these steps)"
+        grids, tuned = _diloco_grids(e["tuning"]) if "tuning" in e else ("", "tuning")
+        tuned = tuned if not grids else f"{tuned} ({grids})"
         out.append(
             f"| DiLoCo H = {H} | {steps // int(H):,} | {tuned} | {_loss(e.get('val_loss'))} | "
             f"{_paired_by_seed(e.get('vs_dp'), e.get('vs_dp_paired'))} | "

@@ -21,15 +21,15 @@ Parts (`--part`, repeatable or a comma list; default all):
   (TUNE_SEED, 100) and the tuning split (`--tune-fraction` TUNE_FRACTION, held out of every run
   of the part; tuning runs `--eval-on tune`), data parallel and single over an inner-lr grid
   {5e-4, 1e-3, 2e-3, 4e-3} for each warm-up {30, 100} (the serial reference takes single's
-  pick), DiLoCo over its outer-lr grid {0.3, 0.5, 0.7, 1.0} (`--lr-grid`) at each H of `--dp-hs`
-  (default 50) at single's pick of inner lr and warm-up (its inner AdamW is single's); each pick
-  then runs on every reported seed. (Every tuned grid grows past an edge the best sits on, by
-  ×1.4 or ÷1.4 at most twice, inner lr ×2 or ÷2 at most three times; `*_at_grid_edge` says when
-  the best is still on the edge.) Before issue 36 only DiLoCo's outer lr was tuned, on seed 0
-  and the reported split: reproduce_diloco_2026-12-01.json. `tuning` records the split, the
-  seed, every grid and pick; `dp_tuned_final_val_loss`, `diloco_warm_vs_dp_tuned_gap` (k = 4),
-  `diloco_warm_vs_dp_tuned_gap_k8`. Top-level fields (the headline k = 8; the same per k under
-  `per_k`):
+  pick), DiLoCo at each H of `--dp-hs` (default 50) over the same inner-lr grid at the paper's
+  outer lr 0.7 and single's warm-up, then over its outer-lr grid {0.3, 0.5, 0.7, 1.0}
+  (`--lr-grid`) at its picked inner lr; each pick then runs on every reported seed. (Every tuned
+  grid grows past an edge the best sits on, by ×1.4 or ÷1.4 at most twice, inner lr ×2 or ÷2 at
+  most three times; `*_at_grid_edge` says when the best is still on the edge.) Before issue 36
+  only DiLoCo's outer lr was tuned, on seed 0 and the reported split:
+  reproduce_diloco_2026-12-01.json. `tuning` records the split, the seed, every grid and pick;
+  `dp_tuned_final_val_loss`, `diloco_warm_vs_dp_tuned_gap` (k = 4), `diloco_warm_vs_dp_tuned_gap_k8`.
+  Top-level fields (the headline k = 8; the same per k under `per_k`):
   `dp_final_val_loss` (data parallel, warm-started: the baseline of the warm comparison),
   `diloco_warm_final_val_loss`, `diloco_warm_vs_dp_gap` ((diloco − dp) / dp), `bytes_ratio_vs_dp`
   (dp's bytes sent per worker ÷ DiLoCo's), and the from-scratch equivalents
@@ -57,9 +57,9 @@ Parts (`--part`, repeatable or a comma list; default all):
   each outer_grad pruned (top-k 0.5, with and without `--error-feedback`: the DiLoCo paper's
   pruning claim), vs fp32, k = 4.
 - `H500`: the paper's headline interval: nano, warm, k = 4, H500_STEPS (10,000) steps per worker,
-  DiLoCo at H = 50 and 500 (each its own outer-lr grid over part dp's DiLoCo pick ÷1.4, ×1, ×1.4,
-  at single's inner lr re-tuned at these steps around part dp's single pick, a grid only)
-  against data parallel re-tuned at these steps around part dp's pick (inner lr ÷2, ×1, ×2 at its
+  DiLoCo at H = 50 and 500 (each its own inner-lr grid over part dp's DiLoCo pick ÷2, ×1, ×2 at
+  part dp's DiLoCo outer lr, then its own outer-lr grid over that pick ÷1.4, ×1, ×1.4) against
+  data parallel re-tuned at these steps around part dp's pick (inner lr ÷2, ×1, ×2 at its
   warm-up); also its own JSON
   (reproduce_diloco_H500.json: `h500_vs_dp_gap`, `h500_bytes_ratio_vs_dp`, `h50_vs_dp_gap`) and
   a figure of loss against outer rounds.

@@ -24,18 +24,39 @@ def _tables():
 @pytest.mark.timeout(30)
 def test_the_tuning_table_has_every_arm_its_grid_and_its_pick_in_bold():
     text = _tables().tuning(DATA)
+    arms, ablations = DATA["dp"]["tuning"]["arms"], DATA["dp"]["tuning"]["ablations"]
     rows = text.splitlines()[2:]
-    arms = DATA["dp"]["tuning"]["arms"]
-    assert [row.split(" | ")[0].lstrip("| ") for row in rows] == list(arms)
+    names = [row.split(" | ")[0].lstrip("| ") for row in rows]
+    assert names == list(arms) + [f"ablation: {a}" for a in ablations]  # the earlier rules' runs last
+    rows = rows[: len(arms)]
     for row, r in zip(rows, arms.values(), strict=True):
-        assert row.count("**") == 2, row  # one pick, in bold
-        assert f"**{r.get('lr', r.get('pick')):g}: " in row, row  # the picked lr's cell
+        if "grids" in r:  # data parallel, single: one pick, in bold
+            assert row.count("**") == 2 and f"**{r['lr']:g}: " in row, row
+        else:  # DiLoCo: its inner lr's pick and its outer lr's, each in bold in its own grid
+            assert row.count("**") == 4 and f"**{r['inner_lr']:g}: " in row and f"**{r['pick']:g}: " in row, (
+                row
+            )
     warm = rows[list(arms).index("dp k=4 warm")]
     assert warm.endswith("| inner lr 0.016, warm-up 30 |")  # inside its grid: 0.032 was worse
     assert "**0.016: 2.9691**" in warm  # warm-up 30's best, from the JSON's 2.96912988...
     diloco = rows[list(arms).index("diloco k=4 H=10 warm")]
-    assert "at inner lr 0.008, warm-up 30: " in diloco  # single's pick (its warm row)
-    assert diloco.endswith("| outer lr 1 |")
+    assert "| inner lr at outer lr 0.7, warm-up 30: 0.0005: 3.8714, " in diloco  # single's warm-up
+    assert "**0.004: 3.2803**, 0.008: 3.3186; outer lr at inner lr 0.004: 0.3: 3.3870" in diloco
+    assert diloco.endswith("| inner lr 0.004, outer lr 0.7 |")
+
+
+@pytest.mark.timeout(30)
+def test_a_diloco_arm_still_tuning_says_which_grid_it_waits_for():
+    """Before its source's picks DiLoCo has no grid; after its inner grid, its outer one runs."""
+    tables = _tables()
+    assert tables._diloco_grids({"inner_grid": None, "warmup": None}) == (
+        "not made yet: waits for the picks it starts from",
+        "tuning",
+    )
+    half = {"inner_grid": {"0.001": 1.9, "0.002": 1.8}, "inner_grid_at_outer_lr": 0.7, "inner_lr": 2e-3}
+    grid, pick = tables._diloco_grids({**half, "warmup": 30, "grid": None})
+    assert grid == "inner lr at outer lr 0.7, warm-up 30: 0.001: 1.9000, **0.002: 1.8000**"
+    assert pick == "inner lr 0.002; outer lr tuning"
 
 
 @pytest.mark.timeout(30)
@@ -49,18 +70,22 @@ def test_the_tuning_table_lists_an_earlier_rule_runs_as_an_ablation_not_a_pick()
 
 
 @pytest.mark.timeout(30)
-def test_the_h500_table_has_data_parallel_single_and_each_H_with_its_gap_and_bytes():
+def test_the_h500_table_has_data_parallel_and_each_H_with_its_grids_gap_and_bytes():
     part = DATA["H500"]
     lines = _tables().h500(part).splitlines()
-    assert len(lines) == 2 + 2 + len(part["by_H"])
+    assert len(lines) == 2 + 1 + len(part["by_H"])
     assert lines[2].startswith("| data parallel | 80 | inner lr 0.016, warm-up 30 | 3.0535 (2.9684–3.1387)")
-    single = "| single (tuning grid only: DiLoCo's inner settings) | — | inner lr 0.008, warm-up 30 |"
-    assert lines[3] == single + " — | — | — |"  # its re-tuned pick, from the JSON's single_tuning
-    h10 = lines[4]
-    assert h10.startswith("| DiLoCo H = 10 | 8 | outer lr 0.71 (0.51: 3.0236, **0.71: 3.0094**")
-    assert "inner lr 0.008, warm-up 30 (single's at these steps)" in h10
-    assert "**+6.4%** (paired by seed +1.0% … +12.2%)" in h10 and h10.endswith("= 10.0× |")
-    assert lines[5].startswith("| DiLoCo H = 20 | 4 | outer lr 0.36") and "= 20.0× |" in lines[5]
+    h10 = lines[3]
+    assert h10.startswith(
+        "| DiLoCo H = 10 | 8 | inner lr 0.004, outer lr 0.7 (inner lr at outer lr 0.7, warm-up 30: "
+        "0.002: 3.1105, **0.004: 3.0119**, 0.008: 3.0187; outer lr at inner lr 0.004: 0.5: 3.0244, "
+        "**0.7: 3.0119**, 0.98: 3.0788) | 3.1420 (3.0978–3.1862) |"
+    )
+    assert "**+2.9%** (paired by seed −1.3% … +7.3%)" in h10 and h10.endswith("= 10.0× |")
+    assert (
+        lines[4].startswith("| DiLoCo H = 20 | 4 | inner lr 0.004, outer lr 0.5 (")
+        and "= 20.0× |" in lines[4]
+    )
 
 
 @pytest.mark.timeout(30)
@@ -75,8 +100,9 @@ def test_the_dp_tables_show_each_start_with_every_arm_tuned_pick(start):
     picks = rows["picked on the tuning seed and split"].split(" | ")[1]
     assert f"data parallel: inner lr {k4['dp']['lr']:g}, warm-up {k4['dp']['pick'].split()[-1]}" in picks
     for k, cell in zip(("4", "8"), rows["picked on the tuning seed and split"].split(" | ")[1:], strict=True):
-        lr = DATA["dp"]["per_k"][k][start]["diloco"]["outer_lr"]
-        assert cell.rstrip(" |").endswith(f"DiLoCo: outer lr {lr:g} at single's inner lr"), cell
+        di = DATA["dp"]["per_k"][k][start]["diloco"]
+        want = f"DiLoCo: inner lr {di['inner_lr']:g}, warm-up {di['warmup']}, outer lr {di['outer_lr']:g}"
+        assert cell.rstrip(" |").endswith(want), cell
     assert (start == "warm") == any(r.startswith("serial") for r in rows)
 
 
