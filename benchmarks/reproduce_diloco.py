@@ -164,10 +164,8 @@ INNER_LR_GRID, INNER_GRID_STEP = (5e-4, 1e-3, 2e-3, 4e-3), 2.0  # data parallel'
 # improving at its second widening's 1.6e-2 (1.5155 at 8e-3, 1.5057 at 1.6e-2, tuning split)
 INNER_WIDEN = 3
 WARMUPS = (30, 100)  # their warm-up steps, each with its own inner-lr grid
-DEFAULT_INNER = (
-    1e-3,
-    30,
-)  # `diloco train`'s inner lr and warm-up (InnerConfig), as DiLoCo ran before issue 36
+# `diloco train`'s inner lr and warm-up (InnerConfig), as DiLoCo ran before issue 36
+DEFAULT_INNER = (1e-3, 30)
 H500_STEPS, H500_HS = 10_000, (50, 500)
 OUTER_GRIDS = {  # name -> (--outer-opt, --outer-momentum or None, lr grid)
     "nesterov": ("nesterov", None, OUTER_LR_GRID),
@@ -382,6 +380,11 @@ def _outer_grid(make, tune, base: tuple[float, ...], seeds: list[int], inner: tu
     return Tuned(lambda lr, s: make(lr, ilr, w, s), base, seeds, tune=lambda lr: tune(lr, ilr, w))
 
 
+def _nearest(grid: tuple[float, ...], x: float) -> float:
+    """The grid's value nearest `x` (the smaller of two as near)."""
+    return min(grid, key=lambda v: (abs(v - x), v))
+
+
 def _around(x: float, step: float) -> tuple[float, ...]:
     """A grid of three centred on `x`: ÷step, ×1, ×step (two significant digits)."""
     return (float(f"{x / step:.2g}"), x, float(f"{x * step:.2g}"))
@@ -427,11 +430,13 @@ class Around(Centred):
 class Diloco(Centred):
     """DiLoCo's two lrs, tuned one after the other on the tuning seed and split: its inner lr over
     a grid at a fixed outer lr, then its outer lr over a grid at that pick (one pass of coordinate
-    steps; each grid widens at an edge like any `Tuned`). Part dp (`source` single's Choice): the
-    inner grid INNER_LR_GRID at the paper's outer lr (PAPER_OUTER_LR), the outer grid `outer_base`
-    (--lr-grid), at single's picked warm-up. Part H500 (`source` part dp's DiLoCo arm): both grids
-    centred on that arm's picks, the inner one at its outer pick. Scheduled like a `Tuned`; its
-    `inner` is the outer-lr grid, the one run on the seeds."""
+    steps; each grid widens at an edge like any `Tuned`; the outer grid's point at the fixed outer
+    lr is the inner grid's pick, one run). Part dp (`source` single's Choice): the inner grid
+    INNER_LR_GRID at the outer grid's point nearest the paper's outer lr (PAPER_OUTER_LR: 0.7 of
+    the default --lr-grid), the outer grid `outer_base` (--lr-grid), at single's picked warm-up.
+    Part H500 (`source` part dp's DiLoCo arm): both grids centred on that arm's picks, the inner
+    one at its outer pick. Scheduled like a `Tuned`; its `inner` is the outer-lr grid, the one
+    run on the seeds."""
 
     source: Choice | Diloco
     make: Callable[[float, float, int, int], Run]  # (outer lr, inner lr, warm-up, seed) -> a reported run
@@ -443,7 +448,9 @@ class Diloco(Centred):
         """(inner grid, the outer lr it runs at, warm-up, outer grid), once the source has picked."""
         if isinstance(self.source, Choice):
             picked = _picked(self.source, ctx)
-            return None if picked is None else (INNER_LR_GRID, PAPER_OUTER_LR, picked[1], self.outer_base)
+            if picked is None:
+                return None
+            return INNER_LR_GRID, _nearest(self.outer_base, PAPER_OUTER_LR), picked[1], self.outer_base
         settings, outer = self.source.picked(ctx), self.source.best(ctx)
         if settings is None or outer is None:
             return None
@@ -702,10 +709,8 @@ class Ctx:
         H = H or self.H
         n = steps or self.steps
         init, tag = self._start(seed, warm, fair)
-        if (
-            inner_lr,
-            warmup,
-        ) == DEFAULT_INNER:  # the defaults' runs (before issue 36's grids) keep their names
+        # the defaults' runs (before issue 36's grids) keep their names, and so their results
+        if (inner_lr, warmup) == DEFAULT_INNER:
             inner_lr = warmup = None
         inner, inner_note = self._inner(inner_lr, warmup)
         note = (f" inner{inner_note}" if inner_note else "") + note
@@ -1107,26 +1112,34 @@ def dp_arms(ctx: Ctx, k: int, warm: bool) -> tuple[Choice, Choice, dict[int, Dil
     return single, dp, diloco
 
 
-def ablations(ctx: Ctx, k: int, warm: bool, H: int, single: Choice) -> dict[str, dict[str, float]]:
+def ablations(
+    ctx: Ctx, k: int, warm: bool, H: int, single: Choice, arm: Diloco
+) -> dict[str, dict[str, float]]:
     """DiLoCo's outer-lr grids under the rules issue 36 tried before (never run now; as far as the
     ledger has them, on the tuning seed and split): at the default inner lr 1e-3, warm-up 30 (the
-    first rule), and at single's picked inner lr and warm-up (stop 64's)."""
-    settings = {"inner lr 1e-3 wu 30": (None, None)}
+    first rule), and at single's picked inner lr and warm-up (stop 64's). Only their runs that
+    are not also runs of the arm's own grids (`arm`: the current rule) are listed, and none at the
+    arm's own picked inner settings: what is listed fed no pick."""
+    settings = {"inner lr 1e-3 wu 30": DEFAULT_INNER}
     if (picked := _picked(single, ctx)) is not None:
         settings[f"single's inner lr {_num(picked[0])} wu {picked[1]}"] = picked
-    out = {}
+    own = {r.name for r in arm.grid_runs(ctx)}
+    out, seen = {}, {arm.picked(ctx)}
     for name, (ilr, w) in settings.items():
+        if (ilr, w) in seen:
+            continue
+        seen.add((ilr, w))
         old = Tuned(
-            lambda lr, s, ilr=ilr, w=w: ctx.diloco(
-                s, k=k, H=H, lr=lr, warm=warm, fair=True, inner_lr=ilr, warmup=w
-            ),
+            lambda lr, s: None,  # a grid only
             ctx.dp_lr_grid,
-            ctx.seeds,
+            [],
             tune=lambda lr, ilr=ilr, w=w: ctx.diloco(
                 TUNE_SEED, k=k, H=H, lr=lr, warm=warm, fair=True, tuning=True, inner_lr=ilr, warmup=w
             ),
         )
-        if table := {lr: v for lr, v in old.table(ctx).items() if v is not None}:
+        runs = {_num(lr): old.tune(lr) for lr in old.grid(ctx)}  # as far as the ledger widened it
+        table = {lr: _loss(ctx.result(r)) for lr, r in runs.items() if r.name not in own}
+        if table := {lr: v for lr, v in table.items() if v is not None}:
             out[f"diloco k={k} H={H} {'warm' if warm else 'scratch'}, {name}"] = table
     return out
 
@@ -1172,9 +1185,10 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             "widening": "a grid whose best is on an edge grows past it (inner lr "
             f"×/÷{_num(INNER_GRID_STEP)} at most {INNER_WIDEN} times, outer lr ×/÷{_num(GRID_STEP)} at most "
             f"{GRID_WIDEN} times)",
-            "diloco_inner": "DiLoCo's inner lr over the inner-lr grid at the paper's outer lr "
-            f"{_num(PAPER_OUTER_LR)} and single's picked warm-up, then its outer lr over the outer-lr "
-            "grid at that inner lr",
+            "diloco_inner": "DiLoCo's inner lr over the inner-lr grid at outer lr "
+            f"{_num(_nearest(ctx.dp_lr_grid, PAPER_OUTER_LR))} (the outer-lr grid's point nearest the "
+            f"paper's {_num(PAPER_OUTER_LR)}) and single's picked warm-up, then its outer lr over the "
+            "outer-lr grid at that inner lr (their shared point one run)",
             "arms": {},
             "ablations": {},
         }
@@ -1202,7 +1216,7 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                     picked = t.picked(ctx)
                     di["inner_lr"], di["warmup"] = picked if picked else (None, None)
                     tuning["arms"][f"diloco k={k} H={H} {start}"] = t.report(ctx)
-                    tuning["ablations"].update(ablations(ctx, k, warm, H, single_t))
+                    tuning["ablations"].update(ablations(ctx, k, warm, H, single_t, t))
                     by_H[str(H)] = di
                 head = by_H.get(str(ctx.H)) or next(iter(by_H.values()))
                 row[start] = {
@@ -1889,17 +1903,17 @@ def _future(t, ctx: Ctx) -> list[Run] | None:
     if isinstance(t, Centred) and t.inner(ctx) is not None:
         return _future(t.inner(ctx), ctx)
     if isinstance(t, Diloco):  # its grids not yet made (the source's first), then its seeds
-        if t.inner_grid(ctx) is not None:
-            first = []
-        elif isinstance(t.source, Diloco):  # part dp's DiLoCo grids (the tuning seed's runs)
+        first: list[Run] = []
+        if (c := t._centres(ctx)) is not None:  # its inner grid is made: the part runs it now
+            inner, at, w, outer = c
+        elif isinstance(t.source, Diloco):  # part H500: part dp's DiLoCo grids (the tuning seed's runs)
             first = [r for r in _future(t.source, ctx) or [] if r.seed == TUNE_SEED]
-            first += [t.tune(1.0, x, w) for x in (lr, 2 * lr, 4 * lr)]
+            inner, at, outer = (lr, 2 * lr, 4 * lr), 1.0, (0.71, 1.0, 1.4)
         else:
-            first = [t.tune(PAPER_OUTER_LR, x, w) for x in INNER_LR_GRID]
-        outer = [
-            t.tune(o, 8 * lr, w) for o in (t.outer_base if isinstance(t.source, Choice) else (0.71, 1.0, 1.4))
-        ]
-        return first + outer + [t.make(1.0, 8 * lr, w, s) for s in t.seeds]
+            inner, at, outer = INNER_LR_GRID, _nearest(t.outer_base, PAPER_OUTER_LR), t.outer_base
+        pick = inner[-1]  # a placeholder pick: the outer grid's run at `at` is the inner grid's
+        first += [] if c is not None else [t.tune(at, x, w) for x in inner]
+        return first + [t.tune(o, pick, w) for o in outer] + [t.make(at, pick, w, s) for s in t.seeds]
     if isinstance(t, Around):
         return [t.tune(x, w) for x in (lr, 2 * lr, 4 * lr)] + [t.make(lr, w, s) for s in t.seeds]
     return None

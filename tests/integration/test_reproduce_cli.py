@@ -109,7 +109,7 @@ def _flag(run, name):
 @pytest.mark.timeout(60)
 def test_part_dp_tunes_every_arm_on_the_tuning_seed_and_split_only(tmp_path):
     """Issue 36's rules: every run of part dp holds the tuning split out; the grids (data
-    parallel's and single's inner lr × warm-up, DiLoCo's outer lr) run on the tuning seed and
+    parallel's and single's inner lr × warm-up, DiLoCo's inner lr then outer lr) run on the tuning seed and
     score the tuning split; nothing run on a reported seed scores it."""
     mod = _module()
     ctx = _ctx(mod, tmp_path)
@@ -441,10 +441,28 @@ def test_diloco_tunes_its_inner_lr_at_the_paper_outer_lr_then_its_outer_lr_at_th
         1.0,
         False,
     )
-    assert tuning["ablations"] == {
-        "diloco k=4 H=50 warm, inner lr 1e-3 wu 30": {"0.7": 1.74, "1": 1.71},
-        "diloco k=4 H=50 warm, single's inner lr 0.002 wu 100": {"0.7": 1.75},
-    }
+    # the earlier rules' runs that fed no pick: not the inner grid's 2e-3 point (stop 64's run)
+    assert tuning["ablations"] == {"diloco k=4 H=50 warm, inner lr 1e-3 wu 30": {"0.7": 1.74, "1": 1.71}}
+
+
+@pytest.mark.timeout(60)
+def test_diloco_inner_grid_runs_at_the_outer_grid_point_nearest_the_paper_outer_lr(tmp_path):
+    """With --lr-grid 0.5,1 (no 0.7) the inner-lr grid runs at 0.5, so its pick is a point of the
+    outer grid too; `--pending` counts the outer grid's other points and the seeds, at single's
+    warm-up, once the inner grid is made."""
+    mod = _module()
+    ctx = _write(tmp_path, mod, _single_picks_2e3_at_warmup_100(mod, _ctx(mod, tmp_path)))
+    ctx.dp_lr_grid = (0.5, 1.0)
+    _, _, diloco = mod.dp_arms(ctx, 4, True)
+    inner = diloco[50].inner_grid(ctx).grid_runs(ctx)
+    assert {_settings(r, "--outer-lr", "--warmup-steps") for r in inner} == {(mod.TUNE_SEED, "0.5", "100")}
+    future = mod._future(diloco[50], ctx)
+    assert [_settings(r, "--outer-lr", "--inner-lr", "--warmup-steps") for r in future] == [
+        (mod.TUNE_SEED, "0.5", "0.004", "100"),  # the inner grid's 4e-3 run: one run, two grids
+        (mod.TUNE_SEED, "1", "0.004", "100"),
+        *[(s, "0.5", "0.004", "100") for s in (0, 1, 2)],
+    ]
+    assert future[0].name == inner[-1].name
 
 
 @pytest.mark.timeout(60)
@@ -556,9 +574,9 @@ def test_pending_estimates_a_run_from_the_ledger_rate_of_its_kind(tmp_path):
     got = mod.pending(ctx, {"H500": plan})["parts"]["H500"]
     assert not [n for n in got["now"] if "10000 steps" in n]  # nothing of H500's own before the picks
     # dp around its pick and its seeds; part dp's DiLoCo grids (inner lr 4 at outer 0.7, outer lr
-    # 0.7 and 1.0, one run shared); at each H DiLoCo's inner and outer grids and seeds; the seeds'
-    # pretraining
-    assert got["runs_after_grids"] == 3 + 3 + (4 + 2 - 1) + 2 * (3 + 3 + 3) + 3
+    # 0.7 and 1.0, one run shared); at each H DiLoCo's inner and outer grids (3 each, one run
+    # shared) and seeds; the seeds' pretraining
+    assert got["runs_after_grids"] == 3 + 3 + (4 + 2 - 1) + 2 * (3 + 3 - 1 + 3) + 3
     # data parallel's 7 grid runs left (1,000 steps) and 6 runs of 10,000 steps, at 0.5 s a step;
     # single's and DiLoCo's have no rate
     assert got["run_time_h"] == round((7 * 500 + 6 * 5000) / 3600, 1)
