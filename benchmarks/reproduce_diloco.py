@@ -99,15 +99,17 @@ in results/reproduce_micro_runs/ and its JSON reproduce_diloco_micro.json). Prog
     python benchmarks/reproduce_diloco.py --part dp --pending  # what is left, and its run time
     python benchmarks/reproduce_diloco.py --quick              # a tiny model, a few minutes: plumbing
 
-Rough durations, nano, --seeds 3, --jobs 2 on this 2-core machine: an ESTIMATE, not measured end
-to end. One nano run of 100 steps alone (1 thread) took ~117 ms per worker-step (data parallel
-~110 ms per worker's share of its k× batch) plus ~13 s per run (start-up ~3 s, evaluations); the
+Rough durations, nano, --seeds 3, --jobs 2 on this 2-core machine, before issue 36's tuning rules
+(its grids make part dp about twice as many runs, and part H500 ~28 h of run time; `--pending`
+estimates what a lane has left from its ledger's times): an ESTIMATE, not measured end to end.
+One nano run of 100 steps alone (1 thread) took ~117 ms per worker-step (data parallel ~110 ms
+per worker's share of its k× batch) plus ~13 s per run (start-up ~3 s, evaluations); the
 worker-steps of each part's runs were scaled by that and halved for two jobs (two jobs at once may
 run somewhat slower). "Alone": the part by itself; "after": in the default order, where runs shared
 with earlier parts (cached) are not run again.
 
     part       runs  worker-steps   alone    after
-    dp          45      221k        3.7 h    3.7 h   (incl. 3 pretraining runs; 4-lr grid × 4)
+    dp          45      221k        3.7 h    3.7 h   (before issue 36: incl. 3 pretraining; 4-lr grid × 4)
     single       6        6k        0.1 h    0.05 h
     workers     15       48k        0.8 h    0.1 h
     H           18       71k        1.2 h    0.8 h
@@ -121,7 +123,8 @@ with earlier parts (cached) are not run again.
 `--model micro` is ~4× slower per step (~480 ms): its `dp` part alone would take ~15 h. `--ks`,
 `--starts` and `--lr-grid` narrow part dp (e.g. `--model micro --part dp --ks 4 --starts warm
 --lr-grid 0.5,0.7,1 --steps 500`, about 1.7 h).
-`--quick` (tiny model, 40 steps, every part, 3 seeds, 165 runs) took 4.3 minutes.
+`--quick` (tiny model, 40 steps, every part, 3 seeds, 165 runs) took 4.3 minutes before issue 36;
+`--quick --seeds 2 --part dp,drop,H500` under its rules ran 160 runs in 409 s.
 """
 
 from __future__ import annotations
