@@ -1985,7 +1985,11 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(","))
+    """Positive finite numbers, a comma list (learning rates)."""
+    values = tuple(float(x) for x in text.split(","))
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give learning rates above 0, e.g. 0.3,0.5,0.7,1")
+    return values
 
 
 def _words(text: str) -> tuple[str, ...]:

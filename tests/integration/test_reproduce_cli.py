@@ -39,6 +39,7 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         (["--part", "dp", "--h-k", "8"], "give --part H alone"),
         (["--part", "H", "--hs", "7"], "multiples of every H"),  # 1,000 steps are not 7s
         (["--part", "H", "--hs", "0"], "each ≥ 1"),
+        (["--part", "dp", "--lr-grid=0,0.7"], "give learning rates above 0"),  # DiLoCo's grids start there
     ],
 )
 def test_bad_part_H_settings_exit_2_and_write_nothing(tmp_path, args, message):
