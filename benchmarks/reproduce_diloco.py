@@ -909,8 +909,10 @@ class Scheduler:
     """Runs the parts' runs, `jobs` at a time: a warm-started run after its pretraining run, the
     other seeds of a tuned lr after the first seed's grid. Parts go in order, and within a part
     pretraining runs first, then warm-started runs (the issue's target), then the rest (references
-    in `Plan.later` last of their kind); a slot a part cannot fill (its last run, or runs waiting
-    for a grid) goes to the next part's runs. A run two parts share belongs to the first."""
+    in `Plan.later` last of their kind), a tuned grid's runs (a widened one's too) first of their
+    kind: their results are what the runs waiting for a pick wait for; a slot a part cannot fill
+    (its last run, or runs waiting for a grid) goes to the next part's runs. A run two parts
+    share belongs to the first."""
 
     def __init__(self, ctx: Ctx, record: Callable[[str, float, int], None]):
         self.ctx = ctx
@@ -923,12 +925,14 @@ class Scheduler:
         order = {p: i for i, p in enumerate(plans)}
         inits: set[str] = set()
         later = {r.name for plan in plans.values() for r in plan.later}
+        grids: set[str] = set()  # the tuned grids' runs
 
         def key(x: Run) -> tuple:  # part, then pretraining / warm-started / the rest, references last
             kind = 0 if x.name in inits else 1 if x.init else 2
-            return order[part_of[x.name]], kind, x.name in later
+            return order[part_of[x.name]], kind, x.name in later, x.name not in grids
 
-        def add(part: str, runs: list[Run]) -> None:
+        def add(part: str, runs: list[Run], grid: bool = False) -> None:
+            grids.update(r.name for r in runs if grid)
             for r in runs:
                 if r.name in part_of:
                     continue
@@ -947,7 +951,7 @@ class Scheduler:
         for part, plan in plans.items():
             add(part, plan.runs)
             for t in plan.tuned:
-                add(part, t.grid_runs(ctx))
+                add(part, t.grid_runs(ctx), grid=True)
             add(part, plan.later)
         waiting = [(part, t) for part, plan in plans.items() for t in plan.tuned]
         running: dict[Future, Run] = {}
@@ -958,7 +962,7 @@ class Scheduler:
             while (pending or running or waiting) and not (stopped and not running):
                 for part, t in list(waiting):
                     grid = t.grid_runs(ctx)
-                    add(part, grid)  # a grid widened past an edge: its new lr
+                    add(part, grid, grid=True)  # a grid widened past an edge: its new lr
                     # done once every grid run has finished and the grid, read again, is the same:
                     # a run finishing while the grid is read may widen it (runs finish in threads)
                     if all(ctx.finished(r) for r in grid) and t.grid_runs(ctx) == grid:

@@ -81,6 +81,40 @@ def test_a_grid_widened_between_two_reads_still_runs_its_new_lr():
     assert n == 4
 
 
+class _Widens:
+    """A grid of one lr (run `a`) that widens to two (`b`) once `a` has finished; then one seed."""
+
+    def __init__(self, rd):
+        self.a, self.b = (rd.Run(n, n, 0, (f"--{n}",)) for n in ("a", "b"))
+        self.seed1 = rd.Run("s1", "s1", 1, ("--s1",))
+
+    def grid_runs(self, ctx):
+        return [self.a, self.b] if "a" in ctx.done else [self.a]
+
+    def runs(self, ctx):
+        return [self.seed1]
+
+
+class _One(_Ctx):
+    jobs = 1
+
+    def train(self, run):
+        self.trained.append(run.name)
+        self.done.add(run.name)
+        return True, 0.0
+
+
+@pytest.mark.timeout(30)
+def test_a_grid_runs_before_fixed_runs_of_its_kind_even_once_widened():
+    """Grid runs gate the runs waiting for a pick, so they go first of their kind, a widened
+    grid's new lr too (it used to queue behind every run added before it)."""
+    rd = _rd()
+    ctx = _One()
+    fixed = [rd.Run(n, n, 0, (f"--{n}",)) for n in ("r1", "r2")]
+    rd.Scheduler(ctx, lambda part, span, done: None).execute({"p": rd.Plan(runs=fixed, tuned=[_Widens(rd)])})
+    assert ctx.trained == ["a", "b", "r1", "r2", "s1"]
+
+
 class _Killed(_Ctx):
     """Run `k` is killed by a signal (the lane stopped) while run `slow` is still going."""
 
