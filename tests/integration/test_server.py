@@ -215,15 +215,17 @@ def test_compressed_messages_through_the_server_equal_the_simulator_and_replay(t
     # what crossed the wire: pushes far smaller than float32 θ, downloads of 2 or 4-byte values,
     # none for a first job from the θ each worker built itself (sync: both start from version 0;
     # async: a worker whose first job came after an update downloads it)
+    # (each download a little over params × down bytes: the message's own header and per-tensor
+    # fields, 2.86% at this tiny model's size, so the bound grows with the downloads: async runs
+    # hand out 3 to 5 jobs a worker, as timing goes)
     down = 2 if "bf16" in codec else 4
     for w in summary["workers"]:
         assert w["wire_bytes_sent"] < w["jobs"] * params * 4 * 0.5
         pulls = w["wire_bytes_received"] / (params * down)
-        assert (
-            w["jobs"] - 1 <= pulls < w["jobs"] - 1 + 0.1
-            or "async" in codec
-            and w["jobs"] <= pulls < w["jobs"] + 0.1
-        )
+        assert any(
+            n <= pulls <= 1.1 * n
+            for n in ([w["jobs"] - 1, w["jobs"]] if "async" in codec else [w["jobs"] - 1])
+        ), (w["jobs"], pulls)
 
 
 @pytest.mark.timeout(180)
