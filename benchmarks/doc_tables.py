@@ -414,23 +414,23 @@ def _lr_grid(data: dict, start: str) -> str:
     return "\n".join(out) + "\n"
 
 
+EDGE = " (on the widened grid's edge)"  # a tuned lr still at its grid's edge after widening
+
+
 def _diloco_grids(r: dict) -> tuple[str, str]:
     """A DiLoCo arm's two grids (its `tuning` report) and its picks, as table cells."""
     if r.get("inner_grid") is None:
         return "not made yet: waits for the picks it starts from", "tuning"
     inner = f"inner lr at outer lr {r['inner_grid_at_outer_lr']:g}, warm-up {r['warmup']}: "
     inner += _grid(r["inner_grid"], r.get("inner_lr"))
+    if r.get("inner_lr") is None:
+        return inner, "tuning"
+    pick = f"inner lr {r['inner_lr']:g}" + (EDGE if r.get("inner_lr_at_grid_edge") else "")
     if r.get("grid") is None:
-        return inner, "tuning" if r.get(
-            "inner_lr"
-        ) is None else f"inner lr {r['inner_lr']:g}; outer lr tuning"
+        return inner, pick + "; outer lr tuning"
     outer = f"; outer lr at inner lr {r['inner_lr']:g}: {_grid(r['grid'], r['pick'])}"
-    pick = f"inner lr {r['inner_lr']:g}" + (
-        " (on the widened grid's edge)" if r.get("inner_lr_at_grid_edge") else ""
-    )
     pick += ", outer lr " + ("tuning" if r["pick"] is None else f"{r['pick']:g}")
-    pick += " (on the widened grid's edge)" if r.get("lr_at_grid_edge") else ""
-    return inner + outer, pick
+    return inner + outer, pick + (EDGE if r.get("lr_at_grid_edge") else "")
 
 
 def tuning(data: dict) -> str:
@@ -449,7 +449,7 @@ def tuning(data: dict) -> str:
                 for name, g in r["grids"].items()
             )
             pick = "tuning" if lr is None else f"inner lr {lr:g}, warm-up {r['pick'].split()[-1]}"
-            pick += " (on the widened grid's edge)" if r.get("lr_at_grid_edge") else ""
+            pick += EDGE if r.get("lr_at_grid_edge") else ""
         else:  # DiLoCo: its inner-lr grid at a fixed outer lr, then its outer-lr grid at that pick
             grid, pick = _diloco_grids(r)
         out.append(f"| {arm} | {grid} | {pick} |")

@@ -376,13 +376,6 @@ class Centred:
         return t.table(ctx) if t else {}
 
 
-def _outer_grid(make, tune, base: tuple[float, ...], seeds: list[int], inner: tuple[float, int]) -> Tuned:
-    """A DiLoCo outer-lr grid at fixed inner settings: `make(outer lr, inner lr, warm-up, seed)`,
-    `tune(outer lr, inner lr, warm-up)`."""
-    ilr, w = inner
-    return Tuned(lambda lr, s: make(lr, ilr, w, s), base, seeds, tune=lambda lr: tune(lr, ilr, w))
-
-
 def _nearest(grid: tuple[float, ...], x: float) -> float:
     """The grid's value nearest `x` (the smaller of two as near)."""
     return min(grid, key=lambda v: (abs(v - x), v))
@@ -483,10 +476,12 @@ class Diloco(Centred):
 
     def inner(self, ctx: Ctx) -> Tuned | None:
         picked = self.picked(ctx)
-        return (
-            None
-            if picked is None
-            else _outer_grid(self.make, self.tune, self._centres(ctx)[3], self.seeds, picked)
+        if picked is None:
+            return None
+        ilr, w = picked
+        base = self._centres(ctx)[3]
+        return Tuned(
+            lambda lr, s: self.make(lr, ilr, w, s), base, self.seeds, tune=lambda lr: self.tune(lr, ilr, w)
         )
 
     def grid_runs(self, ctx: Ctx) -> list[Run]:
