@@ -147,8 +147,23 @@ def _dp(data: dict, start: str) -> str:
         + " |"
     )
     if "tuning" in d:
+        out.append(
+            "| data parallel's steps to reach DiLoCo's final loss (evaluation curves) | "
+            + cells(lambda k, r: _match(r["diloco"]))
+            + " |"
+        )
         out.append("| picked on the tuning seed and split | " + cells(lambda k, r: _picks(r)) + " |")
     return "\n".join(out) + "\n"
+
+
+def _match(e: dict) -> str:
+    """DiLoCo's run counted in data parallel's steps: the share of them after which data
+    parallel's mean evaluation curve reaches DiLoCo's final evaluation."""
+    share = e.get("dp_steps_to_match")
+    if share is not None:
+        return f"{share:.0%}"
+    vs = e.get("vs_dp")
+    return "never (DiLoCo ends below)" if vs is not None and vs < 0 else "—"
 
 
 def _picks(row: dict) -> str:
@@ -467,16 +482,17 @@ def h500(data: dict) -> str:
     tuned = f"inner lr {t['lr']:g}, warm-up {t['warmup']}" if t.get("lr") is not None else "tuning"
     out = [
         f"| run (warm, k = {data['k']}, {steps:,} steps per worker) | syncs | tuned | final val_loss "
-        "| vs data parallel | bytes sent per worker, data parallel / this |",
-        "| --- | --- | --- | --- | --- | --- |",
-        f"| data parallel | {steps:,} | {tuned} | {_loss(dp.get('val_loss'))} | — | — |",
+        "| vs data parallel | data parallel's steps to reach it "
+        "| bytes sent per worker, data parallel / this |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| data parallel | {steps:,} | {tuned} | {_loss(dp.get('val_loss'))} | — | — | — |",
     ]
     for H, e in data["by_H"].items():
         grids, tuned = _diloco_grids(e["tuning"]) if "tuning" in e else ("", "tuning")
         tuned = tuned if not grids else f"{tuned} ({grids})"
         out.append(
             f"| DiLoCo H = {H} | {steps // int(H):,} | {tuned} | {_loss(e.get('val_loss'))} | "
-            f"{_paired_by_seed(e.get('vs_dp'), e.get('vs_dp_paired'))} | "
+            f"{_paired_by_seed(e.get('vs_dp'), e.get('vs_dp_paired'))} | {_match(e)} | "
             f"{_bytes_ratio(dp_bytes, e.get('bytes_sent_per_worker'))} |"
         )
     return "\n".join(out) + "\n"

@@ -1067,6 +1067,39 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
+def _mean_curve(ctx: Ctx, runs: list[str]) -> tuple[list[int], list[float]]:
+    """The runs' evaluation curves averaged at the steps all of them evaluated."""
+    curves = [dict(zip(*ctx.curve(name), strict=True)) for name in runs]
+    if not curves or not all(curves):
+        return [], []
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    return steps, [statistics.fmean(c[x] for c in curves) for x in steps]
+
+
+def steps_to_reach(xs: list[int], ys: list[float], target: float) -> float | None:
+    """The step at which a curve first gets down to `target`, by linear interpolation between
+    its evaluations; None if it never does."""
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        if y <= target:
+            if i == 0 or ys[i - 1] == y:
+                return float(x)
+            x0, y0 = xs[i - 1], ys[i - 1]
+            return x0 + (x - x0) * (y0 - target) / (y0 - y)
+    return None
+
+
+def dp_steps_to_match(ctx: Ctx, dp: dict, e: dict) -> float | None:
+    """The share of data parallel's steps after which its evaluation curve (mean over the seeds,
+    fixed subset) reaches where DiLoCo's ends: DiLoCo's compute counted in data parallel's. None
+    when a curve is missing or data parallel never gets there (DiLoCo ends below it)."""
+    xs, ys = _mean_curve(ctx, dp.get("runs") or [])
+    mx, my = _mean_curve(ctx, e.get("runs") or [])
+    if not xs or not my or dp.get("missing") or e.get("missing"):
+        return None
+    at = steps_to_reach(xs, ys, my[-1])
+    return round(at / xs[-1], 4) if at is not None else None
+
+
 # -- the parts: each builds its plan and its report from the same runs ------------------------
 def _inner_choice(ctx: Ctx, make: Callable[..., Run]) -> Choice:
     """Data parallel's or single's tuning: an inner-lr grid per warm-up on the tuning seed and
@@ -1213,6 +1246,7 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                     di = entry(ctx, t.runs(ctx), outer_lr=lr, H=H) if lr is not None else {"val_loss": None}
                     if lr is not None:
                         versus(di, dp, "vs_dp")
+                        di["dp_steps_to_match"] = dp_steps_to_match(ctx, dp, di)
                     di["outer_lr_at_grid_edge"] = t.at_edge(ctx)
                     di["lr_grid_tuning"] = t.table(ctx)
                     picked = t.picked(ctx)
@@ -1241,6 +1275,7 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                     )
                 row[f"diloco_{start}_vs_dp_gap"] = head.get("vs_dp")
                 row[f"diloco_{start}_vs_dp_gap_paired"] = head.get("vs_dp_paired")
+                row[f"diloco_{start}_dp_steps_to_match"] = head.get("dp_steps_to_match")
                 for H, di in by_H.items():
                     row[f"diloco_{start}_H{H}_vs_dp_gap"] = di.get("vs_dp")
                 row[f"bytes_ratio_vs_dp_{start}"] = ratio(
@@ -1278,8 +1313,10 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             "split, then run on the reported seeds and scored on the validation split; "
             "dp_final_val_loss is data parallel warm-started from the same pretrained model as "
             "diloco_warm; gaps are (diloco - dp) / dp on the means over seeds (_paired: per seed); "
-            "bytes_ratio_vs_dp = dp bytes sent per worker / DiLoCo's. Before issue 36 only DiLoCo's "
-            "outer lr was tuned, on seed 0 and the reported split: reproduce_diloco_2026-12-01.json"
+            "bytes_ratio_vs_dp = dp bytes sent per worker / DiLoCo's; dp_steps_to_match = the share "
+            "of data parallel's steps after which its evaluation curve (mean over seeds) reaches "
+            "DiLoCo's final evaluation (null: never, DiLoCo ends below). Before issue 36 only "
+            "DiLoCo's outer lr was tuned, on seed 0 and the reported split: reproduce_diloco_2026-12-01.json"
         )
         out["per_k"] = per_k
         return out
@@ -1581,6 +1618,7 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             lr = t.best(ctx) if t else None
             e = entry(ctx, t.runs(ctx), outer_lr=lr, H=H, rounds=steps // H) if lr is not None else {}
             e = versus(e, base, "vs_dp") if lr is not None else {"val_loss": None, "vs_dp": None}
+            e["dp_steps_to_match"] = dp_steps_to_match(ctx, base, e) if lr is not None else None
             e["outer_lr_at_grid_edge"] = t.at_edge(ctx) if t else None
             e["lr_grid_tuning"] = t.table(ctx) if t else None
             e["tuning"] = arm.report(ctx)
@@ -1599,6 +1637,8 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             f"h{hs[1]}_vs_dp_gap": gap,
             f"h{hs[1]}_bytes_ratio_vs_dp": br,
             f"h{hs[0]}_vs_dp_gap": lo.get("vs_dp"),
+            f"h{hs[1]}_dp_steps_to_match": hi.get("dp_steps_to_match"),
+            f"h{hs[0]}_dp_steps_to_match": lo.get("dp_steps_to_match"),
             "target_within_2pct_at_400x_fewer_bytes": None
             if gap is None or br is None
             else bool(gap <= 0.02 and br >= 400),
@@ -1607,7 +1647,8 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             "its warm-up); DiLoCo at each H its inner lr over part dp's DiLoCo pick ×/÷2 (at part "
             "dp's DiLoCo outer lr and warm-up), then its outer lr over part dp's DiLoCo pick "
             f"×/÷{_num(GRID_STEP)} at that inner lr; every grid widening at an edge; all on the tuning "
-            "seed and split",
+            "seed and split; dp_steps_to_match = the share of data parallel's steps after which its "
+            "evaluation curve (mean over seeds) reaches DiLoCo's final evaluation (null: never)",
         }
 
     return Plan(tuned=[dp, *tuned.values()]), report

@@ -81,7 +81,7 @@ def test_the_h500_table_has_data_parallel_and_each_H_with_its_grids_gap_and_byte
         "0.002: 3.1105, **0.004: 3.0119**, 0.008: 3.0187; outer lr at inner lr 0.004: 0.5: 3.0244, "
         "**0.7: 3.0119**, 0.98: 3.0788) | 3.1420 (3.0978–3.1862) |"
     )
-    assert "**+2.9%** (paired by seed −1.3% … +7.3%)" in h10 and h10.endswith("= 10.0× |")
+    assert "**+2.9%** (paired by seed −1.3% … +7.3%) | 63% |" in h10 and h10.endswith("= 10.0× |")
     assert (
         lines[4].startswith("| DiLoCo H = 20 | 4 | inner lr 0.004, outer lr 0.5 (")
         and "= 20.0× |" in lines[4]
@@ -104,6 +104,18 @@ def test_the_dp_tables_show_each_start_with_every_arm_tuned_pick(start):
         want = f"DiLoCo: inner lr {di['inner_lr']:g}, warm-up {di['warmup']}, outer lr {di['outer_lr']:g}"
         assert cell.rstrip(" |").endswith(want), cell
     assert (start == "warm") == any(r.startswith("serial") for r in rows)
+    match = rows["data parallel's steps to reach DiLoCo's final loss (evaluation curves)"].split(" | ")[1:]
+    for k, cell in zip(("4", "8"), match, strict=True):
+        share = DATA["dp"]["per_k"][k][start]["diloco"]["dp_steps_to_match"]
+        assert cell.rstrip(" |") == f"{round(100 * share)}%", cell
+
+
+@pytest.mark.timeout(30)
+def test_the_steps_to_match_cell_says_never_where_diloco_ends_below_data_parallel():
+    tables = _tables()
+    assert tables._match({"dp_steps_to_match": 0.5884, "vs_dp": 0.11}) == "59%"
+    assert tables._match({"dp_steps_to_match": None, "vs_dp": -0.01}) == "never (DiLoCo ends below)"
+    assert tables._match({"dp_steps_to_match": None, "vs_dp": None}) == "—"  # not run yet
 
 
 @pytest.mark.timeout(30)

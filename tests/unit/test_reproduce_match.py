@@ -1,0 +1,73 @@
+"""benchmarks/reproduce_diloco.py's `dp_steps_to_match`: DiLoCo's run counted in data parallel's
+steps (the share of them after which data parallel's mean evaluation curve reaches DiLoCo's final
+evaluation), checked against hand-computed interpolations."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _rd():
+    spec = importlib.util.spec_from_file_location("reproduce_diloco", BENCH / "reproduce_diloco.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["reproduce_diloco"] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Curves:
+    """What dp_steps_to_match asks of a context: each run's evaluation curve."""
+
+    def __init__(self, curves: dict[str, list[tuple[int, float]]]):
+        self.curves = curves
+
+    def curve(self, name):
+        points = self.curves.get(name, [])
+        return [x for x, _ in points], [y for _, y in points]
+
+
+@pytest.mark.timeout(30)
+def test_steps_to_reach_interpolates_between_the_evaluations_either_side():
+    rd = _rd()
+    xs, ys = [0, 50, 100, 150], [2.2, 2.4, 2.0, 1.8]  # a warm start's rise, then the fall
+    assert rd.steps_to_reach(xs, ys, 1.9) == pytest.approx(125.0)  # halfway from 2.0 to 1.8
+    assert rd.steps_to_reach(xs, ys, 2.1) == pytest.approx(87.5)  # 2.4 → 2.0: a quarter left
+    assert rd.steps_to_reach(xs, ys, 2.0) == 100.0  # exactly an evaluation
+    assert rd.steps_to_reach(xs, ys, 1.7) is None  # never gets there
+    assert rd.steps_to_reach(xs, ys, 2.3) == 0.0  # already there at the start
+
+
+@pytest.mark.timeout(30)
+def test_dp_steps_to_match_averages_the_seeds_and_reads_diloco_final_evaluation():
+    rd = _rd()
+    ctx = _Curves(
+        {
+            "dp0": [(0, 3.0), (100, 2.0), (200, 1.0)],
+            "dp1": [(0, 3.0), (100, 2.4), (200, 1.4)],  # mean: 3.0, 2.2, 1.2
+            "di0": [(0, 3.0), (100, 2.5), (200, 1.6)],
+            "di1": [(0, 3.0), (100, 2.5), (200, 2.0)],  # final mean 1.8
+        }
+    )
+    dp = {"runs": ["dp0", "dp1"]}
+    # 1.8 lies 0.4 of the way from 2.2 (step 100) to 1.2 (step 200): step 140 of 200
+    assert rd.dp_steps_to_match(ctx, dp, {"runs": ["di0", "di1"]}) == 0.7
+    assert rd.dp_steps_to_match(ctx, dp, {"runs": ["dp0"]}) is None  # 1.0: below dp's mean, never
+    assert rd.dp_steps_to_match(ctx, dp, {"runs": ["di0", "gone"]}) is None  # a curve missing
+    assert rd.dp_steps_to_match(ctx, {**dp, "missing": ["dp2"]}, {"runs": ["di0"]}) is None
+
+
+@pytest.mark.timeout(30)
+def test_dp_steps_to_match_uses_only_the_steps_every_seed_evaluated():
+    rd = _rd()
+    ctx = _Curves(
+        {
+            "dp0": [(0, 3.0), (50, 2.5), (100, 2.0)],
+            "dp1": [(0, 3.0), (100, 2.0)],  # no evaluation at 50: the mean is 3.0, 2.0
+            "di0": [(0, 3.0), (100, 2.5)],
+        }
+    )
+    assert rd.dp_steps_to_match(ctx, {"runs": ["dp0", "dp1"]}, {"runs": ["di0"]}) == 0.5
