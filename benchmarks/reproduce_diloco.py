@@ -231,6 +231,12 @@ class Run:
     flags: tuple[str, ...]
     init: Run | None = None
 
+    @property
+    def worker_steps(self) -> int:
+        """Inner steps per worker: --inner-steps × --rounds."""
+        f = [str(x) for x in self.flags]
+        return int(f[f.index("--inner-steps") + 1]) * int(f[f.index("--rounds") + 1])
+
 
 @dataclass
 class Tuned:
@@ -510,6 +516,8 @@ class Plan:
     runs: list[Run] = field(default_factory=list)
     tuned: list[Tuned | Choice | Follow | Around | Diloco] = field(default_factory=list)
     later: list[Run] = field(default_factory=list)  # references, run after the others of their kind
+    # the part's own runs, where its plan also holds the runs it starts from (another part's picks)
+    owns: Callable[[Run], bool] | None = None
 
     def all_runs(self, ctx: Ctx) -> list[Run]:
         out = list(self.runs) + list(self.later)
@@ -1278,6 +1286,10 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                 row[f"diloco_{start}_dp_steps_to_match"] = head.get("dp_steps_to_match")
                 for H, di in by_H.items():
                     row[f"diloco_{start}_H{H}_vs_dp_gap"] = di.get("vs_dp")
+                    row[f"diloco_{start}_H{H}_dp_steps_to_match"] = di.get("dp_steps_to_match")
+                    row[f"bytes_ratio_vs_dp_{start}_H{H}"] = ratio(
+                        dp.get("bytes_sent_per_worker"), di.get("bytes_sent_per_worker")
+                    )
                 row[f"bytes_ratio_vs_dp_{start}"] = ratio(
                     dp.get("bytes_sent_per_worker"), head.get("bytes_sent_per_worker")
                 )
@@ -1651,7 +1663,9 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             "evaluation curve (mean over seeds) reaches DiLoCo's final evaluation (null: never)",
         }
 
-    return Plan(tuned=[dp, *tuned.values()]), report
+    # its plan holds part dp's k = 4 grids (the picks it centres on): the part has run once a run
+    # of its own steps has
+    return Plan(tuned=[dp, *tuned.values()], owns=lambda r: r.worker_steps == steps), report
 
 
 BUILDERS = {
@@ -2187,7 +2201,7 @@ def main() -> None:
     reported = PARTS if args.h_k == K else parts  # the others are the default JSON's
     for p in reported:
         plan, report = built[p]
-        runs = plan.all_runs(ctx)
+        runs = [r for r in plan.all_runs(ctx) if plan.owns is None or plan.owns(r)]
         have = [r for r in runs if ctx.result(r) is not None]
         if not have:
             result[p] = {"status": "not run", "runs_planned": len(runs)}
@@ -2220,8 +2234,9 @@ def main() -> None:
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text + "\n")
-    if isinstance(result.get("H500"), dict) and result["H500"].get("status") != "not run":
-        own = args.out.with_name(args.out.stem + "_H500.json")  # the headline of its own (issue 36)
+    # the headline of its own (issue 36), from the invocation that asked for the part
+    if "H500" in parts and result["H500"].get("status") != "not run":
+        own = args.out.with_name(args.out.stem + "_H500.json")
         part = {"benchmark": "reproduce_diloco part H500", **result["H500"]}
         own.write_text(json.dumps(part, indent=2) + "\n")
     _log(f"saved {args.out}; figures {len(drawn)}; {time.perf_counter() - t0:.0f} s")

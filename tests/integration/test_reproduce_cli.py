@@ -582,3 +582,43 @@ def test_pending_estimates_a_run_from_the_ledger_rate_of_its_kind(tmp_path):
     # single's and DiLoCo's have no rate
     assert got["run_time_h"] == round((7 * 500 + 6 * 5000) / 3600, 1)
     assert got["runs_without_estimate"] == got["runs_now"] + got["runs_after_grids"] - 13
+
+
+@pytest.mark.timeout(120)
+def test_part_H500_is_reported_only_once_a_run_of_its_own_steps_has_run(tmp_path):
+    """Part H500's plan holds part dp's k = 4 grids (the picks it centres on), so with only part
+    dp's runs in the ledger it has not run: no `_H500.json` (a micro lane used to write one of
+    nulls). Its first own run (10,000 steps) makes it a part that has run."""
+    mod = _module()
+    ctx = _ctx(mod, tmp_path)
+    _, dp, _ = mod.dp_arms(ctx, 4, True)
+    losses = {30: (2.4, 2.2, 2.0, 2.1), 100: (2.3, 1.9, 1.5, 1.7)}  # pick 2e-3, warm-up 100: inside
+    grid = [
+        (dp.options[f"warmup {w}"].tune(lr), v)
+        for w, vs in losses.items()
+        for lr, v in zip(mod.INNER_LR_GRID, vs)
+    ]
+    ledger = tmp_path / "ledger"
+    ledger.mkdir()
+    (ledger / "runs.jsonl").write_text(_rows(grid))
+    assert all(r.worker_steps == 1000 for r, _ in grid)
+    p = _run(tmp_path, "--report-only", "--part", "dp,H500")
+    assert p.returncode == 0, p.stderr
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["H500"]["status"] == "not run" and out["dp"].get("status") != "not run"
+    assert not (tmp_path / "out_H500.json").exists()
+    (tmp_path / "runs.jsonl").write_text(_rows(grid))  # the ledger _ctx reads
+    ctx = _ctx(mod, tmp_path)
+    plan, _ = mod.part_H500(ctx)
+    own = [r for r in plan.tuned[0].grid_runs(ctx) if plan.owns(r)]  # data parallel around 2e-3
+    assert [r.worker_steps for r in own] == [10_000] * 3
+    (ledger / "runs.jsonl").write_text(_rows([*grid, (own[0], 1.9)]))
+    p = _run(tmp_path, "--report-only", "--part", "dp,H500")
+    assert p.returncode == 0, p.stderr
+    part = json.loads((tmp_path / "out_H500.json").read_text())
+    assert part["wall_time"]["runs_finished"] == 1  # its own run, not part dp's
+    (tmp_path / "out_H500.json").unlink()
+    p = _run(tmp_path, "--report-only", "--part", "dp", "--ks", "8")  # another invocation's JSON
+    assert p.returncode == 0, p.stderr
+    assert json.loads((tmp_path / "out.json").read_text())["H500"]["wall_time"]["runs_finished"] == 1
+    assert not (tmp_path / "out_H500.json").exists()  # only the invocation that asks for H500 writes it

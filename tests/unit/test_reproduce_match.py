@@ -71,3 +71,24 @@ def test_dp_steps_to_match_uses_only_the_steps_every_seed_evaluated():
         }
     )
     assert rd.dp_steps_to_match(ctx, {"runs": ["dp0", "dp1"]}, {"runs": ["di0"]}) == 0.5
+
+
+@pytest.mark.timeout(30)
+def test_part_dp_reports_each_H_gap_steps_to_match_and_bytes_ratio():
+    """Each k, start and H of `--dp-hs` has its own gap, steps to match and bytes ratio, from
+    its DiLoCo entry (k = 8 at H = 10 is a headline of issue 36 that is not the head H); read
+    from the `--quick` fixture that the real code wrote."""
+    import json
+
+    data = json.loads((BENCH.parent / "tests" / "fixtures" / "reproduce_quick_issue36.json").read_text())
+    dp = data["dp"]
+    checked = 0
+    for row in dp["per_k"].values():
+        for start in dp["starts"]:
+            base = row[start]["dp"]["bytes_sent_per_worker"]
+            for H, e in row[start]["diloco_by_H"].items():
+                assert row[f"diloco_{start}_H{H}_vs_dp_gap"] == e["vs_dp"]
+                assert row[f"diloco_{start}_H{H}_dp_steps_to_match"] == e["dp_steps_to_match"]
+                assert row[f"bytes_ratio_vs_dp_{start}_H{H}"] == round(base / e["bytes_sent_per_worker"], 3)
+                checked += 1
+    assert checked == len(dp["per_k"]) * len(dp["starts"]) * len(dp["hs"])
