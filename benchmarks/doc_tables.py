@@ -162,8 +162,8 @@ def _match(e: dict) -> str:
     share = e.get("dp_steps_to_match")
     if share is not None:
         return f"{share:.0%}"
-    vs = e.get("vs_dp")
-    return "never (DiLoCo ends below)" if vs is not None and vs < 0 else "—"
+    why = e.get("dp_steps_to_match_why") or ""
+    return "never (DiLoCo ends below)" if why.startswith("never") else "—"
 
 
 def _picks(row: dict) -> str:

@@ -781,7 +781,7 @@ class Ctx:
         if not path.is_file():
             row = self.ledger.rows.get(name) or {}
             points = row.get("curve") or []
-            return [int(x) for x, _ in points], [float(y) for _, y in points]
+            return [int(x) for x, _ in points], [None if y is None else float(y) for _, y in points]
         evals = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
         evals = [e for e in evals if e.get("kind") == "eval" and e.get("split", "subset") == "subset"]
         return [e["inner_step"] for e in evals], [e["val_loss"] for e in evals]
@@ -1076,9 +1076,14 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _mean_curve(ctx: Ctx, runs: list[str]) -> tuple[list[int], list[float]]:
-    """The runs' evaluation curves averaged at the steps all of them evaluated."""
+    """The runs' evaluation curves averaged at the steps all of them evaluated (a run without a
+    curve, or with an evaluation that is not a number, gives none)."""
     curves = [dict(zip(*ctx.curve(name), strict=True)) for name in runs]
-    if not curves or not all(curves):
+    if (
+        not curves
+        or not all(curves)
+        or any(not (isinstance(v, float) and math.isfinite(v)) for c in curves for v in c.values())
+    ):
         return [], []
     steps = sorted(set.intersection(*(set(c) for c in curves)))
     return steps, [statistics.fmean(c[x] for c in curves) for x in steps]
@@ -1096,16 +1101,28 @@ def steps_to_reach(xs: list[int], ys: list[float], target: float) -> float | Non
     return None
 
 
-def dp_steps_to_match(ctx: Ctx, dp: dict, e: dict) -> float | None:
+def dp_steps_to_match(ctx: Ctx, dp: dict, e: dict, steps: int) -> tuple[float | None, str | None]:
     """The share of data parallel's steps after which its evaluation curve (mean over the seeds,
-    fixed subset) reaches where DiLoCo's ends: DiLoCo's compute counted in data parallel's. None
-    when a curve is missing or data parallel never gets there (DiLoCo ends below it)."""
+    fixed subset) reaches where DiLoCo's ends: DiLoCo's compute counted in data parallel's; both
+    run `steps` per worker. With None, why: data parallel never gets there, or a run is missing,
+    failed or has no whole curve."""
+    if dp.get("missing") or e.get("missing") or dp.get("failed") or e.get("failed"):
+        return None, "a run is missing or failed"
     xs, ys = _mean_curve(ctx, dp.get("runs") or [])
     mx, my = _mean_curve(ctx, e.get("runs") or [])
-    if not xs or not my or dp.get("missing") or e.get("missing"):
-        return None
+    if not xs or not mx or xs[-1] != steps or mx[-1] != steps:
+        return None, "no whole evaluation curve for every run"
     at = steps_to_reach(xs, ys, my[-1])
-    return round(at / xs[-1], 4) if at is not None else None
+    if at is None:
+        return None, "never: DiLoCo ends below data parallel's curve"
+    return round(at / xs[-1], 4), None
+
+
+def _with_match(ctx: Ctx, dp: dict, e: dict, steps: int) -> None:
+    """Sets `dp_steps_to_match` on a DiLoCo entry, and `dp_steps_to_match_why` when it is None."""
+    e["dp_steps_to_match"], why = dp_steps_to_match(ctx, dp, e, steps)
+    if why:
+        e["dp_steps_to_match_why"] = why
 
 
 # -- the parts: each builds its plan and its report from the same runs ------------------------
@@ -1254,7 +1271,7 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                     di = entry(ctx, t.runs(ctx), outer_lr=lr, H=H) if lr is not None else {"val_loss": None}
                     if lr is not None:
                         versus(di, dp, "vs_dp")
-                        di["dp_steps_to_match"] = dp_steps_to_match(ctx, dp, di)
+                        _with_match(ctx, dp, di, ctx.steps)
                     di["outer_lr_at_grid_edge"] = t.at_edge(ctx)
                     di["lr_grid_tuning"] = t.table(ctx)
                     picked = t.picked(ctx)
@@ -1327,7 +1344,7 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             "diloco_warm; gaps are (diloco - dp) / dp on the means over seeds (_paired: per seed); "
             "bytes_ratio_vs_dp = dp bytes sent per worker / DiLoCo's; dp_steps_to_match = the share "
             "of data parallel's steps after which its evaluation curve (mean over seeds) reaches "
-            "DiLoCo's final evaluation (null: never, DiLoCo ends below). Before issue 36 only "
+            "DiLoCo's final evaluation (when null, dp_steps_to_match_why says why). Before issue 36 only "
             "DiLoCo's outer lr was tuned, on seed 0 and the reported split: reproduce_diloco_2026-12-01.json"
         )
         out["per_k"] = per_k
@@ -1630,7 +1647,8 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             lr = t.best(ctx) if t else None
             e = entry(ctx, t.runs(ctx), outer_lr=lr, H=H, rounds=steps // H) if lr is not None else {}
             e = versus(e, base, "vs_dp") if lr is not None else {"val_loss": None, "vs_dp": None}
-            e["dp_steps_to_match"] = dp_steps_to_match(ctx, base, e) if lr is not None else None
+            if lr is not None:
+                _with_match(ctx, base, e, steps)
             e["outer_lr_at_grid_edge"] = t.at_edge(ctx) if t else None
             e["lr_grid_tuning"] = t.table(ctx) if t else None
             e["tuning"] = arm.report(ctx)
@@ -1660,12 +1678,15 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             "dp's DiLoCo outer lr and warm-up), then its outer lr over part dp's DiLoCo pick "
             f"×/÷{_num(GRID_STEP)} at that inner lr; every grid widening at an edge; all on the tuning "
             "seed and split; dp_steps_to_match = the share of data parallel's steps after which its "
-            "evaluation curve (mean over seeds) reaches DiLoCo's final evaluation (null: never)",
+            "evaluation curve (mean over seeds) reaches DiLoCo's final evaluation (when null, "
+            "dp_steps_to_match_why says why)",
         }
 
     # its plan holds part dp's k = 4 grids (the picks it centres on): the part has run once a run
     # of its own steps has
-    return Plan(tuned=[dp, *tuned.values()], owns=lambda r: r.worker_steps == steps), report
+    return Plan(
+        tuned=[dp, *tuned.values()], owns=lambda r: r.init is not None and r.worker_steps == steps
+    ), report
 
 
 BUILDERS = {

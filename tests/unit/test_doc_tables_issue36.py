@@ -114,7 +114,14 @@ def test_the_dp_tables_show_each_start_with_every_arm_tuned_pick(start):
 def test_the_steps_to_match_cell_says_never_where_diloco_ends_below_data_parallel():
     tables = _tables()
     assert tables._match({"dp_steps_to_match": 0.5884, "vs_dp": 0.11}) == "59%"
-    assert tables._match({"dp_steps_to_match": None, "vs_dp": -0.01}) == "never (DiLoCo ends below)"
+    never = "never: DiLoCo ends below data parallel's curve"
+    assert (
+        tables._match({"dp_steps_to_match": None, "dp_steps_to_match_why": never})
+        == "never (DiLoCo ends below)"
+    )
+    # a run without a curve (a rebuilt ledger row) is not "never", whatever the gap says
+    lost = {"dp_steps_to_match": None, "dp_steps_to_match_why": "no whole evaluation curve for every run"}
+    assert tables._match({**lost, "vs_dp": -0.01}) == "—"
     assert tables._match({"dp_steps_to_match": None, "vs_dp": None}) == "—"  # not run yet
 
 

@@ -52,12 +52,25 @@ def test_dp_steps_to_match_averages_the_seeds_and_reads_diloco_final_evaluation(
             "di1": [(0, 3.0), (100, 2.5), (200, 2.0)],  # final mean 1.8
         }
     )
-    dp = {"runs": ["dp0", "dp1"]}
+    dp, di = {"runs": ["dp0", "dp1"]}, {"runs": ["di0", "di1"]}
     # 1.8 lies 0.4 of the way from 2.2 (step 100) to 1.2 (step 200): step 140 of 200
-    assert rd.dp_steps_to_match(ctx, dp, {"runs": ["di0", "di1"]}) == 0.7
-    assert rd.dp_steps_to_match(ctx, dp, {"runs": ["dp0"]}) is None  # 1.0: below dp's mean, never
-    assert rd.dp_steps_to_match(ctx, dp, {"runs": ["di0", "gone"]}) is None  # a curve missing
-    assert rd.dp_steps_to_match(ctx, {**dp, "missing": ["dp2"]}, {"runs": ["di0"]}) is None
+    assert rd.dp_steps_to_match(ctx, dp, di, 200) == (0.7, None)
+    share, why = rd.dp_steps_to_match(ctx, dp, {"runs": ["dp0"]}, 200)  # 1.0: below dp's mean
+    assert share is None and why.startswith("never")
+    no_curve = (None, "no whole evaluation curve for every run")
+    assert rd.dp_steps_to_match(ctx, dp, {"runs": ["di0", "gone"]}, 200) == no_curve
+    assert rd.dp_steps_to_match(ctx, dp, di, 300) == no_curve  # curves that stop short of the run
+    for bad in ({**dp, "missing": ["dp2"]}, {**dp, "failed": ["dp1"]}):
+        assert rd.dp_steps_to_match(ctx, bad, di, 200) == (None, "a run is missing or failed")
+
+
+@pytest.mark.timeout(30)
+def test_dp_steps_to_match_has_no_share_from_a_curve_that_is_not_numbers():
+    """A diverged run's evaluations (null, NaN) give no share rather than a crash."""
+    rd = _rd()
+    for bad in (None, float("nan")):
+        ctx = _Curves({"dp0": [(0, 3.0), (100, 2.0)], "di0": [(0, 3.0), (100, bad)]})
+        assert rd.dp_steps_to_match(ctx, {"runs": ["dp0"]}, {"runs": ["di0"]}, 100)[0] is None
 
 
 @pytest.mark.timeout(30)
@@ -70,7 +83,7 @@ def test_dp_steps_to_match_uses_only_the_steps_every_seed_evaluated():
             "di0": [(0, 3.0), (100, 2.5)],
         }
     )
-    assert rd.dp_steps_to_match(ctx, {"runs": ["dp0", "dp1"]}, {"runs": ["di0"]}) == 0.5
+    assert rd.dp_steps_to_match(ctx, {"runs": ["dp0", "dp1"]}, {"runs": ["di0"]}, 100) == (0.5, None)
 
 
 @pytest.mark.timeout(30)
