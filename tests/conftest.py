@@ -26,6 +26,21 @@ os.environ["DILOCO_CACHE"] = tempfile.mkdtemp(prefix="diloco-test-cache-")
 atexit.register(shutil.rmtree, os.environ["DILOCO_CACHE"], ignore_errors=True)
 
 
+def benchmark_module(name: str):
+    """benchmarks/<name>.py loaded as a module (benchmarks/ is no package), registered under its
+    name first: its dataclasses look their module up there."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def tiny_config(tmp_path, **overrides) -> TrainConfig:
     """The real default config shrunk to a model and batch that train in well under a second."""
     base = TrainConfig(

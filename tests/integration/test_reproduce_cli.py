@@ -5,7 +5,6 @@ workdir starts no run, so this takes seconds (the runs themselves are the benchm
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import benchmark_module
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "reproduce_diloco.py"
@@ -64,11 +64,7 @@ def test_h_k_plans_part_H_alone_at_that_k(tmp_path):
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("reproduce_diloco", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("reproduce_diloco")
 
 
 @pytest.mark.timeout(60)

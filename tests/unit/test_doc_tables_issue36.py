@@ -2,23 +2,18 @@
 `reproduce_diloco.py --quick --seeds 2 --part dp,drop,H500` (a tiny model; its dp and H500 parts,
 tests/fixtures/reproduce_quick_issue36.json), so the tables are ready when the lane's JSON lands."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import benchmark_module
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = json.loads((ROOT / "tests" / "fixtures" / "reproduce_quick_issue36.json").read_text())
 
 
 def _tables():
-    spec = importlib.util.spec_from_file_location("doc_tables", ROOT / "benchmarks" / "doc_tables.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("doc_tables")
 
 
 @pytest.mark.timeout(30)

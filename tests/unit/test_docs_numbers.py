@@ -20,6 +20,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from conftest import benchmark_module
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -126,12 +127,7 @@ def test_the_check_can_fail():
 
 
 def _doc_tables():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("doc_tables", ROOT / "benchmarks" / "doc_tables.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("doc_tables")
 
 
 @pytest.mark.timeout(60)

@@ -2,21 +2,16 @@
 steps (the share of them after which data parallel's mean evaluation curve reaches DiLoCo's final
 evaluation), checked against hand-computed interpolations."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import benchmark_module
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _rd():
-    spec = importlib.util.spec_from_file_location("reproduce_diloco", BENCH / "reproduce_diloco.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["reproduce_diloco"] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("reproduce_diloco")
 
 
 class _Curves:

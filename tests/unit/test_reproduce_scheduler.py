@@ -5,22 +5,14 @@ two reads of its grid) is tested without depending on thread timing.
 The Scheduler is the real one; the context it drives is a stand-in that records which runs were
 started (starting `diloco train` is what the integration tests cover)."""
 
-import importlib.util
-import sys
 import threading
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from conftest import benchmark_module
 
 
 def _rd():
-    spec = importlib.util.spec_from_file_location("reproduce_diloco", BENCH / "reproduce_diloco.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["reproduce_diloco"] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("reproduce_diloco")
 
 
 class _Ctx:
