@@ -9,7 +9,10 @@ the rows those copies gained back into the ledger in git:
   (a hand-rebuilt row run again), with the same val_loss (else the merge stops: a run that is
   not deterministic needs a look, not a silent pick);
 - an async_jitter ledger (rows keyed by `run`) keeps its lines as they are and appends the new
-  ones in the order the copies have them.
+  ones in the order the copies have them;
+- a reproduce ledger's part_timing.json (beside its runs.jsonl) takes, part by part, a copy's
+  entry that has counted more runs than its own (a part's totals only grow as a lane runs it;
+  the parts a lane never ran are the ledger's own, copied when the lane was seeded).
 
     python benchmarks/merge_ledgers.py benchmarks/results/reproduce_ledger/runs.jsonl COPY...
     python benchmarks/merge_ledgers.py benchmarks/results/async_jitter_ledger.jsonl COPY...
@@ -66,6 +69,24 @@ def merge(into: Path, copies: list[Path]) -> int:
     return added
 
 
+def merge_timing(into: Path, copies: list[Path]) -> list[str]:
+    """Merges the copies' part_timing.json into `into` (the one beside the ledger in git): a part's
+    entry from the copy that has counted the most new runs, where that is more than its own. The
+    parts taken, in order."""
+    mine = json.loads(into.read_text()) if into.is_file() else {}
+    taken = []
+    for copy in copies:
+        for part, entry in json.loads(copy.read_text()).items():
+            if entry.get("new_runs", 0) > mine.get(part, {}).get("new_runs", 0):
+                mine[part] = entry
+                taken.append(part)
+    if taken:
+        tmp = into.with_suffix(".tmp")
+        tmp.write_text(json.dumps(mine, indent=2) + "\n")
+        os.replace(tmp, into)
+    return list(dict.fromkeys(taken))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("into", type=Path, help="the ledger kept in git")
@@ -76,6 +97,12 @@ def main() -> None:
             ap.error(f"{p} is not a file")
     added = merge(args.into, args.copies)
     print(f"{args.into}: {added} rows added", file=sys.stderr)
+    timing = [c.parent / "part_timing.json" for c in args.copies if (c.parent / "part_timing.json").is_file()]
+    if args.into.name == "runs.jsonl" and timing:
+        parts = merge_timing(args.into.parent / "part_timing.json", timing)
+        print(
+            f"{args.into.parent / 'part_timing.json'}: {', '.join(parts) or 'no part'} taken", file=sys.stderr
+        )
 
 
 if __name__ == "__main__":
