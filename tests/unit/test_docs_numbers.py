@@ -176,6 +176,11 @@ PLAIN = re.compile(
     r"(?<![\w.])(?<![≥≤<>] )(?<![≥≤<>])([−+-]?\d+\.\d{2,3})(?![\d])(?!\.\d)"  # not a version
     r"(?!\s?(?:%|×|ms\b|s\b|MB\b|GB\b|pushes/s\b|[eE][−+-]?\d|M\b|B\b|k\b|Mbit/s|Gbit/s))"
 )
+# on the same pages, a number with thousands separators and a measured unit, or alone in a table
+# cell (21,739 tokens/s, 1,938 MB, | 36,899 |); not a count of steps, tokens or rounds (settings)
+GROUPED = re.compile(
+    r"(?<![\w.,])(\d{1,3}(?:,\d{3})+(?:\.\d+)?)(?![\d,]\d)(\s?(?:MB\b|GB\b|ms\b|s\b|tokens/s\b)|(?=\s*\|))"
+)
 # the first number of a range or a change, whose unit is the second's: 4.3–5.0%, 3.9 → 2.5 s
 RANGE = re.compile(
     r"(?<![\w.])([−+-]?\d+\.\d{1,3})\s?(?:–|→)\s?"
@@ -190,6 +195,7 @@ SCALES = {
     "GB": (1.0, 1e-9, 1 / 2**30, 0.001, 1 / 1024),
     "pushes/s": (1.0,),
     "": (1.0,),
+    "tokens/s": (1.0,),
 }
 DERIVED = "derived in the text from the figures of the table or sentence before it"
 HISTORY = "an earlier run in this section's history, kept in git only (the log of its commit)"
@@ -254,13 +260,14 @@ UNIT_EXEMPT: dict[tuple[str, str], str] = {
     ("reproduction.md", "with 20× fewer bytes"): "the paper's arithmetic (H = 1000 against 50)",
     ("reproduction.md", "where the paper's\n20× cost"): "the paper's arithmetic (H = 1000 against 50)",
     ("results.md", "one thread is ~16× faster"): "the machine's notes (a rule of thumb), not a result",
+    ("results.md", "34,202 and 34,230 tokens/s by value against 34,674 and 34,968"): "an A/B run by hand, "
+    "not kept (the text says so)",
+    ("results.md", "sync 2.4461 (1,351 s)"): DERIVED + " (the seeds' sync sim_time_s, mean)",
     ("results.md", "(the two runs differ by 4%)"): DERIVED + " (async 1.798 against 1.725)",
     ("results.md", "(500 steps of a 4× batch)"): "the benchmark's settings (k = 4), not a result",
     ("results.md", "cannot explain a 2% gap"): DERIVED + " (1 − the ratio 0.982)",
     ("reproduction.md", "within 2% of data parallel at ≥ 400×"): "the issue's target, not a result",
     # plain numbers of two or three decimals (PLAIN) on results.md and reproduction.md
-    ("results.md", "| 21,893 | 1.007 |"): DERIVED + " (the row's two throughputs)",
-    ("results.md", "| 37,032 | 1.004 |"): DERIVED + " (the row's two throughputs)",
     ("results.md", "| 2.4902 | 12.06 |"): ISSUE_2 + " (perplexity: exp of the loss)",
     ("results.md", "| 2.4271 | 11.33 |"): ISSUE_2 + " (perplexity: exp of the loss)",
     ("results.md", "| 2.4934 | 12.10 |"): ISSUE_2 + " (perplexity: exp of the loss)",
@@ -399,7 +406,11 @@ def _unit_numbers():
     for doc in DOCS:
         for first, sec in _sections(doc):
             files = tuple(sorted({m.group(1) for m in CITED.finditer(sec)}))
-            whole = [*WHOLE.finditer(sec), *PLAIN.finditer(sec)] if doc in WHOLE_DOCS else []
+            whole = (
+                [*WHOLE.finditer(sec), *PLAIN.finditer(sec), *GROUPED.finditer(sec)]
+                if doc in WHOLE_DOCS
+                else []
+            )
             found = [*UNIT.finditer(sec), *whole, *RANGE.finditer(sec)]
             ranges = {m.start(1) for m in RANGE.finditer(sec)}  # a range's first number, once
             found = [m for m in found if m.re is not PLAIN or m.start(1) not in ranges]
@@ -410,6 +421,7 @@ def _unit_numbers():
             for m in sorted(found, key=lambda m: m.start()):
                 line = first + sec.count("\n", 0, m.start())
                 written, unit = m.group(1), (m.group(2) or "").strip() if m.re is not PLAIN else ""
+                written = written.replace(",", "")
                 key = _exempt(doc, sec, m.start(), m.start(1) + len(written))
                 yield pytest.param(doc, written, unit, files, key, id=f"{doc}:{line}:{written}{unit}")
 
@@ -417,7 +429,8 @@ def _unit_numbers():
 def _unit_matches(written: str, unit: str, files: tuple[str, ...]) -> bool:
     x = abs(float(written.replace("−", "-")))
     tol = 0.5 * 10 ** -len(written.partition(".")[2]) * (1 + 1e-9)
-    floats = "." not in written  # a whole 12% or 50× is a measured ratio's, not a setting's 12 or 50
+    # a whole 12% or 50× is a measured ratio's, not a setting's 12 or 50 (1,938 MB may be bytes)
+    floats = "." not in written and unit in ("%", "×")
     values = (v for f in files for v in _file_values(f, floats))
     return any(abs(abs(v) * s - x) <= tol for v in values for s in SCALES[unit])
 
@@ -457,6 +470,13 @@ def test_the_unit_check_can_fail():
     part1 = next(i for i, x in enumerate(lines, 1) if x.startswith("## 1."))
     read = [p for p in _unit_numbers() if p.id.startswith("reproduction.md:")]
     assert len([p for p in read if marker < int(p.id.split(":")[1]) < part1]) > 20
+    # thousands: issue 2's table (21,739 tokens/s) is its dated file's, not the later run's
+    assert _unit_matches("21739", "tokens/s", ("overhead_2026-11-30_e3379a0.json",))
+    assert not _unit_matches("21739", "tokens/s", ("overhead.json",))
+    assert [m.group(1) for m in GROUPED.finditer("| 21,739 | 1,938 MB, 10,000 steps, 4,096-token")] == [
+        "21,739",
+        "1,938",
+    ]
     # a plain ratio: issue 3's table (sync 1.84) is the dated file's, not the later run's (1.861)
     assert _unit_matches("1.84", "", ("sim_parallel_2026-11-30.json",))
     assert not _unit_matches("1.84", "", ("sim_parallel.json",))
