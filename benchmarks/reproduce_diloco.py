@@ -97,6 +97,7 @@ in results/reproduce_micro_runs/ and its JSON reproduce_diloco_micro.json). Prog
     python benchmarks/reproduce_diloco.py --report-only        # rebuild the JSON and figures
     python benchmarks/reproduce_diloco.py --plot-only          # figures only
     python benchmarks/reproduce_diloco.py --part dp --pending  # what is left, and its run time
+    bash benchmarks/reproduce_lane.sh LANE PYTHON --pending    # issue 36's lane: all four invocations
     python benchmarks/reproduce_diloco.py --quick              # a tiny model, a few minutes: plumbing
 
 Rough durations, nano, --seeds 3, --jobs 2 on this 2-core machine, before issue 36's tuning rules
@@ -1997,12 +1998,13 @@ def _future(t, ctx: Ctx) -> list[Run] | None:
     return None
 
 
-def pending(ctx: Ctx, plans: dict[str, Plan]) -> dict:
+def pending(ctx: Ctx, plans: dict[str, Plan], counted: frozenset[str] = frozenset()) -> dict:
     """What is left of the parts as far as their finished runs tell (`--pending`): the runs they
     would start now, and those their tuned arms waiting for a grid will add at least (reported
     seeds, grids not yet made; not any widening), each with its run time estimated from the
     ledger's runs of the same method and workers (median seconds per step per worker, measured
-    `--jobs` at a time). A run two parts share counts for the first."""
+    `--jobs` at a time). A run two parts share counts for the first; a run in `counted` (those of
+    earlier invocations' `--pending`, `--pending-after`) for none. `runs` lists the runs counted."""
     per_step: dict[tuple[str, str], list[float]] = {}
     for row in ctx.ledger.rows.values():
         if row.get("elapsed_s") and row.get("flags") and "failed" not in row:
@@ -2010,7 +2012,7 @@ def pending(ctx: Ctx, plans: dict[str, Plan]) -> dict:
             per_step.setdefault(kind, []).append(row["elapsed_s"] / steps)
     rate = {kind: statistics.median(v) for kind, v in per_step.items()}
     out: dict = {"parts": {}}
-    seen: set[str] = set()
+    seen: set[str] = set(counted)
     total = 0.0
     for part, plan in plans.items():
         left = [r for r in plan.all_runs(ctx) if not ctx.finished(r) and r.name not in seen]
@@ -2037,6 +2039,7 @@ def pending(ctx: Ctx, plans: dict[str, Plan]) -> dict:
         total += seconds
     out["run_time_h"] = round(total / 3600, 1)
     out["elapsed_h_at_jobs"] = round(total / 3600 / ctx.jobs, 1)
+    out["runs"] = sorted(seen - counted)
     out["note"] = "a lower bound: widened grids and the runs not told yet come on top"
     return out
 
@@ -2139,6 +2142,14 @@ def main() -> None:
         action="store_true",
         help="no new runs: print (JSON) the runs the parts would start now and their estimated run time",
     )
+    ap.add_argument(
+        "--pending-after",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="with --pending: the output of earlier invocations' --pending, whose runs this one does not "
+        "count again (a lane of several invocations that share runs)",
+    )
     args = ap.parse_args()
     parts = _parts(args.part)
     args.H, hs = 50, args.hs or HS
@@ -2170,6 +2181,15 @@ def main() -> None:
             f"--steps and --pretrain-steps must be multiples of every H {args.hs} (each ≥ 1); "
             "--seeds, --jobs ≥ 1"
         )
+    counted: set[str] = set()
+    for path in args.pending_after or []:
+        try:
+            counted |= set(json.loads(path.read_text())["runs"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ap.error(  # exit code 2, before anything is written
+                f"--pending-after {path}: not the output of --pending ({type(e).__name__}: {e}); "
+                "give the JSON an earlier `--pending` printed"
+            )
     ctx = Ctx(args)
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.quick:
@@ -2179,7 +2199,7 @@ def main() -> None:
     before = {p: dict(v) for p, v in timing.items()}  # earlier invocations' totals
     built = {p: BUILDERS[p](ctx) for p in PARTS}
     if args.pending:
-        print(json.dumps(pending(ctx, {p: built[p][0] for p in parts}), indent=1))
+        print(json.dumps(pending(ctx, {p: built[p][0] for p in parts}, counted), indent=1))
         return
     t0 = time.perf_counter()
 

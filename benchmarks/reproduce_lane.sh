@@ -11,8 +11,10 @@
 # latest checkpoint and finished runs are not run again. At a session's end:
 #   python benchmarks/merge_ledgers.py benchmarks/results/reproduce_ledger/runs.jsonl "$LANE/ledger/runs.jsonl"
 #   python benchmarks/merge_ledgers.py benchmarks/results/reproduce_micro_ledger/runs.jsonl "$LANE/micro_ledger/runs.jsonl"
+# With --pending as the third argument it starts nothing and prints what is left: each
+# invocation's `--pending` (a run an earlier one counts is not counted again) and the total.
 set -u
-L=${1:?usage: reproduce_lane.sh LANE [PYTHON]}
+L=${1:?usage: reproduce_lane.sh LANE [PYTHON] [--pending]}
 PY=${2:-python}
 [ -f benchmarks/reproduce_diloco.py ] || { echo "run from a worktree's root" >&2; exit 2; }
 mkdir -p "$L"
@@ -20,13 +22,36 @@ for pair in reproduce_ledger:ledger reproduce_micro_ledger:micro_ledger; do
     [ -d "$L/${pair#*:}" ] || cp -r "benchmarks/results/${pair%%:*}" "$L/${pair#*:}"
 done
 export PYTHONPATH=src:benchmarks OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-R="$PY benchmarks/reproduce_diloco.py --jobs 2"
-nano=(--workdir "$L/work" --ledger "$L/ledger")
-micro=(--model micro --steps 1000 --workdir "$L/micro_work" --ledger "$L/micro_ledger")
+nano="--workdir $L/work --ledger $L/ledger"
+micro="--model micro --steps 1000 --workdir $L/micro_work --ledger $L/micro_ledger"
+invocations=(
+    "--part dp,drop,H500 $nano --out $L/reproduce_diloco.json"
+    "--part dp --ks 8 --starts warm,scratch --dp-hs 10,50 $nano --out $L/reproduce_diloco_k8.json"
+    "--part dp --ks 8 --starts warm --dp-hs 10,50 $micro --out $L/reproduce_diloco_micro_k8.json"
+    "--part dp $micro --out $L/reproduce_diloco_micro.json"
+)
+if [ "${3:-}" = --pending ]; then
+    after=()
+    for i in "${!invocations[@]}"; do
+        # shellcheck disable=SC2086  # each invocation's words
+        $PY benchmarks/reproduce_diloco.py --jobs 2 ${invocations[$i]} --pending "${after[@]}" > "$L/pending_$i.json" || exit 1
+        [ ${#after[@]} -eq 0 ] && after=(--pending-after)
+        after+=("$L/pending_$i.json")
+    done
+    exec $PY -c '
+import json, sys
+rows = [json.load(open(p)) for p in sys.argv[1:]]
+for p, r in zip(sys.argv[1:], rows):
+    h, n = r["run_time_h"], len(r["runs"])
+    print(f"{p}: {h} h of run time, {n} runs not counted before")
+total = sum(r["run_time_h"] for r in rows)
+print(f"the lane: {total:.1f} h of run time, {total / 2:.1f} h elapsed two at a time (a lower bound)")
+' "$L"/pending_{0,1,2,3}.json
+fi
 {
-    $R --part dp,drop,H500 "${nano[@]}" --out "$L/reproduce_diloco.json" &&
-    $R --part dp --ks 8 --starts warm,scratch --dp-hs 10,50 "${nano[@]}" --out "$L/reproduce_diloco_k8.json" &&
-    $R --part dp --ks 8 --starts warm --dp-hs 10,50 "${micro[@]}" --out "$L/reproduce_diloco_micro_k8.json" &&
-    $R --part dp "${micro[@]}" --out "$L/reproduce_diloco_micro.json" &&
+    for args in "${invocations[@]}"; do
+        # shellcheck disable=SC2086
+        $PY benchmarks/reproduce_diloco.py --jobs 2 $args || exit 1
+    done
     echo LANE DONE
 } >> "$L/log" 2>&1

@@ -618,3 +618,25 @@ def test_part_H500_is_reported_only_once_a_run_of_its_own_steps_has_run(tmp_path
     assert p.returncode == 0, p.stderr
     assert json.loads((tmp_path / "out.json").read_text())["H500"]["wall_time"]["runs_finished"] == 1
     assert not (tmp_path / "out_H500.json").exists()  # only the invocation that asks for H500 writes it
+
+
+@pytest.mark.timeout(180)
+def test_pending_after_an_earlier_invocation_counts_its_shared_runs_once(tmp_path):
+    """Two invocations of a lane share part dp's k = 4 runs: the second's --pending, given the
+    first's output, counts only what the first did not; a file that is not --pending's exits 2."""
+    first = _run(tmp_path, "--part", "dp", "--ks", "4", "--starts", "warm", "--pending")
+    assert first.returncode == 0, first.stderr
+    (tmp_path / "p1.json").write_text(first.stdout)
+    one = json.loads(first.stdout)
+    alone = json.loads(_run(tmp_path, "--part", "dp", "--ks", "4,8", "--starts", "warm", "--pending").stdout)
+    after = _run(
+        tmp_path, "--part", "dp", "--ks", "4,8", "--starts", "warm", "--pending",
+        "--pending-after", str(tmp_path / "p1.json"),
+    )  # fmt: skip
+    assert after.returncode == 0, after.stderr
+    two = json.loads(after.stdout)
+    assert set(one["runs"]) <= set(alone["runs"])  # k = 4's runs are k = 4,8's too
+    assert set(two["runs"]) == set(alone["runs"]) - set(one["runs"]) and two["runs"]
+    (tmp_path / "bad.json").write_text('{"parts": {}}')
+    bad = _run(tmp_path, "--part", "dp", "--pending", "--pending-after", str(tmp_path / "bad.json"))
+    assert bad.returncode == 2 and "not the output of --pending" in bad.stderr

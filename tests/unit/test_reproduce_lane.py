@@ -72,3 +72,31 @@ def test_the_lane_without_its_folder_says_how_to_call_it(tmp_path):
         ["bash", str(SCRIPT), str(tmp_path / "l")], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
     assert p.returncode == 2 and "run from a worktree's root" in p.stderr
+
+
+@pytest.mark.timeout(60)
+def test_the_lane_pending_chains_each_invocation_after_the_earlier_ones_and_sums(tmp_path):
+    """--pending starts nothing: each invocation's --pending gets the earlier ones' outputs
+    (--pending-after) and the total is their sum. The stand-in python answers --pending with a
+    JSON of 1.5 h (and runs python itself for the sum)."""
+    fake = tmp_path / "py"
+    fake.write_text(
+        "#!/bin/bash\n"
+        'if [ "$1" = -c ]; then exec python3 "$@"; fi\n'
+        'echo "$*" >> "$(dirname "$0")/calls"\n'
+        'echo \'{"run_time_h": 1.5, "runs": ["a"]}\'\n'
+    )
+    fake.chmod(0o755)
+    p = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "lane"), str(fake), "--pending"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert len(calls) == 4 and all("--pending" in c for c in calls)
+    lane = tmp_path / "lane"
+    for i, call in enumerate(calls):
+        after = call.split("--pending-after")[1].split() if "--pending-after" in call else []
+        assert after == [str(lane / f"pending_{j}.json") for j in range(i)]
+    assert "the lane: 6.0 h of run time, 3.0 h elapsed two at a time" in p.stdout
+    assert not (lane / "log").exists()  # nothing ran
