@@ -232,12 +232,6 @@ class Run:
     flags: tuple[str, ...]
     init: Run | None = None
 
-    @property
-    def worker_steps(self) -> int:
-        """Inner steps per worker: --inner-steps × --rounds."""
-        f = [str(x) for x in self.flags]
-        return int(f[f.index("--inner-steps") + 1]) * int(f[f.index("--rounds") + 1])
-
 
 @dataclass
 class Tuned:
@@ -1686,7 +1680,7 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     # its plan holds part dp's k = 4 grids (the picks it centres on): the part has run once a run
     # of its own steps has
     return Plan(
-        tuned=[dp, *tuned.values()], owns=lambda r: r.init is not None and r.worker_steps == steps
+        tuned=[dp, *tuned.values()], owns=lambda r: r.init is not None and _work(r.flags)[1] == steps
     ), report
 
 
@@ -2199,7 +2193,7 @@ def main() -> None:
     before = {p: dict(v) for p, v in timing.items()}  # earlier invocations' totals
     built = {p: BUILDERS[p](ctx) for p in PARTS}
     if args.pending:
-        print(json.dumps(pending(ctx, {p: built[p][0] for p in parts}, counted), indent=1))
+        print(json.dumps(pending(ctx, {p: built[p][0] for p in parts}, frozenset(counted)), indent=1))
         return
     t0 = time.perf_counter()
 

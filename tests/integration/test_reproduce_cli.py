@@ -597,7 +597,7 @@ def test_part_H500_is_reported_only_once_a_run_of_its_own_steps_has_run(tmp_path
     ledger = tmp_path / "ledger"
     ledger.mkdir()
     (ledger / "runs.jsonl").write_text(_rows(grid))
-    assert all(r.worker_steps == 1000 for r, _ in grid)
+    assert all(mod._work(r.flags)[1] == 1000 for r, _ in grid)
     p = _run(tmp_path, "--report-only", "--part", "dp,H500")
     assert p.returncode == 0, p.stderr
     out = json.loads((tmp_path / "out.json").read_text())
@@ -607,7 +607,7 @@ def test_part_H500_is_reported_only_once_a_run_of_its_own_steps_has_run(tmp_path
     ctx = _ctx(mod, tmp_path)
     plan, _ = mod.part_H500(ctx)
     own = [r for r in plan.tuned[0].grid_runs(ctx) if plan.owns(r)]  # data parallel around 2e-3
-    assert [r.worker_steps for r in own] == [10_000] * 3
+    assert [mod._work(r.flags)[1] for r in own] == [10_000] * 3
     (ledger / "runs.jsonl").write_text(_rows([*grid, (own[0], 1.9)]))
     p = _run(tmp_path, "--report-only", "--part", "dp,H500")
     assert p.returncode == 0, p.stderr
