@@ -1,6 +1,8 @@
 #!/bin/bash
-# Issue 36's lane: reproduce_diloco.py's four invocations, one after another, two runs at a time,
-# from a frozen worktree (docs/reproduction.md, "Issue 36"). Run it from the worktree's root:
+# Issue 36's lane: reproduce_diloco.py's five invocations, one after another, two runs at a time,
+# from a frozen worktree (docs/reproduction.md, "Issue 36"). Part H500, the paper's headline, runs
+# first (from 2026-12-07; its tuning centres on part dp's warm k = 4 picks, which had run), then
+# everything else. Run it from the worktree's root:
 #
 #   git worktree add --detach /work/wt/repro main
 #   cd /work/wt/repro && setsid nohup bash benchmarks/reproduce_lane.sh "$LANE" "$PY" >/dev/null 2>&1 &
@@ -25,18 +27,20 @@ export PYTHONPATH=src:benchmarks OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 nano="--workdir $L/work --ledger $L/ledger"
 micro="--model micro --steps 1000 --workdir $L/micro_work --ledger $L/micro_ledger"
 invocations=(
+    "--part H500 $nano --out $L/reproduce_diloco_part_H500.json"
     "--part dp,drop,H500 $nano --out $L/reproduce_diloco.json"
     "--part dp --ks 8 --starts warm,scratch --dp-hs 10,50 $nano --out $L/reproduce_diloco_k8.json"
     "--part dp --ks 8 --starts warm --dp-hs 10,50 $micro --out $L/reproduce_diloco_micro_k8.json"
     "--part dp $micro --out $L/reproduce_diloco_micro.json"
 )
 if [ "${3:-}" = --pending ]; then
-    after=()
+    pendings=()
     for i in "${!invocations[@]}"; do
+        after=()
+        [ ${#pendings[@]} -gt 0 ] && after=(--pending-after "${pendings[@]}")
         # shellcheck disable=SC2086  # each invocation's words
         $PY benchmarks/reproduce_diloco.py --jobs 2 ${invocations[$i]} --pending "${after[@]}" > "$L/pending_$i.json" || exit 1
-        [ ${#after[@]} -eq 0 ] && after=(--pending-after)
-        after+=("$L/pending_$i.json")
+        pendings+=("$L/pending_$i.json")
     done
     exec $PY -c '
 import json, sys
@@ -46,7 +50,7 @@ for p, r in zip(sys.argv[1:], rows):
     print(f"{p}: {h} h of run time, {n} runs not counted before")
 total = sum(r["run_time_h"] for r in rows)
 print(f"the lane: {total:.1f} h of run time, {total / 2:.1f} h elapsed two at a time (a lower bound)")
-' "$L"/pending_{0,1,2,3}.json
+' "${pendings[@]}"
 fi
 {
     for args in "${invocations[@]}"; do
