@@ -26,6 +26,9 @@ DOCS = ROOT / "docs"
 MARKED = re.compile(r"<!-- table: (\w+) (results/[\w\-]+\.json) -->\n(.*?)<!-- /table -->\n", re.S)
 
 
+TUNING = "still tuning"  # an arm whose grid has not picked yet (the lane is running)
+
+
 def _round(x: float | Decimal, digits: int) -> Decimal:
     """`x` to `digits` decimals, halves rounded up, from its shortest repr (the JSON's 1.90425 is
     1.9043, as written by hand, not the 1.9042 its binary value would give)."""
@@ -123,7 +126,7 @@ def _dp(data: dict, start: str) -> str:
         f"| data parallel (k× batch, {steps} steps) | "
         + cells(lambda k, r: _loss(r["dp"].get("val_loss")))
         + " |",
-        f"| **DiLoCo** (H = {d['H']}, Nesterov, best outer lr {' / '.join(lrs) or 'tuning'}) | "
+        f"| **DiLoCo** (H = {d['H']}, Nesterov, best outer lr {' / '.join(lrs) or TUNING}) | "
         + cells(lambda k, r: f"**{_loss(r['diloco']['val_loss'])}**")
         + " |",
         "| DiLoCo vs data parallel | "
@@ -172,10 +175,10 @@ def _picks(row: dict) -> str:
 
     def inner(e: dict) -> str:
         lr, pick = e.get("lr"), e.get("pick")
-        return "tuning" if lr is None else f"inner lr {lr:g}, warm-up {pick.split()[-1]}"
+        return TUNING if lr is None else f"inner lr {lr:g}, warm-up {pick.split()[-1]}"
 
     di = row["diloco"]
-    diloco = "tuning"
+    diloco = TUNING
     if di.get("outer_lr") is not None:
         diloco = f"inner lr {di['inner_lr']:g}, warm-up {di['warmup']}, outer lr {di['outer_lr']:g}"
     return f"single: {inner(row['single'])}; data parallel: {inner(row['dp'])}; DiLoCo: {diloco}"
@@ -435,16 +438,16 @@ EDGE = " (on the widened grid's edge)"  # a tuned lr still at its grid's edge af
 def _diloco_grids(r: dict) -> tuple[str, str]:
     """A DiLoCo arm's two grids (its `tuning` report) and its picks, as table cells."""
     if r.get("inner_grid") is None:
-        return "not made yet: waits for the picks it starts from", "tuning"
+        return "not made yet: waits for the picks it starts from", TUNING
     inner = f"inner lr at outer lr {r['inner_grid_at_outer_lr']:g}, warm-up {r['warmup']}: "
     inner += _grid(r["inner_grid"], r.get("inner_lr"))
     if r.get("inner_lr") is None:
-        return inner, "tuning"
+        return inner, TUNING
     pick = f"inner lr {r['inner_lr']:g}" + (EDGE if r.get("inner_lr_at_grid_edge") else "")
     if r.get("grid") is None:
-        return inner, pick + "; outer lr tuning"
+        return inner, pick + "; outer lr " + TUNING
     outer = f"; outer lr at inner lr {r['inner_lr']:g}: {_grid(r['grid'], r['pick'])}"
-    pick += ", outer lr " + ("tuning" if r["pick"] is None else f"{r['pick']:g}")
+    pick += ", outer lr " + (TUNING if r["pick"] is None else f"{r['pick']:g}")
     return inner + outer, pick + (EDGE if r.get("lr_at_grid_edge") else "")
 
 
@@ -463,7 +466,7 @@ def tuning(data: dict) -> str:
                 f"warm-up {name.split()[-1]}: {_grid(g, lr if name == r['pick'] else None)}"
                 for name, g in r["grids"].items()
             )
-            pick = "tuning" if lr is None else f"inner lr {lr:g}, warm-up {r['pick'].split()[-1]}"
+            pick = TUNING if lr is None else f"inner lr {lr:g}, warm-up {r['pick'].split()[-1]}"
             pick += EDGE if r.get("lr_at_grid_edge") else ""
         else:  # DiLoCo: its inner-lr grid at a fixed outer lr, then its outer-lr grid at that pick
             grid, pick = _diloco_grids(r)
@@ -479,7 +482,7 @@ def h500(data: dict) -> str:
     dp, steps = data["dp"], data["steps_per_worker"]
     t = dp.get("tuning") or {}
     dp_bytes = dp.get("bytes_sent_per_worker")
-    tuned = f"inner lr {t['lr']:g}, warm-up {t['warmup']}" if t.get("lr") is not None else "tuning"
+    tuned = f"inner lr {t['lr']:g}, warm-up {t['warmup']}" if t.get("lr") is not None else TUNING
     out = [
         f"| run (warm, k = {data['k']}, {steps:,} steps per worker) | syncs | tuned | final val_loss "
         "| vs data parallel | data parallel's steps to reach it "
@@ -488,7 +491,7 @@ def h500(data: dict) -> str:
         f"| data parallel | {steps:,} | {tuned} | {_loss(dp.get('val_loss'))} | — | — | — |",
     ]
     for H, e in data["by_H"].items():
-        grids, tuned = _diloco_grids(e["tuning"]) if "tuning" in e else ("", "tuning")
+        grids, tuned = _diloco_grids(e["tuning"]) if "tuning" in e else ("", TUNING)
         tuned = tuned if not grids else f"{tuned} ({grids})"
         out.append(
             f"| DiLoCo H = {H} | {steps // int(H):,} | {tuned} | {_loss(e.get('val_loss'))} | "

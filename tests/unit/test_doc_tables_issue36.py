@@ -46,12 +46,12 @@ def test_a_diloco_arm_still_tuning_says_which_grid_it_waits_for():
     tables = _tables()
     assert tables._diloco_grids({"inner_grid": None, "warmup": None}) == (
         "not made yet: waits for the picks it starts from",
-        "tuning",
+        "still tuning",
     )
     half = {"inner_grid": {"0.001": 1.9, "0.002": 1.8}, "inner_grid_at_outer_lr": 0.7, "inner_lr": 2e-3}
     grid, pick = tables._diloco_grids({**half, "warmup": 30, "grid": None})
     assert grid == "inner lr at outer lr 0.7, warm-up 30: 0.001: 1.9000, **0.002: 1.8000**"
-    assert pick == "inner lr 0.002; outer lr tuning"
+    assert pick == "inner lr 0.002; outer lr still tuning"
 
 
 @pytest.mark.timeout(30)
@@ -123,7 +123,7 @@ def test_the_steps_to_match_cell_says_never_where_diloco_ends_below_data_paralle
 @pytest.mark.timeout(30)
 def test_the_dp_table_of_a_lane_still_tuning_says_not_run_and_tuning():
     """The report runs with partial ledgers: arms without runs (DiLoCo waiting for single's
-    pick, its entry without bytes) render as "not run" and "tuning", not an error."""
+    pick, its entry without bytes) render as "not run" and "still tuning", not an error."""
     data = json.loads(json.dumps(DATA))
     for k in ("4", "8"):
         row = data["dp"]["per_k"][k]["warm"]
@@ -132,6 +132,10 @@ def test_the_dp_table_of_a_lane_still_tuning_says_not_run_and_tuning():
     data["dp"]["pretrain"] = {"val_loss": None}
     lines = _tables().dp_warm(data).splitlines()
     assert lines[0].startswith("| run (warm start from the 40-step") and "val_loss" not in lines[0]
-    assert "| **DiLoCo** (H = 10, Nesterov, best outer lr tuning) | **not run** | **not run** |" in lines
+    assert (
+        "| **DiLoCo** (H = 10, Nesterov, best outer lr still tuning) | **not run** | **not run** |" in lines
+    )
     assert "| bytes sent per worker, data parallel / DiLoCo | not run | not run |" in lines
-    assert lines[-1].count("DiLoCo: tuning") == 2 and lines[-1].count("data parallel: tuning") == 2
+    assert (
+        lines[-1].count("DiLoCo: still tuning") == 2 and lines[-1].count("data parallel: still tuning") == 2
+    )

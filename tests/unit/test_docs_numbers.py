@@ -306,16 +306,9 @@ UNIT_EXEMPT: dict[tuple[str, str], str] = {
     ("results.md", "(0.79 is\nworse;"): "a learning rate of the grid (a setting)",
     ("results.md", "(0.129 / H)"): DERIVED + " (the formula's constant: bytes of a top-k value ÷ fp32's)",
     ("results.md", "gave 1.009 and 0.990"): "earlier runs during review, not kept (the text says so)",
-    ("reproduction.md", "worth 55%\n  of data parallel's at k = 4 and 43% at k = 8"): DERIVED
-    + " (dp_steps_to_match on the ledger's curves; the lane's JSON comes when it ends)",
-    ("reproduction.md", "14.8% above on the means,\n  14.1% to 15.5% seed by seed"): DERIVED
-    + " (the reported seeds' losses in the sentence; the lane's JSON comes when it ends)",
-    ("reproduction.md", "11.5% above data parallel on the means, 10.8% to 12.0% seed by"): DERIVED
-    + " (the reported seeds' losses in the sentence; the lane's JSON comes when it ends)",
     ("reproduction.md", "loss, a ratio: 1.84, 0.915;"): "examples of what the check reads (this test's own)",
     ("reproduction.md", "(DiLoCo +11.5% at k = 4 and +14.8% at k = 8 on tuned data parallel"): DERIVED
     + " (the reported seeds' losses, in the tuning rules' bullet)",
-    ("reproduction.md", "worth about 59% of data parallel's"): DERIVED + " (588 of 1,000 steps)",
     ("reproduction.md", "(perplexity 15.02 vs 15.30, baseline 16.23)"): "the paper's numbers",
     (
         "reproduction.md",
