@@ -1,0 +1,46 @@
+"""benchmarks/results/reproduce_diloco.json is what `reproduce_diloco.py --report-only` makes from
+the ledger kept in git. The docs' tables and numbers are checked against the JSON
+(test_docs_numbers.py); this closes the chain ledger → JSON → docs: a JSON left behind after the
+lane's rows were merged into the ledger, or edited by hand, fails here."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import benchmark_module
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+REBUILD = "python benchmarks/reproduce_diloco.py --report-only && python benchmarks/doc_tables.py"
+
+
+def _differences(kept, made, path: str = "") -> list[str]:
+    if isinstance(kept, dict) and isinstance(made, dict):
+        return [
+            d for k in sorted({*kept, *made}) for d in _differences(kept.get(k), made.get(k), f"{path}.{k}")
+        ]
+    return [] if kept == made else [f"{path}: {json.dumps(kept)[:80]} in git, {json.dumps(made)[:80]} made"]
+
+
+@pytest.mark.timeout(120)
+def test_the_reproduce_json_in_git_is_what_the_ledger_in_git_gives(tmp_path, monkeypatch):
+    rd = benchmark_module("reproduce_diloco")
+    ledger = tmp_path / "ledger"
+    shutil.copytree(RESULTS / "reproduce_ledger", ledger)  # --report-only saves the ledger it reads
+    (tmp_path / "figures").mkdir()
+    monkeypatch.setattr(rd, "FIGURES", tmp_path / "figures")  # the docs' figures stay as they are
+    out = tmp_path / "reproduce_diloco.json"
+    argv = ["--report-only", "--workdir", str(tmp_path / "work"), "--ledger", str(ledger), "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["reproduce_diloco.py", *argv])
+    rd.main()
+    kept = json.loads((RESULTS / "reproduce_diloco.json").read_text())
+    made = json.loads(out.read_text())
+    # where the runs' folders and figures were: this test's own folders, not the default ones
+    assert [Path(f).name for f in made.pop("figures")] == [Path(f).name for f in kept.pop("figures")]
+    made.pop("workdir"), kept.pop("workdir")
+    diff = _differences(kept, made)
+    assert not diff, (
+        f"reproduce_diloco.json is not what the ledger gives; rebuild it ({REBUILD}):\n"
+        + "\n".join(diff[:20])
+    )
