@@ -1,4 +1,4 @@
-"""benchmarks/reproduce_lane.sh: issue 36's five invocations in order, in their folders, the
+"""benchmarks/reproduce_lane.sh: issue 36's four invocations in order, in their folders, the
 ledgers seeded once. The python it is given is a stand-in that prints its arguments, so the test
 reads the commands the lane runs (reproduce_diloco.py itself is what the integration tests run)."""
 
@@ -22,7 +22,7 @@ def _lane(tmp_path, py: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(60)
-def test_the_lane_runs_the_five_invocations_in_order_and_seeds_its_ledgers_once(tmp_path):
+def test_the_lane_runs_the_four_invocations_in_order_and_seeds_its_ledgers_once(tmp_path):
     fake = tmp_path / "py"
     fake.write_text('#!/bin/bash\necho "RUN $*"\n')
     fake.chmod(0o755)
@@ -33,17 +33,16 @@ def test_the_lane_runs_the_five_invocations_in_order_and_seeds_its_ledgers_once(
     ).read_text()
     assert (lane / "micro_ledger" / "runs.jsonl").is_file()
     runs = [line.split()[1:] for line in (lane / "log").read_text().splitlines() if line.startswith("RUN")]
-    assert [r[0] for r in runs] == ["benchmarks/reproduce_diloco.py"] * 5
+    assert [r[0] for r in runs] == ["benchmarks/reproduce_diloco.py"] * 4
     outs = [r[r.index("--out") + 1] for r in runs]
     assert [Path(o).name for o in outs] == [
-        "reproduce_diloco_part_H500.json",
         "reproduce_diloco.json",
         "reproduce_diloco_k8.json",
         "reproduce_diloco_micro_k8.json",
         "reproduce_diloco_micro.json",
     ]
-    assert runs[0][runs[0].index("--part") + 1] == "H500"  # the paper's headline first
-    assert runs[2][runs[2].index("--starts") + 1] == "warm,scratch"  # nano k = 8 at H = 10 both starts
+    assert runs[0][runs[0].index("--part") + 1] == "H500,dp,drop"  # the paper's headline first
+    assert runs[1][runs[1].index("--starts") + 1] == "warm,scratch"  # nano k = 8 at H = 10 both starts
     for r in runs:
         assert r[r.index("--jobs") + 1] == "2"
         micro = "micro" in r
@@ -95,10 +94,10 @@ def test_the_lane_pending_chains_each_invocation_after_the_earlier_ones_and_sums
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert len(calls) == 5 and all("--pending" in c for c in calls)
+    assert len(calls) == 4 and all("--pending" in c for c in calls)
     lane = tmp_path / "lane"
     for i, call in enumerate(calls):
         after = call.split("--pending-after")[1].split() if "--pending-after" in call else []
         assert after == [str(lane / f"pending_{j}.json") for j in range(i)]
-    assert "the lane: 7.5 h of run time, 3.8 h elapsed two at a time" in p.stdout
+    assert "the lane: 6.0 h of run time, 3.0 h elapsed two at a time" in p.stdout
     assert not (lane / "log").exists()  # nothing ran
