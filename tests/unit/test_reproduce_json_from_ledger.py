@@ -44,3 +44,16 @@ def test_the_reproduce_json_in_git_is_what_the_ledger_in_git_gives(tmp_path, mon
         f"reproduce_diloco.json is not what the ledger gives; rebuild it ({REBUILD}):\n"
         + "\n".join(diff[:20])
     )
+
+
+@pytest.mark.timeout(10)
+def test_each_arm_gain_over_single_is_taken_from_the_means_by_hand():
+    """k = 8, warm: single 1.75067, data parallel 1.41737, DiLoCo 1.62666 (the means): data
+    parallel gains (1.75067 − 1.41737) / 1.75067 = 0.190384, DiLoCo 0.124 / 1.75067 = 0.070836,
+    0.124 / 0.3333 = 0.3721 of data parallel's gain."""
+    row = json.loads((RESULTS / "reproduce_diloco.json").read_text())["dp"]["per_k"]["8"]
+    means = [row[f"{arm}_warm_final_val_loss"] for arm in ("single", "dp", "diloco")]
+    assert means == [1.75067, 1.41737, 1.62666]
+    assert row["dp_warm_vs_single_gain"] == 0.190384
+    assert row["diloco_warm_vs_single_gain"] == 0.070836
+    assert row["diloco_warm_share_of_dp_gain"] == 0.3721
