@@ -15,10 +15,15 @@ RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 REBUILD = "python benchmarks/reproduce_diloco.py --report-only && python benchmarks/doc_tables.py"
 
 
+ABSENT = "<absent>"  # a key one side lacks: not the same as a null
+
+
 def _differences(kept, made, path: str = "") -> list[str]:
     if isinstance(kept, dict) and isinstance(made, dict):
         return [
-            d for k in sorted({*kept, *made}) for d in _differences(kept.get(k), made.get(k), f"{path}.{k}")
+            d
+            for k in sorted({*kept, *made})
+            for d in _differences(kept.get(k, ABSENT), made.get(k, ABSENT), f"{path}.{k}")
         ]
     return [] if kept == made else [f"{path}: {json.dumps(kept)[:80]} in git, {json.dumps(made)[:80]} made"]
 
@@ -62,3 +67,23 @@ def test_each_arm_gain_over_single_is_taken_from_the_means_by_hand():
     assert row["dp_warm_vs_single_gain"] == 0.190384
     assert row["diloco_warm_vs_single_gain"] == 0.070836
     assert row["diloco_warm_share_of_dp_gain"] == 0.3721
+
+
+@pytest.mark.timeout(10)
+def test_gains_are_none_where_an_arm_is_missing_and_a_share_only_where_data_parallel_gains():
+    rd = benchmark_module("reproduce_diloco")
+
+    def e(loss):
+        return {"val_loss": {"mean": loss}} if loss is not None else {"val_loss": None}
+
+    g = rd.gains(e(2.0), e(1.5), e(1.75))  # by hand: 0.5 / 2 = 0.25, 0.25 / 2 = 0.125, 0.25 / 0.5
+    assert g == {
+        ("dp", "vs_single_gain"): 0.25,
+        ("diloco", "vs_single_gain"): 0.125,
+        ("diloco", "share_of_dp_gain"): 0.5,
+    }
+    g = rd.gains(e(2.0), e(2.1), e(1.9))  # data parallel worse than one worker: no share to give
+    assert g[("dp", "vs_single_gain")] == -0.05 and g[("diloco", "share_of_dp_gain")] is None
+    g = rd.gains(e(2.0), e(None), e(1.9))  # data parallel not run yet
+    assert g[("dp", "vs_single_gain")] is None and g[("diloco", "vs_single_gain")] == 0.05
+    assert set(rd.gains(None, e(1.5), e(1.7)).values()) == {None}  # single not run yet
