@@ -1804,7 +1804,7 @@ def _curve_runs(ctx: Ctx, part: str, r: dict) -> list[str]:
     elif part == "single":
         entries = [r["single"], r["diloco_k1"]]
     elif part == "H500":
-        entries = list(r["by_H"].values())
+        entries = [r["dp"], *r["by_H"].values()]
     else:
         return []
     return [e["runs"][0] for e in entries if e.get("runs")]
@@ -1828,7 +1828,9 @@ def figures(ctx: Ctx, report: dict, where: Path, suffix: str = "") -> list[str]:
             _log(f"figure {part} not redrawn: a run it plots has no curve (neither a folder nor the ledger)")
             continue
         fig, axes = (
-            plt.subplots(1, 2, figsize=(12, 4.6)) if part in ("dp", "outer", "single") else (None, None)
+            plt.subplots(1, 2, figsize=(12, 4.6))
+            if part in ("dp", "outer", "single", "H500")
+            else (None, None)
         )
         if fig is None:
             fig, ax = plt.subplots(figsize=(7.5, 4.6))
@@ -1953,19 +1955,26 @@ def figures(ctx: Ctx, report: dict, where: Path, suffix: str = "") -> list[str]:
             names = list(r["by_codec"])
             _bars(ax, names, [r["by_codec"][n] for n in names])
             ax.set_title(f"outer_grad codecs, k={r['k']}, {seeds}")
-        elif part == "H500":  # loss against outer rounds, seed 0 of each H; data parallel's final loss
+        elif part == "H500":  # seed 0 of each H against outer rounds (the bytes) and steps (the compute)
+            by_round, by_step = axes
             for H, e in r["by_H"].items():
                 if e.get("runs"):
                     xs, ys = ctx.curve(e["runs"][0])
-                    ax.plot([x / int(H) for x in xs], ys, marker=".", label=f"DiLoCo H={H}")
+                    by_round.plot([x / int(H) for x in xs], ys, marker=".", label=f"DiLoCo H={H}")
+                    by_step.plot(xs, ys, marker=".", label=f"DiLoCo H={H}")
+            if r["dp"].get("runs"):
+                by_step.plot(*ctx.curve(r["dp"]["runs"][0]), color="k", label="data parallel (k× batch)")
             if mean(r["dp"]) is not None:
-                ax.axhline(mean(r["dp"]), color="k", ls=":", label="data parallel (final, mean)")
-            ax.set_xscale("symlog", linthresh=1)
-            ax.set_xlabel("outer rounds")
-            ax.set_ylabel("val_loss (fixed subset)")
-            ax.set_title(f"k={r['k']}, warm, {r['steps_per_worker']} steps per worker, seed 0")
-            ax.legend()
-            ax.grid(alpha=0.3)
+                by_round.axhline(mean(r["dp"]), color="k", ls=":", label="data parallel (final, mean)")
+            by_round.set_xscale("symlog", linthresh=1)
+            by_round.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 1, 10, 100
+            by_round.set_xlabel("outer rounds (one model-sized exchange each)")
+            by_step.set_xlabel("inner steps per worker (data parallel: its steps)")
+            for ax in axes:
+                ax.set_ylabel("val_loss (fixed subset)")
+                ax.legend()
+                ax.grid(alpha=0.3)
+            fig.suptitle(f"k={r['k']}, warm, {r['steps_per_worker']} steps per worker, seed 0")
         fig.tight_layout()
         where.mkdir(parents=True, exist_ok=True)
         path = where / f"reproduce_{part}{suffix}.png"  # suffix: another model's figures sit beside nano's
