@@ -483,6 +483,8 @@ def h500(data: dict) -> str:
     t = dp.get("tuning") or {}
     dp_bytes = dp.get("bytes_sent_per_worker")
     tuned = f"inner lr {t['lr']:g}, warm-up {t['warmup']}" if t.get("lr") is not None else TUNING
+    if t.get("grid"):  # its own grid at these steps, as DiLoCo's are shown
+        tuned += f" (inner lr at warm-up {t['warmup']}: {_grid(t['grid'], t.get('lr'))})"
     out = [
         f"| run (warm, k = {data['k']}, {steps:,} steps per worker) | syncs | tuned | final val_loss "
         "| vs data parallel | data parallel's steps to reach it "

@@ -69,7 +69,10 @@ def test_the_h500_table_has_data_parallel_and_each_H_with_its_grids_gap_and_byte
     part = DATA["H500"]
     lines = _tables().h500(part).splitlines()
     assert len(lines) == 2 + 1 + len(part["by_H"])
-    assert lines[2].startswith("| data parallel | 80 | inner lr 0.016, warm-up 30 | 3.0535 (2.9684–3.1387)")
+    assert lines[2].startswith(
+        "| data parallel | 80 | inner lr 0.016, warm-up 30 (inner lr at warm-up 30: 0.008: 2.8832, "
+        "**0.016: 2.7475**, 0.032: 3.1617) | 3.0535 (2.9684–3.1387)"
+    )
     h10 = lines[3]
     assert h10.startswith(
         "| DiLoCo H = 10 | 8 | inner lr 0.004, outer lr 0.7 (inner lr at outer lr 0.7, warm-up 30: "
