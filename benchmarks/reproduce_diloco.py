@@ -1060,26 +1060,20 @@ def mean(e: dict | None) -> float | None:
     return e["val_loss"]["mean"] if e and e.get("val_loss") else None
 
 
-def gains(single: dict | None, dp: dict | None, diloco: dict | None) -> dict[tuple[str, str], float | None]:
-    """What data parallel and DiLoCo gain over one worker at the same steps, (single − arm) /
-    single on the means, and DiLoCo's gain as a share of data parallel's (the paper, in log
-    perplexity: 2.1% and 2.8%, a share above 1). None where an arm has not run, and a share only
-    where data parallel gains."""
+def gains(single: dict | None, dp: dict | None, diloco: dict | None) -> tuple[float | None, ...]:
+    """(data parallel's, DiLoCo's) gain over one worker at the same steps, (single − arm) / single
+    on the means, and DiLoCo's gain as a share of data parallel's (the paper, in log perplexity:
+    2.1% and 2.8%, a share above 1). None where an arm has not run; a share only where data
+    parallel gains."""
     m_single, m_dp, m_di = mean(single), mean(dp), mean(diloco)
-    out: dict[tuple[str, str], float | None] = {
-        ("dp", "vs_single_gain"): None,
-        ("diloco", "vs_single_gain"): None,
-        ("diloco", "share_of_dp_gain"): None,
-    }
     if m_single is None:
-        return out
-    if m_dp is not None:
-        out["dp", "vs_single_gain"] = round((m_single - m_dp) / m_single, 6)
-    if m_di is not None:
-        out["diloco", "vs_single_gain"] = round((m_single - m_di) / m_single, 6)
+        return None, None, None
+    dp_gain = None if m_dp is None else round((m_single - m_dp) / m_single, 6)
+    di_gain = None if m_di is None else round((m_single - m_di) / m_single, 6)
+    share = None
     if m_dp is not None and m_di is not None and m_single > m_dp:
-        out["diloco", "share_of_dp_gain"] = round((m_single - m_di) / (m_single - m_dp), 4)
-    return out
+        share = round((m_single - m_di) / (m_single - m_dp), 4)
+    return dp_gain, di_gain, share
 
 
 def versus(e: dict, base: dict | None, key: str = "vs_baseline") -> dict:
@@ -1318,7 +1312,11 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                     row[f"dp_{start}_vs_serial_gap"] = (
                         round((m_dp - m_serial) / m_serial, 6) if m_dp and m_serial else None
                     )
-                row.update({f"{arm}_{start}_{key}": v for (arm, key), v in gains(single, dp, head).items()})
+                (
+                    row[f"dp_{start}_vs_single_gain"],
+                    row[f"diloco_{start}_vs_single_gain"],
+                    row[f"diloco_{start}_share_of_dp_gain"],
+                ) = gains(single, dp, head)
                 row[f"diloco_{start}_vs_dp_gap"] = head.get("vs_dp")
                 row[f"diloco_{start}_vs_dp_gap_paired"] = head.get("vs_dp_paired")
                 row[f"diloco_{start}_dp_steps_to_match"] = head.get("dp_steps_to_match")

@@ -76,14 +76,8 @@ def test_gains_are_none_where_an_arm_is_missing_and_a_share_only_where_data_para
     def e(loss):
         return {"val_loss": {"mean": loss}} if loss is not None else {"val_loss": None}
 
-    g = rd.gains(e(2.0), e(1.5), e(1.75))  # by hand: 0.5 / 2 = 0.25, 0.25 / 2 = 0.125, 0.25 / 0.5
-    assert g == {
-        ("dp", "vs_single_gain"): 0.25,
-        ("diloco", "vs_single_gain"): 0.125,
-        ("diloco", "share_of_dp_gain"): 0.5,
-    }
-    g = rd.gains(e(2.0), e(2.1), e(1.9))  # data parallel worse than one worker: no share to give
-    assert g[("dp", "vs_single_gain")] == -0.05 and g[("diloco", "share_of_dp_gain")] is None
-    g = rd.gains(e(2.0), e(None), e(1.9))  # data parallel not run yet
-    assert g[("dp", "vs_single_gain")] is None and g[("diloco", "vs_single_gain")] == 0.05
-    assert set(rd.gains(None, e(1.5), e(1.7)).values()) == {None}  # single not run yet
+    # (data parallel's gain, DiLoCo's gain, DiLoCo's share of data parallel's), by hand:
+    assert rd.gains(e(2.0), e(1.5), e(1.75)) == (0.25, 0.125, 0.5)  # 0.5 / 2, 0.25 / 2, 0.25 / 0.5
+    assert rd.gains(e(2.0), e(2.1), e(1.9)) == (-0.05, 0.05, None)  # data parallel worse: no share
+    assert rd.gains(e(2.0), e(None), e(1.9)) == (None, 0.05, None)  # data parallel not run yet
+    assert rd.gains(None, e(1.5), e(1.7)) == (None, None, None)  # single not run yet
