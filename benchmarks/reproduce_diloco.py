@@ -735,6 +735,19 @@ class Ctx:
     def dir(self, run: Run) -> Path:
         return self.workdir / run.name
 
+    def done_share(self, run: Run) -> float:
+        """The share of an unfinished run its folder's latest checkpoint holds (0 without one):
+        a resume continues from there, so `--pending` counts only the rest."""
+        rounds = [
+            int(c.name.split("-")[1])
+            for c in (self.dir(run) / "checkpoints").glob("round-[0-9]*")
+            if c.name.split("-")[1].isdigit()
+        ]
+        if not rounds or (self.dir(run) / "failed.json").exists():
+            return 0.0
+        total = int(run.flags[run.flags.index("--rounds") + 1]) if "--rounds" in run.flags else 1
+        return min(1.0, max(rounds) / total)
+
     def finished(self, run: Run, model: bool = False) -> bool:
         """Its folder has a result, or the ledger has one; `model`: a model to start from is needed
         (only the folder has it), unless the run failed."""
@@ -2030,7 +2043,8 @@ def pending(ctx: Ctx, plans: dict[str, Plan], counted: frozenset[str] = frozense
     would start now, and those their tuned arms waiting for a grid will add at least (reported
     seeds, grids not yet made; not any widening), each with its run time estimated from the
     ledger's runs of the same method and workers (median seconds per step per worker, measured
-    `--jobs` at a time). A run two parts share counts for the first; a run in `counted` (those of
+    `--jobs` at a time); a run with a checkpoint counts only the rounds after it (`runs_resumed`
+    of them). A run two parts share counts for the first; a run in `counted` (those of
     earlier invocations' `--pending`, `--pending-after`) for none. `runs` lists the runs counted."""
     per_step: dict[tuple[str, str], list[float]] = {}
     for row in ctx.ledger.rows.values():
@@ -2053,13 +2067,14 @@ def pending(ctx: Ctx, plans: dict[str, Plan], counted: frozenset[str] = frozense
         now = {r.name for r in left}
         later = list({r.name: r for r in later if r.name not in now}.values())
         seen |= {r.name for r in left + later}
-        known = [(k, n) for k, n in (_work(r.flags) for r in left + later)]
-        seconds = sum(rate[k] * n for k, n in known if k in rate)
+        known = [(*_work(r.flags), ctx.done_share(r)) for r in left + later]
+        seconds = sum(rate[k] * n * (1 - done) for k, n, done in known if k in rate)
         out["parts"][part] = {
             "runs_now": len(left),
             "runs_after_grids": len(later),
             "runs_not_told_yet": untold,
-            "runs_without_estimate": sum(1 for k, _ in known if k not in rate),
+            "runs_without_estimate": sum(1 for k, _, _ in known if k not in rate),
+            "runs_resumed": sum(1 for _, _, done in known if done > 0),
             "run_time_h": round(seconds / 3600, 1),
             "now": [r.label for r in left],
         }

@@ -578,6 +578,18 @@ def test_pending_estimates_a_run_from_the_ledger_rate_of_its_kind(tmp_path):
     # single's and DiLoCo's have no rate
     assert got["run_time_h"] == round((7 * 500 + 6 * 5000) / 3600, 1)
     assert got["runs_without_estimate"] == got["runs_now"] + got["runs_after_grids"] - 13
+    assert got["runs_resumed"] == 0
+    # a grid run stopped after 18 of its 20 rounds (its folder's checkpoint) counts the 2 left;
+    # a failed run's folder, or one without a round-N checkpoint, counts whole
+    left = next(r for r in dp.options["warmup 30"].grid_runs(ctx) if r.name != timed.name)
+    assert mod._work(left.flags)[1] == 1000 and _flag(left, "--rounds") == "20"
+    (tmp_path / left.name / "checkpoints" / "round-000018").mkdir(parents=True)
+    (tmp_path / left.name / "checkpoints" / ".tmp-round-000010").mkdir()
+    resumed = mod.pending(ctx, {"H500": plan})["parts"]["H500"]
+    assert resumed["runs_resumed"] == 1 and resumed["runs_now"] == got["runs_now"]
+    assert resumed["run_time_h"] == round((6.1 * 500 + 6 * 5000) / 3600, 1)
+    (tmp_path / left.name / "failed.json").write_text("{}")
+    assert mod.Ctx.done_share(ctx, left) == 0.0
 
 
 @pytest.mark.timeout(120)
