@@ -589,7 +589,7 @@ def test_pending_estimates_a_run_from_the_ledger_rate_of_its_kind(tmp_path):
     assert resumed["runs_resumed"] == 1 and resumed["runs_now"] == got["runs_now"]
     assert resumed["run_time_h"] == round((6.1 * 500 + 6 * 5000) / 3600, 1)
     (tmp_path / left.name / "failed.json").write_text("{}")
-    assert mod.Ctx.done_share(ctx, left) == 0.0
+    assert ctx.done_share(left) == 0.0
 
 
 @pytest.mark.timeout(120)
