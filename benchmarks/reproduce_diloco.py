@@ -738,15 +738,13 @@ class Ctx:
     def done_share(self, run: Run) -> float:
         """The share of an unfinished run its folder's latest checkpoint holds (0 without one):
         a resume continues from there, so `--pending` counts only the rest."""
-        rounds = [
-            int(c.name.split("-")[1])
-            for c in (self.dir(run) / "checkpoints").glob("round-[0-9]*")
-            if c.name.split("-")[1].isdigit()
-        ]
-        if not rounds or (self.dir(run) / "failed.json").exists():
+        from diloco.rundir import checkpoint
+
+        saved = checkpoint.rounds(self.dir(run) / "checkpoints")
+        if not saved or (self.dir(run) / "failed.json").exists():
             return 0.0
         total = int(run.flags[run.flags.index("--rounds") + 1]) if "--rounds" in run.flags else 1
-        return min(1.0, max(rounds) / total)
+        return min(1.0, saved[-1] / total)
 
     def finished(self, run: Run, model: bool = False) -> bool:
         """Its folder has a result, or the ledger has one; `model`: a model to start from is needed

@@ -51,7 +51,8 @@ def test_latest_ignores_unfinished_and_corruption_is_reported(tmp_path):
     checkpoint.save(tmp_path, 1, _state())
     path = checkpoint.save(tmp_path, 2, _state())
     (tmp_path / ".tmp-round-000003").mkdir()  # a crash mid-save leaves only this
-    assert checkpoint.latest(tmp_path) == path
+    assert checkpoint.latest(tmp_path) == path and checkpoint.rounds(tmp_path) == [1, 2]
+    assert checkpoint.rounds(tmp_path / "none") == []
     data = bytearray((path / "state.safetensors").read_bytes())
     data[-1] ^= 0xFF
     (path / "state.safetensors").write_bytes(bytes(data))

@@ -318,8 +318,7 @@ UNIT_EXEMPT: dict[tuple[str, str], str] = {
     + " (the h500 table's tuning losses: 1.3365 against 1.3154)",
     ("reproduction.md", "ends at 1.3861, 5.4% above data"): DERIVED
     + " (the h500 table's tuning losses: 1.3861 against 1.3154)",
-    ("reproduction.md", "pick ended 11.0% above"): DERIVED
-    + " (§1's tuning table: 1.6710 against 1.5052)",
+    ("reproduction.md", "pick ended 11.0% above"): DERIVED + " (§1's tuning table: 1.6710 against 1.5052)",
     (
         "reproduction.md",
         "(1.704 vs 1.752 at step 1,000)",

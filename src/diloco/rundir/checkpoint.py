@@ -272,6 +272,12 @@ def _prune(checkpoint_dir: Path, round_: int, keep: int | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def rounds(checkpoint_dir: Path) -> list[int]:
+    """The rounds of the complete checkpoints, oldest first. It only reads (`latest` may put a
+    replaced checkpoint back), so it can look into the folder of a run that is still saving."""
+    return sorted(_round_dirs(Path(checkpoint_dir)))
+
+
 def latest(checkpoint_dir: Path) -> Path | None:
     """The newest complete checkpoint folder, or None (not verified: see `latest_valid`)."""
     checkpoint_dir = Path(checkpoint_dir)
