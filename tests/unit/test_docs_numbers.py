@@ -61,7 +61,7 @@ def _values(x, out: list[float], floats: bool = False) -> list[float]:
     elif isinstance(x, dict):
         for k, v in x.items():
             if k not in SKIP_KEYS:
-                if re.fullmatch(r"\d+\.\d+", k):  # a grid's setting: the key its result is filed under
+                if not floats and re.fullmatch(r"\d+\.\d+", k):  # a grid's setting, filed as a key
                     out.append(float(k))
                 _values(v, out, floats)
     elif isinstance(x, list):
