@@ -53,7 +53,7 @@ EXEMPT: dict[tuple[str, str], str] = {
 }
 
 
-def _values(x, out: list[float], floats: bool = False) -> list[float]:
+def _values(x, out: list[float], floats: bool = False, keys: bool = False) -> list[float]:
     if isinstance(x, bool):
         return out
     if isinstance(x, (float, int) if not floats else float) and math.isfinite(x):
@@ -61,19 +61,20 @@ def _values(x, out: list[float], floats: bool = False) -> list[float]:
     elif isinstance(x, dict):
         for k, v in x.items():
             if k not in SKIP_KEYS:
-                if not floats and re.fullmatch(r"\d+\.\d+", k):  # a grid's setting, filed as a key
+                if keys and re.fullmatch(r"\d+\.\d+", k):  # a grid's setting, filed as a key
                     out.append(float(k))
-                _values(v, out, floats)
+                _values(v, out, floats, keys)
     elif isinstance(x, list):
         for v in x:
-            _values(v, out, floats)
+            _values(v, out, floats, keys)
     return out
 
 
 @cache
-def _file_values(name: str, floats: bool = False) -> tuple[float, ...]:
+def _file_values(name: str, floats: bool = False, keys: bool = False) -> tuple[float, ...]:
     """The numbers of benchmarks/results/<name> (a JSON file, or JSON lines); () if none. With
-    `floats`, only those JSON writes as floats: not its integers (settings, counts, steps)."""
+    `floats`, only those JSON writes as floats: not its integers (settings, counts, steps). With
+    `keys`, also the keys that are decimal numbers: a grid's settings ("0.71": its result)."""
     hits = [RESULTS / name] if (RESULTS / name).is_file() else list(RESULTS.rglob(Path(name).name))
     out: list[float] = []
     for path in hits:
@@ -84,7 +85,7 @@ def _file_values(name: str, floats: bool = False) -> tuple[float, ...]:
             else [json.loads(text)]
         )
         for row in rows:
-            _values(row, out, floats)
+            _values(row, out, floats, keys)
     return tuple(out)
 
 
@@ -304,8 +305,6 @@ UNIT_EXEMPT: dict[tuple[str, str], str] = {
     ("results.md", "read 0.29 and 0.51 on"): HISTORY + " (before issue 32's measure of utilisation)",
     ("results.md", "collective streaming 0.970"): HISTORY + " (earlier runs of this table)",
     ("results.md", "server streaming fp4 0.811"): HISTORY + " (earlier runs of this table)",
-    ("results.md", "(0.36 is worse;"): "a learning rate of the grid (a setting)",
-    ("results.md", "(0.79 is\nworse;"): "a learning rate of the grid (a setting)",
     ("results.md", "(0.129 / H)"): DERIVED + " (the formula's constant: bytes of a top-k value ÷ fp32's)",
     ("results.md", "gave 1.009 and 0.990"): "earlier runs during review, not kept (the text says so)",
     ("reproduction.md", "loss, a ratio: 1.84, 0.915;"): "examples of what the check reads (this test's own)",
@@ -441,7 +440,8 @@ def _unit_matches(written: str, unit: str, files: tuple[str, ...]) -> bool:
     tol = 0.5 * 10 ** -len(written.partition(".")[2]) * (1 + 1e-9)
     # a whole 12% or 50× is a measured ratio's, not a setting's 12 or 50 (1,938 MB may be bytes)
     floats = "." not in written and unit in ("%", "×")
-    values = (v for f in files for v in _file_values(f, floats))
+    # a grid's setting written bare ("0.71 ends at") may be its key; never with a unit (1.4% ≠ 1.4)
+    values = (v for f in files for v in _file_values(f, floats, keys=unit == ""))
     return any(abs(abs(v) * s - x) <= tol for v in values for s in SCALES[unit])
 
 
