@@ -65,7 +65,8 @@ Parts (`--part`, repeatable or a comma list; default all):
   data parallel re-tuned at these steps around part dp's pick (inner lr ÷2, ×1, ×2 at its
   warm-up); also its own JSON
   (reproduce_diloco_H500.json: `h500_vs_dp_gap`, `h500_bytes_ratio_vs_dp`, `h50_vs_dp_gap`) and
-  a figure of loss against outer rounds.
+  a figure of loss against outer rounds; per H, the curves' `peak` above their start and the gap
+  to data parallel at every evaluated step (`vs_dp_by_step`), which explain a miss by rounds.
 
 Runs are cached: each run's folder under `--workdir` is named by a hash of its full command
 (without `--out`, `--threads`, `--procs`; `--init-from` by the pretraining run's folder name,
@@ -281,6 +282,10 @@ class Tuned:
     def table(self, ctx: Ctx) -> dict[str, float | None]:
         return {_num(lr): _loss(ctx.result(self._grid_run(lr))) for lr in self.grid(ctx)}
 
+    def peaks(self, ctx: Ctx) -> dict[str, dict | None]:
+        """Each grid run's `peak` (its evaluation curve's highest point after the start)."""
+        return {_num(lr): peak(*ctx.curve(self._grid_run(lr).name)) for lr in self.grid(ctx)}
+
     def best_loss(self, ctx: Ctx) -> float | None:
         """The grid's best loss (the tuning split's, for a grid with `tune`)."""
         lr = self.best(ctx)
@@ -298,6 +303,11 @@ class Tuned:
     def runs(self, ctx: Ctx) -> list[Run]:
         lr = self.best(ctx)
         return [] if lr is None else [self.make(lr, s) for s in self.seeds]
+
+    def best_run(self, ctx: Ctx) -> Run | None:
+        """The grid's run at the best lr (the tuning seed's, for a grid with `tune`)."""
+        lr = self.best(ctx)
+        return None if lr is None else self._grid_run(lr)
 
 
 @dataclass
@@ -1114,6 +1124,29 @@ def _mean_curve(ctx: Ctx, runs: list[str]) -> tuple[list[int], list[float]]:
     return steps, [statistics.fmean(c[x] for c in curves) for x in steps]
 
 
+def peak(xs: list[int], ys: list[float]) -> dict | None:
+    """A curve's highest evaluation after its first (the start): where it is (`step`), what it
+    is (`val_loss`) and how far above the start (`vs_start`, negative for a curve that only
+    falls); None for a curve of fewer than two evaluations or one with a value not a number."""
+    if len(ys) < 2 or any(not (isinstance(y, float) and math.isfinite(y)) for y in ys):
+        return None
+    i = max(range(1, len(ys)), key=lambda j: ys[j])  # the first of equal highs
+    return {"step": xs[i], "val_loss": round(ys[i], 5), "vs_start": round(ys[i] / ys[0] - 1, 4)}
+
+
+def gap_by_step(ctx: Ctx, dp: dict, e: dict) -> dict[str, float] | None:
+    """DiLoCo's mean evaluation curve against data parallel's at each step both evaluated after
+    the start (relative, as `vs_dp`): how the gap moves with outer rounds. None when either has
+    no whole curve."""
+    xs, ys = _mean_curve(ctx, dp.get("runs") or [])
+    mx, my = _mean_curve(ctx, e.get("runs") or [])
+    if not xs or not mx:
+        return None
+    theirs = dict(zip(xs, ys, strict=True))
+    pairs = [(x, y) for x, y in zip(mx, my, strict=True) if x and x in theirs]
+    return {str(x): round((y - theirs[x]) / theirs[x], 4) for x, y in pairs}
+
+
 def steps_to_reach(xs: list[int], ys: list[float], target: float) -> float | None:
     """The step at which a curve first gets down to `target`, by linear interpolation between
     its evaluations; None if it never does."""
@@ -1671,6 +1704,8 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
 
     def report() -> dict:
         base = entry(ctx, dp.runs(ctx), tuning=dp.report(ctx))
+        dp_grid = dp.inner(ctx)
+        dp_tuned = dp_grid.best_run(ctx) if dp_grid else None
         by_H = {}
         for H, arm in tuned.items():
             t = arm.inner(ctx)
@@ -1681,6 +1716,17 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                 _with_match(ctx, base, e, steps)
             e["outer_lr_at_grid_edge"] = t.at_edge(ctx) if t else None
             e["lr_grid_tuning"] = t.table(ctx) if t else None
+            # the rounds-vs-H explanation: where the curves peak and how the gap moves with rounds
+            e["lr_grid_tuning_peak"] = t.peaks(ctx) if t else None
+            g = arm.inner_grid(ctx)
+            e["inner_lr_grid_tuning_peak"] = g.peaks(ctx) if g else None
+            picks = dp_tuned, t.best_run(ctx) if t else None  # both arms' picks on the tuning split
+            e["vs_dp_by_step_tuning"] = (
+                gap_by_step(ctx, {"runs": [picks[0].name]}, {"runs": [picks[1].name]}) if all(picks) else None
+            )
+            if lr is not None:
+                e["peak"] = peak(*_mean_curve(ctx, e.get("runs") or []))
+                e["vs_dp_by_step"] = gap_by_step(ctx, base, e)
             e["tuning"] = arm.report(ctx)
             picked = arm.picked(ctx)
             e["inner_lr"], e["warmup"] = picked if picked else (None, None)
@@ -1709,7 +1755,11 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             f"×/÷{_num(GRID_STEP)} at that inner lr; every grid widening at an edge; all on the tuning "
             "seed and split; dp_steps_to_match = the share of data parallel's steps after which its "
             "evaluation curve (mean over seeds) reaches DiLoCo's final evaluation (when null, "
-            "dp_steps_to_match_why says why)",
+            "dp_steps_to_match_why says why); peak = the mean evaluation curve's highest point "
+            "after the start (vs_start: relative to the start), lr_grid_tuning_peak and "
+            "inner_lr_grid_tuning_peak the same for each tuning run; vs_dp_by_step = the mean "
+            "curve against data parallel's at each evaluated step (H = 500: one per round), and "
+            "vs_dp_by_step_tuning the same for both picks' tuning runs",
         }
 
     # its plan holds part dp's k = 4 grids (the picks it centres on): the part has run once a run

@@ -100,3 +100,35 @@ def test_part_dp_reports_each_H_gap_steps_to_match_and_bytes_ratio():
                 assert row[f"bytes_ratio_vs_dp_{start}_H{H}"] == round(base / e["bytes_sent_per_worker"], 3)
                 checked += 1
     assert checked == len(dp["per_k"]) * len(dp["starts"]) * len(dp["hs"])
+
+
+@pytest.mark.timeout(30)
+def test_peak_is_the_highest_evaluation_after_the_start_and_says_how_far_above_it():
+    """Part H500's explanation of a miss by rounds: a curve that first rises (the average of
+    workers far apart) peaks above its start; one that only falls peaks below it."""
+    rd = _rd()
+    rises = rd.peak([0, 500, 1000, 1500], [2.0, 2.5, 3.0, 1.5])
+    assert rises == {"step": 1000, "val_loss": 3.0, "vs_start": 0.5}
+    falls = rd.peak([0, 50, 100], [2.0, 1.8, 1.6])
+    assert falls == {"step": 50, "val_loss": 1.8, "vs_start": -0.1}  # never above the start
+    assert rd.peak([0, 1, 2], [2.0, 3.0, 3.0])["step"] == 1  # the first of equal highs
+    assert rd.peak([0], [2.0]) is None  # no evaluation after the start
+    for bad in (None, float("nan")):
+        assert rd.peak([0, 1], [2.0, bad]) is None
+
+
+@pytest.mark.timeout(30)
+def test_gap_by_step_compares_the_mean_curves_at_each_step_both_evaluated_after_the_start():
+    rd = _rd()
+    ctx = _Curves(
+        {
+            "dp0": [(0, 3.0), (100, 2.0), (200, 1.0)],
+            "dp1": [(0, 3.0), (100, 2.0), (200, 1.0)],
+            "di0": [(0, 3.0), (100, 3.0), (150, 2.0), (200, 1.1)],  # 150: data parallel has none
+            "di1": [(0, 3.0), (100, 2.0), (200, 1.1)],  # mean: 2.5 at 100, 1.1 at 200
+        }
+    )
+    dp, di = {"runs": ["dp0", "dp1"]}, {"runs": ["di0", "di1"]}
+    assert rd.gap_by_step(ctx, dp, di) == {"100": 0.25, "200": 0.1}
+    assert rd.gap_by_step(ctx, dp, {"runs": ["gone"]}) is None
+    assert rd.gap_by_step(ctx, {"runs": []}, di) is None
