@@ -840,12 +840,14 @@ class Ctx:
         row["recorded"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         self.ledger.put(row)
 
-    def command(self, run: Run, resume: bool = False) -> list[str]:
+    def command(self, run: Run, resume: bool = False, stop_after: int | None = None) -> list[str]:
         """The run's `diloco train`; it checkpoints every tenth of its rounds (a checkpoint
         changes no result: the run's name ignores it), so a lane stopped mid-run continues it
-        (`resume`: from the folder's latest checkpoint, bit for bit) instead of starting over."""
+        (`resume`: from the folder's latest checkpoint, bit for bit) instead of starting over.
+        `stop_after`: a checkpoint after that round, then stop (benchmarks/h500_outer_step.py)."""
         cmd = [sys.executable, "-m", "diloco", "train"]
         tail = ["--threads", "1", "--procs", "1", "--no-progress"]
+        tail += [] if stop_after is None else ["--stop-after", str(stop_after)]
         if resume:
             return cmd + ["--resume", str(self.dir(run)), *tail]
         if self.quick:
@@ -895,15 +897,17 @@ class Ctx:
         self.ledger.save()
         return ok, record["elapsed_s"]
 
-    def _attempt(self, run: Run, resume: bool) -> tuple[subprocess.CompletedProcess, float]:
-        """One `diloco train` process (afresh in an emptied folder unless `resume`); `Stopped`
-        when a signal stopped it."""
+    def _attempt(
+        self, run: Run, resume: bool, stop_after: int | None = None
+    ) -> tuple[subprocess.CompletedProcess, float]:
+        """One `diloco train` process (afresh in an emptied folder unless `resume`; up to round
+        `stop_after` if given); `Stopped` when a signal stopped it."""
         if not resume:
             shutil.rmtree(self.dir(run), ignore_errors=True)  # an earlier attempt without a checkpoint
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
         t0 = time.perf_counter()
-        cmd = self.command(run, resume)
+        cmd = self.command(run, resume, stop_after)
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
         elapsed = round(time.perf_counter() - t0, 2)
         if proc.returncode in STOPPED:  # the lane was stopped: no result (a crash, -6 or -11, is one)
@@ -1724,9 +1728,8 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             e["vs_dp_by_step_tuning"] = (
                 gap_by_step(ctx, {"runs": [picks[0].name]}, {"runs": [picks[1].name]}) if all(picks) else None
             )
-            if lr is not None:
-                e["peak"] = peak(*_mean_curve(ctx, e.get("runs") or []))
-                e["vs_dp_by_step"] = gap_by_step(ctx, base, e)
+            e["peak"] = peak(*_mean_curve(ctx, e.get("runs") or [])) if lr is not None else None
+            e["vs_dp_by_step"] = gap_by_step(ctx, base, e) if lr is not None else None
             e["tuning"] = arm.report(ctx)
             picked = arm.picked(ctx)
             e["inner_lr"], e["warmup"] = picked if picked else (None, None)

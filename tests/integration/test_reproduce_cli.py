@@ -280,9 +280,7 @@ def test_a_run_stopped_after_a_checkpoint_resumes_from_it_to_the_same_result(tmp
     cmd[cmd.index("--out") + 1] = str(plain.dir(run))
     whole = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert whole.returncode == 0, whole.stderr
-    first = subprocess.run(
-        [*ctx.command(run), "--stop-after", "2"], env=env, capture_output=True, timeout=120
-    )
+    first = subprocess.run(ctx.command(run, stop_after=2), env=env, capture_output=True, timeout=120)
     assert first.returncode == 0, first.stderr
     assert not (ctx.dir(run) / "summary.json").exists()
     assert (ctx.dir(run) / "checkpoints" / "round-000002").is_dir()

@@ -61,8 +61,10 @@ def test_a_whole_arms_gaps_are_its_loss_against_both_picks_in_the_h500_json():
         pytest.skip("h500_outer_step.json not written yet")
     arms = json.loads(path.read_text())["arms"]
     h500 = json.loads((RESULTS / "reproduce_diloco_H500.json").read_text())
-    dp = h500["dp"]["tuning"]["grid"]["0.008"]  # data parallel's pick, 1.3154 (lr 8e-3)
-    tuned = h500["by_H"]["500"]["lr_grid_tuning"]["1"]  # H = 500's pick, outer lr 1
+    rd = benchmark_module("reproduce_diloco")
+    pick, tuning = h500["by_H"]["500"], h500["dp"]["tuning"]
+    dp = tuning["grid"][rd._num(tuning["lr"])]  # data parallel's pick (1.3154, lr 8e-3)
+    tuned = pick["lr_grid_tuning"][rd._num(pick["outer_lr"])]  # H = 500's pick (outer lr 1)
     whole = [a for a in arms.values() if a["rounds"] == 20]
     assert whole, "no arm ran all 20 rounds"
     for arm in whole:
@@ -71,3 +73,46 @@ def test_a_whole_arms_gaps_are_its_loss_against_both_picks_in_the_h500_json():
     for arm in arms.values():
         if arm["rounds"] < 20:  # stopped early: no final loss
             assert arm["val_loss"] is None and arm["vs_dp_pick"] is None
+
+
+@pytest.mark.timeout(60)
+def test_an_arm_entry_cuts_a_folder_that_ran_further_at_the_arms_rounds(tmp_path):
+    """A folder from a whole run (20 rounds) reused for a 3-round arm gives 3 rounds: its curve cut
+    there, no final loss; the same folder as a whole arm gives its summary's loss against both
+    picks. The folder is written here as `diloco train` writes it (metrics.jsonl, summary.json)."""
+    mod = benchmark_module("h500_outer_step")
+    ctx, arms = _arms(tmp_path)
+    run = arms["average"]
+    d = ctx.dir(run)
+    d.mkdir(parents=True)
+    rows = [{"kind": "eval", "inner_step": 500 * r, "split": "subset", "val_loss": 2.0 - r / 100,
+             "wall_time_s": 10.0 * r} for r in range(21)]  # fmt: skip
+    rows.insert(3, {"kind": "train", "inner_step": 1000, "loss": 9.0})  # not an evaluation
+    rows.append(
+        {"kind": "eval", "inner_step": 10_000, "split": "full", "val_loss": 1.5, "wall_time_s": 201.0}
+    )
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "summary.json").write_text(json.dumps({"val_loss": 1.6}))
+    part = mod.arm_entry(ctx, run, 3, dp_loss=1.5, tuned_loss=1.65)
+    assert part["curve"] == [[0, 2.0], [500, 1.99], [1000, 1.98], [1500, 1.97]]
+    assert part["val_loss"] is part["vs_dp_pick"] is part["vs_tuned_pick"] is None
+    assert part["wall_time_s"] == 30.0 and part["peak"]["step"] == 500
+    whole = mod.arm_entry(ctx, run, 20, dp_loss=1.5, tuned_loss=1.65)
+    assert len(whole["curve"]) == 21 and whole["curve"][-1] == [
+        10_000,
+        1.8,
+    ]  # the subset's, not the full split's
+    assert whole["val_loss"] == 1.6 and whole["vs_dp_pick"] == 0.0667 and whole["vs_tuned_pick"] == -0.0303
+    assert whole["outer"] == {"--outer-opt": "sgd", "--outer-lr": "1", "--outer-momentum": "0"}
+
+
+@pytest.mark.timeout(60)
+def test_arms_take_their_rounds_and_a_bad_arm_is_refused():
+    import argparse
+
+    mod = benchmark_module("h500_outer_step")
+    assert mod.arm_rounds("nesterov:3, average:20") == {"nesterov": 3, "average": 20}
+    assert mod.arm_rounds("average") == {"average": 3}
+    for bad in ("adam:3", "average:x", "average:-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            mod.arm_rounds(bad)
