@@ -223,7 +223,7 @@ def test_a_run_whose_process_a_signal_kills_leaves_no_result(tmp_path, signal_na
     ctx = _ctx(mod, tmp_path)
     run = ctx.dp(4, 0, True)
     kill = f"import os, signal; os.kill(os.getpid(), signal.{signal_name})"
-    ctx.command = lambda run, resume=False: [sys.executable, "-c", kill]
+    ctx.command = lambda run, resume=False, stop_after=None: [sys.executable, "-c", kill]
     (ctx.dir(run) / "checkpoints" / "round-000002").mkdir(parents=True)
     with pytest.raises(mod.Stopped, match=rf"stopped \(exit code {code}\)"):
         ctx.train(run)
@@ -231,7 +231,7 @@ def test_a_run_whose_process_a_signal_kills_leaves_no_result(tmp_path, signal_na
     assert (ctx.dir(run) / "checkpoints" / "round-000002").is_dir()
     assert not _ctx(mod, tmp_path).finished(run)  # a restart reads the ledger: nothing there
     crash = "import os; os.abort()"  # a crash is a result: failed, with its stderr
-    ctx.command = lambda run, resume=False: [sys.executable, "-c", crash]
+    ctx.command = lambda run, resume=False, stop_after=None: [sys.executable, "-c", crash]
     assert ctx.train(run)[0] is False and ctx.finished(run)
     assert json.loads((tmp_path / run.name / "failed.json").read_text())["returncode"] == -6
 
@@ -325,7 +325,12 @@ def test_a_resumed_run_that_fails_in_training_is_failed_not_run_again(tmp_path):
     (ctx.dir(run) / "checkpoints" / "round-000003").mkdir(parents=True)
     log = tmp_path / "attempts.txt"
     script = f"import sys; open({str(log)!r}, 'a').write(sys.argv[1] + chr(10)); sys.exit(3)"
-    ctx.command = lambda run, resume=False: [sys.executable, "-c", script, "resume" if resume else "fresh"]
+    ctx.command = lambda run, resume=False, stop_after=None: [
+        sys.executable,
+        "-c",
+        script,
+        "resume" if resume else "fresh",
+    ]
     assert ctx.train(run)[0] is False
     assert log.read_text().split() == ["resume"]  # one process: not started over
     failed = json.loads((ctx.dir(run) / "failed.json").read_text())
