@@ -66,7 +66,8 @@ Parts (`--part`, repeatable or a comma list; default all):
   warm-up); also its own JSON
   (reproduce_diloco_H500.json: `h500_vs_dp_gap`, `h500_bytes_ratio_vs_dp`, `h50_vs_dp_gap`) and
   a figure of loss against outer rounds; per H, the curves' `peak` above their start and the gap
-  to data parallel at every evaluated step (`vs_dp_by_step`), which explain a miss by rounds.
+  to data parallel at every evaluated step (`vs_dp_by_step`), which explain a miss by rounds; and
+  a figure of the tuning picks' curves (reproduce_H500_tuning.png), drawn once every arm has picked.
 
 Runs are cached: each run's folder under `--workdir` is named by a hash of its full command
 (without `--out`, `--threads`, `--procs`; `--init-from` by the pretraining run's folder name,
@@ -1151,6 +1152,31 @@ def gap_by_step(ctx: Ctx, dp: dict, e: dict) -> dict[str, float] | None:
     return {str(x): round((y - theirs[x]) / theirs[x], 4) for x, y in pairs}
 
 
+def per_round(lo: tuple[int, list[int], list[float]], hi: tuple[int, list[int], list[float]]) -> dict | None:
+    """Two H values' curves (each `(H, steps, val_losses)`) compared round for round, i.e. at equal
+    bytes: after the larger H's last round, where each is (`val_loss_hi`, `val_loss_lo`) and the
+    smaller H's relative to the larger's (`lo_vs_hi`), and the rounds after which the smaller H's
+    curve first reaches the larger's final evaluation (`lo_rounds_to_reach_hi`, interpolated; None
+    if it never does) and their ratio to the larger's rounds. None without both curves or when the
+    smaller H has no evaluation after that many rounds."""
+    (h_lo, xs_lo, ys_lo), (h_hi, xs_hi, ys_hi) = lo, hi
+    if not xs_lo or not xs_hi:
+        return None
+    rounds = xs_hi[-1] // h_hi
+    at = dict(zip(xs_lo, ys_lo, strict=True)).get(rounds * h_lo)
+    if at is None:
+        return None
+    reach = steps_to_reach(xs_lo, ys_lo, ys_hi[-1])
+    return {
+        "rounds": rounds,
+        "val_loss_hi": round(ys_hi[-1], 5),
+        "val_loss_lo": round(at, 5),
+        "lo_vs_hi": round(at / ys_hi[-1] - 1, 4),
+        "lo_rounds_to_reach_hi": None if reach is None else round(reach / h_lo, 1),
+        "lo_rounds_ratio": None if reach is None else round(reach / h_lo / rounds, 2),
+    }
+
+
 def steps_to_reach(xs: list[int], ys: list[float], target: float) -> float | None:
     """The step at which a curve first gets down to `target`, by linear interpolation between
     its evaluations; None if it never does."""
@@ -1728,6 +1754,7 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             e["vs_dp_by_step_tuning"] = (
                 gap_by_step(ctx, {"runs": [picks[0].name]}, {"runs": [picks[1].name]}) if all(picks) else None
             )
+            e["tuning_run"] = picks[1].name if picks[1] else None  # the pick's run (the tuning figure)
             e["peak"] = peak(*_mean_curve(ctx, e.get("runs") or [])) if lr is not None else None
             e["vs_dp_by_step"] = gap_by_step(ctx, base, e) if lr is not None else None
             e["tuning"] = arm.report(ctx)
@@ -1737,6 +1764,13 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             by_H[str(H)] = e
         lo, hi = (by_H.get(str(h), {}) for h in hs)
         gap, br = hi.get("vs_dp"), hi.get("bytes_ratio_vs_dp")
+        # the two H at equal bytes (rounds): the picks' tuning runs, and the reported mean curves
+        tuning_curves = [
+            (h, *ctx.curve(e["tuning_run"])) if e.get("tuning_run") else (h, [], [])
+            for h, e in zip(hs, (lo, hi), strict=True)
+        ]
+        mean_curves = [(h, *_mean_curve(ctx, e.get("runs") or [])) for h, e in zip(hs, (lo, hi), strict=True)]
+        base["tuning_run"] = dp_tuned.name if dp_tuned else None
         return {
             "k": K,
             "steps_per_worker": steps,
@@ -1748,6 +1782,10 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             f"h{hs[0]}_vs_dp_gap": lo.get("vs_dp"),
             f"h{hs[1]}_dp_steps_to_match": hi.get("dp_steps_to_match"),
             f"h{hs[0]}_dp_steps_to_match": lo.get("dp_steps_to_match"),
+            "per_round": per_round(*mean_curves)
+            if not any(e.get("missing") or e.get("failed") for e in (lo, hi))
+            else None,
+            "per_round_tuning": per_round(*tuning_curves),
             "target_within_2pct_at_400x_fewer_bytes": None
             if gap is None or br is None
             else bool(gap <= 0.02 and br >= 400),
@@ -1762,7 +1800,12 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             "after the start (vs_start: relative to the start), lr_grid_tuning_peak and "
             "inner_lr_grid_tuning_peak the same for each tuning run; vs_dp_by_step = the mean "
             "curve against data parallel's at each evaluated step (H = 500: one per round), and "
-            "vs_dp_by_step_tuning the same for both picks' tuning runs",
+            "vs_dp_by_step_tuning the same for both picks' tuning runs; tuning_run = the pick's tuning run "
+            "(its curve is in docs/figures/reproduce_H500_tuning.png); per_round = the two H's mean curves "
+            "at equal bytes: after the larger H's last round, each one's evaluation (val_loss_hi, "
+            "val_loss_lo, lo_vs_hi) and the rounds the smaller H needs to reach the larger's final "
+            "evaluation (lo_rounds_to_reach_hi, and its ratio to the larger's rounds); "
+            "per_round_tuning the same for the picks' tuning runs",
         }
 
     # its plan holds part dp's k = 4 grids (the picks it centres on): the part has run once a run
@@ -1872,6 +1915,57 @@ def _curve_runs(ctx: Ctx, part: str, r: dict) -> list[str]:
     return [e["runs"][0] for e in entries if e.get("runs")]
 
 
+def _h500_tuning_figure(ctx: Ctx, r: dict, where: Path, suffix: str = "") -> str | None:
+    """Part H500's picks on the tuning seed and split (data parallel's and each H's tuning run at
+    its picked lrs) against outer rounds and inner steps: where H = 500's rounds go, before the
+    reported seeds have run. None (nothing drawn) until every arm has picked and its run has a
+    curve; a y axis on a log scale, as H = 500's first rounds rise far above the rest."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    runs = {f"DiLoCo H={H}": e.get("tuning_run") for H, e in r["by_H"].items()}
+    runs["data parallel (k× batch)"] = r["dp"].get("tuning_run")
+    curves = {label: ctx.curve(name) if name else ([], []) for label, name in runs.items()}
+    if not all(xs for xs, _ in curves.values()):
+        return None
+    fig, (by_round, by_step) = plt.subplots(1, 2, figsize=(12, 4.6))
+    for (label, (xs, ys)), H in zip(curves.items(), [*r["by_H"], None], strict=True):
+        colour = "k" if H is None else None
+        by_step.plot(xs, ys, marker=".", label=label, color=colour)
+        if H is None:
+            by_round.axhline(ys[-1], color="k", ls=":", label="data parallel (its final evaluation)")
+        else:
+            by_round.plot([x / int(H) for x in xs], ys, marker=".", label=label)
+    by_round.set_xscale("symlog", linthresh=1)
+    by_round.set_xlim(left=0)
+    by_round.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 1, 10, 100
+    by_round.set_xlabel("outer rounds (one model-sized exchange each)")
+    by_step.set_xlabel("inner steps per worker (data parallel: its steps)")
+    lo, hi = by_step.get_ylim()
+    ticks = [y for y in (1, 1.1, 1.2, 1.3, 1.4, 1.5, 1.7, 2, 2.5, 3, 4, 6, 10, 20, 40) if lo <= y <= hi]
+    for ax in (by_round, by_step):
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_ylabel("val_loss (the tuning split's fixed subset, log scale)")
+        ax.legend()
+        ax.grid(alpha=0.3, which="both")
+    fig.suptitle(
+        f"the tuning picks: k={r['k']}, warm, {r['steps_per_worker']} steps per worker, "
+        f"tuning seed {TUNE_SEED}"
+    )
+    fig.tight_layout()
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"reproduce_H500_tuning{suffix}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
 def figures(ctx: Ctx, report: dict, where: Path, suffix: str = "") -> list[str]:
     import matplotlib
 
@@ -1884,6 +1978,8 @@ def figures(ctx: Ctx, report: dict, where: Path, suffix: str = "") -> list[str]:
     for part, r in report.items():
         if part not in PARTS or not isinstance(r, dict) or r.get("status") == "not run":
             continue
+        if part == "H500" and (path := _h500_tuning_figure(ctx, r, where, suffix)):
+            drawn.append(path)  # the tuning seed's picks: drawn once they are known, before the rest
         if r["wall_time"]["runs_missing"]:  # a part half run would overwrite its figure with less
             continue
         if any(not ctx.curve(name)[0] for name in _curve_runs(ctx, part, r)):
@@ -2029,6 +2125,7 @@ def figures(ctx: Ctx, report: dict, where: Path, suffix: str = "") -> list[str]:
             if mean(r["dp"]) is not None:
                 by_round.axhline(mean(r["dp"]), color="k", ls=":", label="data parallel (final, mean)")
             by_round.set_xscale("symlog", linthresh=1)
+            by_round.set_xlim(left=0)
             by_round.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 1, 10, 100
             by_round.set_xlabel("outer rounds (one model-sized exchange each)")
             by_step.set_xlabel("inner steps per worker (data parallel: its steps)")

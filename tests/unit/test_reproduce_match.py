@@ -132,3 +132,65 @@ def test_gap_by_step_compares_the_mean_curves_at_each_step_both_evaluated_after_
     assert rd.gap_by_step(ctx, dp, di) == {"100": 0.25, "200": 0.1}
     assert rd.gap_by_step(ctx, dp, {"runs": ["gone"]}) is None
     assert rd.gap_by_step(ctx, {"runs": []}, di) is None
+
+
+@pytest.mark.timeout(60)
+def test_h500_tuning_figure_waits_for_every_pick_then_plots_their_curves(tmp_path, monkeypatch):
+    """Part H500's tuning figure: nothing until every arm has a pick with a curve; then each H's
+    pick against outer rounds (its steps ÷ H) and inner steps, and data parallel's pick against
+    steps, with its final evaluation as the rounds panel's reference line."""
+    import matplotlib.figure
+
+    rd = _rd()
+    ctx = _Curves(
+        {
+            "dp": [(0, 2.2), (500, 1.8), (1000, 1.5)],
+            "h50": [(0, 2.2), (500, 1.9), (1000, 1.6)],
+            "h500": [(0, 2.2), (500, 4.0), (1000, 1.7)],
+        }
+    )
+    r = {"k": 4, "steps_per_worker": 1000, "dp": {"tuning_run": "dp"}}
+    r["by_H"] = {"50": {"tuning_run": "h50"}, "500": {"tuning_run": None}}  # H = 500 has not picked
+    assert rd._h500_tuning_figure(ctx, r, tmp_path) is None
+    r["by_H"]["500"]["tuning_run"] = "gone"  # a pick without a curve
+    assert rd._h500_tuning_figure(ctx, r, tmp_path) is None
+    assert not list(tmp_path.iterdir())
+
+    saved = []
+    keep = lambda fig, path, **kw: saved.append((fig, path))  # noqa: E731  (the drawn figure, unsaved)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    r["by_H"]["500"]["tuning_run"] = "h500"
+    path = rd._h500_tuning_figure(ctx, r, tmp_path, "_x")
+    assert path == str(tmp_path / "reproduce_H500_tuning_x.png")
+    ((fig, where),) = saved
+    by_round, by_step = fig.axes
+    lines = {ln.get_label(): ln for ln in by_round.lines}
+    assert list(lines["DiLoCo H=50"].get_xdata()) == [0, 10, 20]
+    assert list(lines["DiLoCo H=500"].get_xdata()) == [0, 1, 2]
+    assert list(lines["data parallel (its final evaluation)"].get_ydata()) == [1.5, 1.5]
+    steps = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in by_step.lines}
+    assert steps["data parallel (k× batch)"] == ([0, 500, 1000], [2.2, 1.8, 1.5])
+    assert steps["DiLoCo H=500"] == ([0, 500, 1000], [2.2, 4.0, 1.7])
+
+
+@pytest.mark.timeout(30)
+def test_per_round_compares_two_H_at_equal_bytes_by_hand():
+    """H = 500's explanation in bytes: after H = 500's rounds, where H = 50 is, and how many of its
+    rounds it needs to reach H = 500's end (interpolated between its evaluations)."""
+    rd = _rd()
+    hi = (500, [0, 500, 1000], [2.0, 4.0, 1.5])  # 2 rounds, ends at 1.5
+    lo = (50, [0, 100, 200, 300], [2.0, 1.8, 1.6, 1.4])  # round 2 (step 100): 1.8; 1.5 at step 250
+    assert rd.per_round(lo, hi) == {
+        "rounds": 2,
+        "val_loss_hi": 1.5,
+        "val_loss_lo": 1.8,
+        "lo_vs_hi": 0.2,
+        "lo_rounds_to_reach_hi": 5.0,
+        "lo_rounds_ratio": 2.5,
+    }
+    never = (50, [0, 100, 200], [2.0, 1.8, 1.6])
+    assert rd.per_round(never, hi)["lo_rounds_to_reach_hi"] is None
+    assert rd.per_round(never, hi)["lo_rounds_ratio"] is None
+    assert rd.per_round((50, [0, 50], [2.0, 1.9]), hi) is None  # no evaluation after round 2
+    assert rd.per_round((50, [], []), hi) is None
+    assert rd.per_round(lo, (500, [], [])) is None
