@@ -52,15 +52,9 @@ def _log(text: str) -> None:
 
 
 def _ctx(workdir: Path) -> rd.Ctx:
-    """reproduce_diloco's context as its lane runs part H500 (nano, 3 seeds), with the ledger in
-    git (read only) and run folders in `workdir`."""
-    args = argparse.Namespace(
-        quick=False, ks=rd.DP_KS, starts=("scratch", "warm"), lr_grid=rd.OUTER_LR_GRID, serial_ks=None,
-        model="nano", steps=1000, H=50, hs=None, h_k=rd.K, seeds=3, pretrain_steps=1000, jobs=2,
-        workdir=workdir, ledger=rd.RESULTS / "reproduce_ledger" / "runs.jsonl",
-    )  # fmt: skip
-    args.serial_ks = args.ks
-    return rd.Ctx(args)
+    """reproduce_diloco's context at its defaults (nano, 3 seeds: as its lane runs part H500), with
+    the ledger in git (read only) and run folders in `workdir`."""
+    return rd.Ctx(rd.parse_args(["--workdir", str(workdir)]))
 
 
 def make_arms(ctx: rd.Ctx, pick: dict) -> dict[str, rd.Run]:
@@ -98,12 +92,7 @@ def arm_entry(ctx: rd.Ctx, run: rd.Run, rounds: int, dp_loss: float, tuned_loss:
     there): its evaluation curve, `peak`, the run's own wall time to there and, for a whole run,
     its final loss on the tuning split against both picks'."""
     d = ctx.dir(run)
-    evals = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    evals = [
-        e
-        for e in evals
-        if e.get("kind") == "eval" and e.get("split", "subset") == "subset" and e["inner_step"] <= rounds * H
-    ]
+    evals = [e for e in ctx.evals(run.name) or [] if e["inner_step"] <= rounds * H]
     xs, ys = [e["inner_step"] for e in evals], [e["val_loss"] for e in evals]
     summary = d / "summary.json"
     whole = rounds == rd.H500_STEPS // H and summary.is_file()

@@ -795,15 +795,22 @@ class Ctx:
             self._results[run.name] = res
         return res
 
-    def curve(self, name: str) -> tuple[list[int], list[float]]:
-        """The evaluations on the fixed subset of a run: from its metrics.jsonl, else the ledger."""
+    def evals(self, name: str) -> list[dict] | None:
+        """A run's evaluations on the fixed subset (metrics.jsonl's records), None without a folder
+        that has a metrics.jsonl."""
         path = self.workdir / name / "metrics.jsonl"
         if not path.is_file():
+            return None
+        evals = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        return [e for e in evals if e.get("kind") == "eval" and e.get("split", "subset") == "subset"]
+
+    def curve(self, name: str) -> tuple[list[int], list[float]]:
+        """The evaluations on the fixed subset of a run: from its metrics.jsonl, else the ledger."""
+        evals = self.evals(name)
+        if evals is None:
             row = self.ledger.rows.get(name) or {}
             points = row.get("curve") or []
             return [int(x) for x, _ in points], [None if y is None else float(y) for _, y in points]
-        evals = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-        evals = [e for e in evals if e.get("kind") == "eval" and e.get("split", "subset") == "subset"]
         return [e["inner_step"] for e in evals], [e["val_loss"] for e in evals]
 
     def keep(self, run: Run) -> None:
@@ -2267,7 +2274,10 @@ def _words(text: str) -> tuple[str, ...]:
     return words
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line with its defaults settled (H, the H values, workdir, ledger, JSON, figures)
+    and checked (exit code 2 on a bad one): what `Ctx` and main read. Also used by the benchmarks
+    that rerun part H500's runs (h500_outer_step.py), so their runs are named as the lane's."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--part", action="append", help=f"{'|'.join(PARTS)}; repeatable or a comma list (default all)"
@@ -2340,8 +2350,8 @@ def main() -> None:
         help="with --pending: the output of earlier invocations' --pending, whose runs this one does not "
         "count again (a lane of several invocations that share runs)",
     )
-    args = ap.parse_args()
-    parts = _parts(args.part)
+    args = ap.parse_args(argv)
+    args.parts = parts = _parts(args.part)
     args.H, hs = 50, args.hs or HS
     suffix = "" if args.model == "nano" else f"_{args.model}"
     if args.quick:
@@ -2350,14 +2360,14 @@ def main() -> None:
         suffix = "_quick"
     args.hs = tuple(sorted({*hs, args.H}))  # the baseline H always runs
     args.workdir = args.workdir or RESULTS / f"reproduce{suffix}_runs"  # *_runs/ is git-ignored
-    h_suffix = "" if args.h_k == K else f"_k{args.h_k}"  # part H at another k: its own files
+    args.h_suffix = h_suffix = "" if args.h_k == K else f"_k{args.h_k}"  # part H at another k: its own files
     args.out = args.out or RESULTS / f"reproduce_diloco{suffix}{'_H' if h_suffix else ''}{h_suffix}.json"
-    ledger_dir = args.ledger or (
+    args.ledger_dir = ledger_dir = args.ledger or (
         args.workdir / "_ledger" if args.quick else RESULTS / f"reproduce{suffix}_ledger"
     )
     args.ledger = ledger_dir / "runs.jsonl"  # Ctx reads the file
-    where = args.workdir / "figures" if args.quick else FIGURES
-    fig_suffix = ("" if args.model == "nano" or args.quick else f"_{args.model}") + h_suffix
+    args.figures = args.workdir / "figures" if args.quick else FIGURES
+    args.fig_suffix = ("" if args.model == "nano" or args.quick else f"_{args.model}") + h_suffix
     args.dp_hs = tuple(args.dp_hs or (args.H,))
     bad = [h for h in {*args.hs, *args.dp_hs} if h < 1 or args.steps % h] + (  # args.hs holds args.H
         [args.H] if args.pretrain_steps % args.H else []
@@ -2371,7 +2381,7 @@ def main() -> None:
             f"--steps and --pretrain-steps must be multiples of every H {args.hs} (each ≥ 1); "
             "--seeds, --jobs ≥ 1"
         )
-    counted: set[str] = set()
+    args.counted = counted = set()
     for path in args.pending_after or []:
         try:
             counted |= set(json.loads(path.read_text())["runs"])
@@ -2380,6 +2390,12 @@ def main() -> None:
                 f"--pending-after {path}: not the output of --pending ({type(e).__name__}: {e}); "
                 "give the JSON an earlier `--pending` printed"
             )
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    parts, h_suffix, ledger_dir = args.parts, args.h_suffix, args.ledger_dir
     ctx = Ctx(args)
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.quick:
@@ -2389,7 +2405,7 @@ def main() -> None:
     before = {p: dict(v) for p, v in timing.items()}  # earlier invocations' totals
     built = {p: BUILDERS[p](ctx) for p in PARTS}
     if args.pending:
-        print(json.dumps(pending(ctx, {p: built[p][0] for p in parts}, frozenset(counted)), indent=1))
+        print(json.dumps(pending(ctx, {p: built[p][0] for p in parts}, frozenset(args.counted)), indent=1))
         return
     t0 = time.perf_counter()
 
@@ -2457,7 +2473,7 @@ def main() -> None:
             "jobs": t.get("jobs"),
         }
         result[p] = part
-    drawn = figures(ctx, {p: result[p] for p in reported}, where, fig_suffix)
+    drawn = figures(ctx, {p: result[p] for p in reported}, args.figures, args.fig_suffix)
     result["figures"] = [str(Path(d).relative_to(ROOT)) if Path(d).is_relative_to(ROOT) else d for d in drawn]
     if args.plot_only:
         _log(f"figures: {', '.join(drawn)}")
