@@ -1165,9 +1165,10 @@ def per_round(lo: tuple[int, list[int], list[float]], hi: tuple[int, list[int], 
     smaller H's relative to the larger's (`lo_vs_hi`), and the rounds after which the smaller H's
     curve first reaches the larger's final evaluation (`lo_rounds_to_reach_hi`, interpolated; None
     if it never does) and their ratio to the larger's rounds. None without both curves or when the
-    smaller H has no evaluation after that many rounds."""
+    smaller H has no evaluation after that many rounds, or a curve holds a value not a number."""
     (h_lo, xs_lo, ys_lo), (h_hi, xs_hi, ys_hi) = lo, hi
-    if not xs_lo or not xs_hi:
+    finite = all(isinstance(y, float) and math.isfinite(y) for y in (*ys_lo, *ys_hi))
+    if not xs_lo or not xs_hi or not finite:
         return None
     rounds = xs_hi[-1] // h_hi
     at = dict(zip(xs_lo, ys_lo, strict=True)).get(rounds * h_lo)
@@ -1936,7 +1937,7 @@ def _h500_tuning_figure(ctx: Ctx, r: dict, where: Path, suffix: str = "") -> str
     runs = {f"DiLoCo H={H}": e.get("tuning_run") for H, e in r["by_H"].items()}
     runs["data parallel (k× batch)"] = r["dp"].get("tuning_run")
     curves = {label: ctx.curve(name) if name else ([], []) for label, name in runs.items()}
-    if not all(xs for xs, _ in curves.values()):
+    if not all(xs and all(y is not None for y in ys) for xs, ys in curves.values()):
         return None
     fig, (by_round, by_step) = plt.subplots(1, 2, figsize=(12, 4.6))
     for (label, (xs, ys)), H in zip(curves.items(), [*r["by_H"], None], strict=True):

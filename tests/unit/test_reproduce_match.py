@@ -194,3 +194,5 @@ def test_per_round_compares_two_H_at_equal_bytes_by_hand():
     assert rd.per_round((50, [0, 50], [2.0, 1.9]), hi) is None  # no evaluation after round 2
     assert rd.per_round((50, [], []), hi) is None
     assert rd.per_round(lo, (500, [], [])) is None
+    assert rd.per_round((50, [0, 100], [2.0, None]), hi) is None  # an evaluation that is not a number
+    assert rd.per_round(lo, (500, [0, 500, 1000], [2.0, 4.0, float("nan")])) is None
