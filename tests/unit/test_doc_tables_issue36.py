@@ -87,6 +87,20 @@ def test_the_h500_table_has_data_parallel_and_each_H_with_its_grids_gap_and_byte
 
 
 @pytest.mark.timeout(30)
+def test_the_h500_table_says_how_many_seeds_a_mean_has_while_some_have_not_run():
+    """A lane half way through part H500's reported seeds: the mean is of the seeds that ran."""
+    import copy
+
+    part = copy.deepcopy(DATA["H500"])
+    dp = part["dp"]
+    assert len(dp["runs"]) == 2 and dp["val_loss"]["n"] == 2  # the fixture: 2 seeds, both run
+    dp["val_loss"] = {"mean": 1.3110, "min": 1.3110, "max": 1.3110, "n": 1}
+    line = _tables().h500(part).splitlines()[2]
+    assert line.endswith("| 1.3110 (1.3110–1.3110; 1 of 2 seeds) | — | — | — |"), line
+    assert "of 2 seeds" not in _tables().h500(DATA["H500"])  # every seed run: no count
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("start", ["warm", "scratch"])
 def test_the_dp_tables_show_each_start_with_every_arm_tuned_pick(start):
     """Part dp's table per start: its losses from the JSON, and a row of each k's picks."""
