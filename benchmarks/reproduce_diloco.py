@@ -1771,7 +1771,12 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             e["bytes_ratio_vs_dp"] = ratio(base.get("bytes_sent_per_worker"), e.get("bytes_sent_per_worker"))
             by_H[str(H)] = e
         lo, hi = (by_H.get(str(h), {}) for h in hs)
-        gap, br = hi.get("vs_dp"), hi.get("bytes_ratio_vs_dp")
+
+        def whole(e: dict) -> bool:  # every seed has run: a headline compares whole means only
+            return bool(e.get("runs")) and not (e.get("missing") or e.get("failed"))
+
+        gap = hi.get("vs_dp") if whole(hi) and whole(base) else None
+        br = hi.get("bytes_ratio_vs_dp")
         # the two H at equal bytes (rounds): the picks' tuning runs, and the reported mean curves
         tuning_curves = [
             (h, *ctx.curve(e["tuning_run"])) if e.get("tuning_run") else (h, [], [])
@@ -1787,12 +1792,10 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             "by_H": by_H,
             f"h{hs[1]}_vs_dp_gap": gap,
             f"h{hs[1]}_bytes_ratio_vs_dp": br,
-            f"h{hs[0]}_vs_dp_gap": lo.get("vs_dp"),
+            f"h{hs[0]}_vs_dp_gap": lo.get("vs_dp") if whole(lo) and whole(base) else None,
             f"h{hs[1]}_dp_steps_to_match": hi.get("dp_steps_to_match"),
             f"h{hs[0]}_dp_steps_to_match": lo.get("dp_steps_to_match"),
-            "per_round": per_round(*mean_curves)
-            if not any(e.get("missing") or e.get("failed") for e in (lo, hi))
-            else None,
+            "per_round": per_round(*mean_curves) if whole(lo) and whole(hi) else None,
             "per_round_tuning": per_round(*tuning_curves),
             "target_within_2pct_at_400x_fewer_bytes": None
             if gap is None or br is None
@@ -1813,7 +1816,9 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             "at equal bytes: after the larger H's last round, each one's evaluation (val_loss_hi, "
             "val_loss_lo, lo_vs_hi) and the rounds the smaller H needs to reach the larger's final "
             "evaluation (lo_rounds_to_reach_hi, and its ratio to the larger's rounds); "
-            "per_round_tuning the same for the picks' tuning runs",
+            "per_round_tuning the same for the picks' tuning runs; the headline gaps (h*_vs_dp_gap) are null "
+            "until both arms have run every seed (by_H's vs_dp is of the seeds run so far, "
+            "vs_dp_paired of the seeds both have)",
         }
 
     # its plan holds part dp's k = 4 grids (the picks it centres on): the part has run once a run

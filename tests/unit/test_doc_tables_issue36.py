@@ -88,16 +88,22 @@ def test_the_h500_table_has_data_parallel_and_each_H_with_its_grids_gap_and_byte
 
 @pytest.mark.timeout(30)
 def test_the_h500_table_says_how_many_seeds_a_mean_has_while_some_have_not_run():
-    """A lane half way through part H500's reported seeds: the mean is of the seeds that ran."""
+    """A lane half way through part H500's reported seeds (data parallel's seed 0 only): the mean
+    is of the seeds that ran, and a gap only of the seeds both arms have, not of unequal means."""
     import copy
 
-    part = copy.deepcopy(DATA["H500"])
-    dp = part["dp"]
+    tables, part = _tables(), copy.deepcopy(DATA["H500"])
+    dp, h10 = part["dp"], part["by_H"]["10"]
     assert len(dp["runs"]) == 2 and dp["val_loss"]["n"] == 2  # the fixture: 2 seeds, both run
-    dp["val_loss"] = {"mean": 1.3110, "min": 1.3110, "max": 1.3110, "n": 1}
-    line = _tables().h500(part).splitlines()[2]
-    assert line.endswith("| 1.3110 (1.3110–1.3110; 1 of 2 seeds) | — | — | — |"), line
-    assert "of 2 seeds" not in _tables().h500(DATA["H500"])  # every seed run: no count
+    first = dp["per_seed"]["0"]
+    dp["per_seed"] = {"0": first}
+    dp["val_loss"] = {"mean": first, "min": first, "max": first, "n": 1}
+    paired = h10["per_seed"]["0"] / first - 1  # as reproduce_diloco's versus() pairs them
+    h10["vs_dp_paired"] = {"mean": paired, "min": paired, "max": paired, "n": 1}
+    lines = tables.h500(part).splitlines()
+    assert lines[2].endswith(f"| {first:.4f} ({first:.4f}–{first:.4f}; 1 of 2 seeds) | — | — | — |"), lines[2]
+    assert f"| {tables._pct(paired, 2)} on seed 0 (paired; 1 of 2 seeds) |" in lines[3], lines[3]
+    assert "of 2 seeds" not in tables.h500(DATA["H500"])  # every seed run: no count, the mean's gap
 
 
 @pytest.mark.timeout(30)
