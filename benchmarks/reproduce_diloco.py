@@ -1942,7 +1942,9 @@ def _h500_tuning_figure(ctx: Ctx, r: dict, where: Path, suffix: str = "") -> str
     runs = {f"DiLoCo H={H}": e.get("tuning_run") for H, e in r["by_H"].items()}
     runs["data parallel (k× batch)"] = r["dp"].get("tuning_run")
     curves = {label: ctx.curve(name) if name else ([], []) for label, name in runs.items()}
-    if not all(xs and all(y is not None for y in ys) for xs, ys in curves.values()):
+    if not all(
+        xs and all(isinstance(y, float) and math.isfinite(y) for y in ys) for xs, ys in curves.values()
+    ):
         return None
     fig, (by_round, by_step) = plt.subplots(1, 2, figsize=(12, 4.6))
     for (label, (xs, ys)), H in zip(curves.items(), [*r["by_H"], None], strict=True):

@@ -101,7 +101,7 @@ def test_the_h500_table_says_how_many_seeds_a_mean_has_while_some_have_not_run()
     paired = h10["per_seed"]["0"] / first - 1  # as reproduce_diloco's versus() pairs them
     h10["vs_dp_paired"] = {"mean": paired, "min": paired, "max": paired, "n": 1}
     lines = tables.h500(part).splitlines()
-    assert lines[2].endswith(f"| {first:.4f} ({first:.4f}–{first:.4f}; 1 of 2 seeds) | — | — | — |"), lines[2]
+    assert lines[2].endswith(f"| {first:.4f} (seed 0; 1 of 2 seeds) | — | — | — |"), lines[2]
     assert f"| {tables._pct(paired, 2)} on seed 0 (paired; 1 of 2 seeds) |" in lines[3], lines[3]
     assert "of 2 seeds" not in tables.h500(DATA["H500"])  # every seed run: no count, the mean's gap
 

@@ -154,6 +154,9 @@ def test_h500_tuning_figure_waits_for_every_pick_then_plots_their_curves(tmp_pat
     assert rd._h500_tuning_figure(ctx, r, tmp_path) is None
     r["by_H"]["500"]["tuning_run"] = "gone"  # a pick without a curve
     assert rd._h500_tuning_figure(ctx, r, tmp_path) is None
+    ctx.curves["nan"] = [(0, 2.2), (500, float("nan")), (1000, 1.7)]  # a pick that diverged
+    r["by_H"]["500"]["tuning_run"] = "nan"
+    assert rd._h500_tuning_figure(ctx, r, tmp_path) is None
     assert not list(tmp_path.iterdir())
 
     saved = []
@@ -163,6 +166,7 @@ def test_h500_tuning_figure_waits_for_every_pick_then_plots_their_curves(tmp_pat
     path = rd._h500_tuning_figure(ctx, r, tmp_path, "_x")
     assert path == str(tmp_path / "reproduce_H500_tuning_x.png")
     ((fig, where),) = saved
+    assert str(where) == path
     by_round, by_step = fig.axes
     lines = {ln.get_label(): ln for ln in by_round.lines}
     assert list(lines["DiLoCo H=50"].get_xdata()) == [0, 10, 20]
@@ -196,3 +200,50 @@ def test_per_round_compares_two_H_at_equal_bytes_by_hand():
     assert rd.per_round(lo, (500, [], [])) is None
     assert rd.per_round((50, [0, 100], [2.0, None]), hi) is None  # an evaluation that is not a number
     assert rd.per_round(lo, (500, [0, 500, 1000], [2.0, 4.0, float("nan")])) is None
+
+
+@pytest.mark.timeout(60)
+def test_part_H500_headline_gaps_wait_for_every_seed_of_both_arms(tmp_path):
+    """Part H500's report from the ledger in git, its reported seeds set by hand in memory (the
+    file is not written): with H = 50 half run, its headline gap and `per_round` are null (a mean
+    of one seed against a mean of three is not a comparison) while its row's paired gap is of the
+    seeds both have; with every seed of both H run, the gaps are the means' (computed here by hand)
+    and `per_round` compares the mean curves."""
+    rd = _rd()
+
+    def state(seeds: dict[str, tuple[int, ...]]):
+        """A context whose ledger holds, of each H's reported runs, those of `seeds` (each a copy
+        of that H's tuning pick's row with its val_loss shifted by the seed)."""
+        ctx = rd.Ctx(rd.parse_args(["--workdir", str(tmp_path)]))
+        by_H = rd.part_H500(ctx)[1]()["by_H"]
+        for H, e in by_H.items():
+            pick = ctx.ledger.rows[e["tuning_run"]]
+            for seed, name in enumerate(e["runs"]):
+                ctx.ledger.rows.pop(name, None)
+                if seed in seeds.get(H, ()):
+                    summary = {**pick["summary"], "val_loss": pick["summary"]["val_loss"] + seed / 100}
+                    ctx.ledger.rows[name] = {**pick, "name": name, "summary": summary}
+        return ctx, rd.part_H500(ctx)[1]()
+
+    ctx, r = state({"50": (0,)})
+    dp = r["dp"]
+    assert dp["val_loss"]["n"] == 3, "the ledger in git holds data parallel's three reported seeds"
+    h50 = r["by_H"]["50"]
+    assert h50["val_loss"]["n"] == 1 and h50["vs_dp"] is not None  # of the seeds run so far
+    assert h50["vs_dp_paired"]["mean"] == pytest.approx(
+        h50["per_seed"]["0"] / dp["per_seed"]["0"] - 1, abs=1e-5
+    )
+    assert r["h50_vs_dp_gap"] is None and r["h500_vs_dp_gap"] is None and r["per_round"] is None
+    assert r["target_within_2pct_at_400x_fewer_bytes"] is None
+
+    ctx, r = state({"50": (0, 1, 2)})
+    m50, mdp = r["by_H"]["50"]["val_loss"]["mean"], r["dp"]["val_loss"]["mean"]
+    assert r["h50_vs_dp_gap"] == pytest.approx((m50 - mdp) / mdp, abs=2e-6)
+    assert r["h500_vs_dp_gap"] is None and r["per_round"] is None  # H = 500 has not run
+
+    ctx, r = state({"50": (0, 1, 2), "500": (0, 1, 2)})
+    m500 = r["by_H"]["500"]["val_loss"]["mean"]
+    assert r["h500_vs_dp_gap"] == pytest.approx((m500 - mdp) / mdp, abs=2e-6)
+    assert r["target_within_2pct_at_400x_fewer_bytes"] is (r["h500_vs_dp_gap"] <= 0.02)  # bytes 500×
+    curves = [(int(H), *rd._mean_curve(ctx, e["runs"])) for H, e in r["by_H"].items()]
+    assert r["per_round"] == rd.per_round(*curves) == r["per_round_tuning"]  # copies of the picks' curves
