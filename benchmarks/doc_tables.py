@@ -480,7 +480,7 @@ def _loss_seeds(e: dict) -> str:
     """`_loss`, saying how many of the planned seeds it is while some have not run:
     1.3164 (1.3110–1.3218; 2 of 3 seeds), or 1.3322 (seed 0; 1 of 3 seeds)."""
     text, stats, planned = _loss(e.get("val_loss")), e.get("val_loss") or {}, len(e.get("runs") or [])
-    if stats.get("mean") is None or stats.get("n", planned) >= planned:
+    if stats.get("mean") is None or not _partial(e):
         return text
     if stats["n"] == 1:  # one seed: no range
         seed = next(iter(e.get("per_seed") or {"?": None}))

@@ -1782,7 +1782,11 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             (h, *ctx.curve(e["tuning_run"])) if e.get("tuning_run") else (h, [], [])
             for h, e in zip(hs, (lo, hi), strict=True)
         ]
-        mean_curves = [(h, *_mean_curve(ctx, e.get("runs") or [])) for h, e in zip(hs, (lo, hi), strict=True)]
+        mean_curves = (  # the reported seeds' mean curves, once every seed of both H has run
+            [(h, *_mean_curve(ctx, e["runs"])) for h, e in zip(hs, (lo, hi), strict=True)]
+            if whole(lo) and whole(hi)
+            else None
+        )
         base["tuning_run"] = dp_tuned.name if dp_tuned else None
         return {
             "k": K,
@@ -1795,7 +1799,7 @@ def part_H500(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             f"h{hs[0]}_vs_dp_gap": lo.get("vs_dp") if whole(lo) and whole(base) else None,
             f"h{hs[1]}_dp_steps_to_match": hi.get("dp_steps_to_match"),
             f"h{hs[0]}_dp_steps_to_match": lo.get("dp_steps_to_match"),
-            "per_round": per_round(*mean_curves) if whole(lo) and whole(hi) else None,
+            "per_round": per_round(*mean_curves) if mean_curves else None,
             "per_round_tuning": per_round(*tuning_curves),
             "target_within_2pct_at_400x_fewer_bytes": None
             if gap is None or br is None
@@ -1928,6 +1932,17 @@ def _curve_runs(ctx: Ctx, part: str, r: dict) -> list[str]:
     return [e["runs"][0] for e in entries if e.get("runs")]
 
 
+def _rounds_and_steps(by_round, by_step) -> None:
+    """Part H500's two x axes: outer rounds (the bytes; 0, 1, 10, 100) and inner steps (the compute)."""
+    import matplotlib.ticker
+
+    by_round.set_xscale("symlog", linthresh=1)
+    by_round.set_xlim(left=0)
+    by_round.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 1, 10, 100
+    by_round.set_xlabel("outer rounds (one model-sized exchange each)")
+    by_step.set_xlabel("inner steps per worker (data parallel: its steps)")
+
+
 def _h500_tuning_figure(ctx: Ctx, r: dict, where: Path, suffix: str = "") -> str | None:
     """Part H500's picks on the tuning seed and split (data parallel's and each H's tuning run at
     its picked lrs) against outer rounds and inner steps: where H = 500's rounds go, before the
@@ -1954,11 +1969,7 @@ def _h500_tuning_figure(ctx: Ctx, r: dict, where: Path, suffix: str = "") -> str
             by_round.axhline(ys[-1], color="k", ls=":", label="data parallel (its final evaluation)")
         else:
             by_round.plot([x / int(H) for x in xs], ys, marker=".", label=label)
-    by_round.set_xscale("symlog", linthresh=1)
-    by_round.set_xlim(left=0)
-    by_round.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 1, 10, 100
-    by_round.set_xlabel("outer rounds (one model-sized exchange each)")
-    by_step.set_xlabel("inner steps per worker (data parallel: its steps)")
+    _rounds_and_steps(by_round, by_step)
     lo, hi = by_step.get_ylim()
     ticks = [y for y in (1, 1.1, 1.2, 1.3, 1.4, 1.5, 1.7, 2, 2.5, 3, 4, 6, 10, 20, 40) if lo <= y <= hi]
     for ax in (by_round, by_step):
@@ -2139,11 +2150,7 @@ def figures(ctx: Ctx, report: dict, where: Path, suffix: str = "") -> list[str]:
                 by_step.plot(*ctx.curve(r["dp"]["runs"][0]), color="k", label="data parallel (k× batch)")
             if mean(r["dp"]) is not None:
                 by_round.axhline(mean(r["dp"]), color="k", ls=":", label="data parallel (final, mean)")
-            by_round.set_xscale("symlog", linthresh=1)
-            by_round.set_xlim(left=0)
-            by_round.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 1, 10, 100
-            by_round.set_xlabel("outer rounds (one model-sized exchange each)")
-            by_step.set_xlabel("inner steps per worker (data parallel: its steps)")
+            _rounds_and_steps(by_round, by_step)
             for ax in axes:
                 ax.set_ylabel("val_loss (fixed subset)")
                 ax.legend()
