@@ -1,8 +1,9 @@
 #!/bin/bash
 # Issue 36's lane: reproduce_diloco.py's four invocations, one after another, two runs at a time,
-# from a frozen worktree (docs/reproduction.md, "Issue 36's lane"). The first names part H500
-# before dp and drop: parts go in the order given, so the paper's headline runs first and a slot
-# its grids leave idle runs part dp's or drop's runs. Run it from the worktree's root:
+# from a frozen worktree (docs/reproduction.md, "Issue 36's lane"). The first names part H500,
+# then drop, then dp: parts go in the order given, so the paper's headline runs first, part drop's
+# paper configuration (about 1 h) next, and part dp's from-scratch grids (about 7 h) last. Run it
+# from the worktree's root:
 #
 #   git worktree add --detach /work/wt/repro main
 #   cd /work/wt/repro && setsid nohup bash benchmarks/reproduce_lane.sh "$LANE" "$PY" >/dev/null 2>&1 &
@@ -27,7 +28,7 @@ export PYTHONPATH=src:benchmarks OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 nano="--workdir $L/work --ledger $L/ledger"
 micro="--model micro --steps 1000 --workdir $L/micro_work --ledger $L/micro_ledger"
 invocations=(
-    "--part H500,dp,drop $nano --out $L/reproduce_diloco.json"
+    "--part H500,drop,dp $nano --out $L/reproduce_diloco.json"
     "--part dp --ks 8 --starts warm,scratch --dp-hs 10,50 $nano --out $L/reproduce_diloco_k8.json"
     "--part dp --ks 8 --starts warm --dp-hs 10,50 $micro --out $L/reproduce_diloco_micro_k8.json"
     "--part dp $micro --out $L/reproduce_diloco_micro.json"
