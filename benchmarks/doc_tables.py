@@ -385,6 +385,21 @@ def drop_rules(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def drop_paper(data: dict) -> str:
+    """Part drop in the paper's configuration (DROP_PAPER, stated before it ran): p = 0.5 against
+    no drops, each mean saying how many seeds it is of while some have not run."""
+    d = data["drop"]["paper_configuration"]
+    base, e = d["0"], d["0.5"]
+    start = "warm start" if base["warm"] else "from scratch"
+    p = e.get("vs_baseline_paired")
+    return (
+        f"| the paper's configuration: k = {base['k']}, {start}, `--after-drop {base['after']}` "
+        "| final val_loss | vs no drops, paired |\n| --- | --- | --- |\n"
+        f"| no drops | {_loss_seeds(base)} | baseline |\n"
+        f"| p = 0.5 | {_loss_seeds(e)} | {_on_seeds(e, base, p) or _paired1(p, digits=2)} |\n"
+    )
+
+
 def schedule(data: dict) -> str:
     """Part schedule: each workers schedule against constant workers of the same total."""
     d = data["schedule"]
@@ -494,16 +509,21 @@ def _partial(e: dict) -> bool:
     return n is not None and n < len(e.get("runs") or [])
 
 
+def _on_seeds(e: dict, base: dict, p: dict | None) -> str | None:
+    """While either row has seeds to run, its paired gap `p` only on the seeds both have: +1.61%
+    on seed 0 (paired; 1 of 3 seeds); None once both have run every seed, or with no seed in common."""
+    if not (_partial(e) or _partial(base)) or not p:
+        return None
+    seeds = sorted(set(e.get("per_seed") or {}) & set(base.get("per_seed") or {}), key=int)
+    which = f"seed {seeds[0]}" if len(seeds) == 1 else "seeds " + ", ".join(seeds)
+    return f"{_pct(p['mean'], 2)} on {which} (paired; {len(seeds)} of {len(e.get('runs') or [])} seeds)"
+
+
 def _h500_gap(e: dict, dp: dict) -> str:
     """A row's gap to data parallel: the mean's with its per-seed range, or, while either has
-    seeds to run, only the seeds both have: +1.61% on seed 0 (paired; 1 of 3 seeds)."""
+    seeds to run, only the seeds both have (`_on_seeds`)."""
     p = e.get("vs_dp_paired")
-    if not (_partial(e) or _partial(dp)) or not p:
-        return _paired_by_seed(e.get("vs_dp"), p)
-    seeds = sorted(set(e.get("per_seed") or {}) & set(dp.get("per_seed") or {}), key=int)
-    which = f"seed {seeds[0]}" if len(seeds) == 1 else "seeds " + ", ".join(seeds)
-    gap = _pct(p["mean"], 2)
-    return f"{gap} on {which} (paired; {len(seeds)} of {len(e.get('runs') or [])} seeds)"
+    return _on_seeds(e, dp, p) or _paired_by_seed(e.get("vs_dp"), p)
 
 
 def h500(data: dict) -> str:
@@ -698,6 +718,7 @@ TABLES: dict[str, Callable[[dict], str]] = {
     "outer": outer,
     "single": single,
     "drop_rules": drop_rules,
+    "drop_paper": drop_paper,
     "schedule": schedule,
     "dp_scratch": dp_scratch,
     "lr_grid_warm": lambda data: _lr_grid(data, "warm"),

@@ -162,3 +162,53 @@ def test_the_dp_table_of_a_lane_still_tuning_says_not_run_and_tuning():
     assert (
         lines[-1].count("DiLoCo: still tuning") == 2 and lines[-1].count("data parallel: still tuning") == 2
     )
+
+
+@pytest.mark.timeout(30)
+def test_the_drop_paper_table_counts_seeds_while_some_have_not_run_then_gives_the_paired_range():
+    """Part drop's paper configuration, from the rows reproduce_diloco.json holds (their shape is
+    the benchmark's): seed 0 alone, then two seeds of p = 0.5 against three of no drops, then all."""
+    import copy
+
+    tables = _tables()
+    real = json.loads((ROOT / "benchmarks" / "results" / "reproduce_diloco.json").read_text())
+    data = copy.deepcopy(real)
+    rows = data["drop"]["paper_configuration"]
+    base, drop = rows["0"], rows["0.5"]
+    assert (base["k"], base["warm"], base["after"], len(base["runs"]), len(drop["runs"])) == (
+        8,
+        True,
+        "global",
+        3,
+        3,
+    )
+
+    def seeds(row, values):
+        row["per_seed"] = {str(s): v for s, v in enumerate(values)}
+        vs = row["per_seed"].values()
+        row["val_loss"] = {"mean": sum(vs) / len(vs), "min": min(vs), "max": max(vs), "n": len(vs)}
+
+    seeds(base, [1.70, 1.72, 1.74])
+    seeds(drop, [1.71, 1.7372])  # +0.59% and +1.0% on seeds 0 and 1
+    drop["vs_baseline_paired"] = {
+        "mean": (0.01 / 1.70 + 0.0172 / 1.72) / 2,
+        "min": 0.0058824,
+        "max": 0.01,
+        "n": 2,
+    }
+    lines = tables.drop_paper(data).splitlines()
+    assert lines[0].startswith("| the paper's configuration: k = 8, warm start, `--after-drop global` |")
+    assert lines[2] == "| no drops | 1.7200 (1.7000–1.7400) | baseline |"
+    assert (
+        lines[3]
+        == "| p = 0.5 | 1.7236 (1.7100–1.7372; 2 of 3 seeds) | +0.79% on seeds 0, 1 (paired; 2 of 3 seeds) |"
+    )
+    seeds(drop, [1.71, 1.7372, 1.75])
+    drop["vs_baseline_paired"] = {"mean": 0.007, "min": 0.0057471, "max": 0.01, "n": 3}
+    assert (
+        tables.drop_paper(data).splitlines()[3]
+        == "| p = 0.5 | 1.7324 (1.7100–1.7500) | +0.70% (+0.57% … +1.00%) |"
+    )
+    data["drop"]["paper_configuration"]["0.5"] = copy.deepcopy(real["drop"]["paper_configuration"]["0.5"])
+    data["drop"]["paper_configuration"]["0.5"].update(per_seed={}, val_loss=None, vs_baseline_paired=None)
+    assert tables.drop_paper(data).splitlines()[3] == "| p = 0.5 | not run | not run |"

@@ -41,7 +41,7 @@ def test_the_lane_runs_the_four_invocations_in_order_and_seeds_its_ledgers_once(
         "reproduce_diloco_micro_k8.json",
         "reproduce_diloco_micro.json",
     ]
-    assert runs[0][runs[0].index("--part") + 1] == "H500,drop,dp"  # the paper's headline first, then drop's 5 runs
+    assert runs[0][runs[0].index("--part") + 1] == "H500,drop,dp"  # the headline, then drop
     assert runs[1][runs[1].index("--starts") + 1] == "warm,scratch"  # nano k = 8 at H = 10 both starts
     for r in runs:
         assert r[r.index("--jobs") + 1] == "2"
