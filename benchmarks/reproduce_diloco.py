@@ -94,7 +94,10 @@ runs in the workdir and the ledger (with `--h-k`, part H only).
 Prints one JSON object and saves it to benchmarks/results/reproduce_diloco.json
 (`--quick`: reproduce_diloco_quick.json); figures go to docs/figures/reproduce_<part>.png
 (`--quick`: the workdir's figures/; `--model micro`: reproduce_<part>_micro.png, its runs
-in results/reproduce_micro_runs/ and its JSON reproduce_diloco_micro.json). Progress: stderr.
+in results/reproduce_micro_runs/ and its JSON reproduce_diloco_micro.json). An `--out` of
+another name draws only the parts `--part` names, each figure named after it
+(`--out .../reproduce_diloco_k8.json`: reproduce_dp_k8.png), so it leaves the default JSON's
+figures as they are. Progress: stderr.
 
     python benchmarks/reproduce_diloco.py --part dp            # the headline
     python benchmarks/reproduce_diloco.py --part H,codec --seeds 3
@@ -2376,13 +2379,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.hs = tuple(sorted({*hs, args.H}))  # the baseline H always runs
     args.workdir = args.workdir or RESULTS / f"reproduce{suffix}_runs"  # *_runs/ is git-ignored
     args.h_suffix = h_suffix = "" if args.h_k == K else f"_k{args.h_k}"  # part H at another k: its own files
-    args.out = args.out or RESULTS / f"reproduce_diloco{suffix}{'_H' if h_suffix else ''}{h_suffix}.json"
+    default_out = RESULTS / f"reproduce_diloco{suffix}{'_H' if h_suffix else ''}{h_suffix}.json"
+    args.out = args.out or default_out
+    stem, base = args.out.stem, default_out.stem  # another name's figures carry what it adds
+    args.out_suffix = stem.removeprefix(base) if stem.startswith(base) else f"_{stem}"
     args.ledger_dir = ledger_dir = args.ledger or (
         args.workdir / "_ledger" if args.quick else RESULTS / f"reproduce{suffix}_ledger"
     )
     args.ledger = ledger_dir / "runs.jsonl"  # Ctx reads the file
     args.figures = args.workdir / "figures" if args.quick else FIGURES
-    args.fig_suffix = ("" if args.model == "nano" or args.quick else f"_{args.model}") + h_suffix
+    args.fig_suffix = (
+        ("" if args.model == "nano" or args.quick else f"_{args.model}") + h_suffix + args.out_suffix
+    )
     args.dp_hs = tuple(args.dp_hs or (args.H,))
     bad = [h for h in {*args.hs, *args.dp_hs} if h < 1 or args.steps % h] + (  # args.hs holds args.H
         [args.H] if args.pretrain_steps % args.H else []
@@ -2488,7 +2496,8 @@ def main() -> None:
             "jobs": t.get("jobs"),
         }
         result[p] = part
-    drawn = figures(ctx, {p: result[p] for p in reported}, args.figures, args.fig_suffix)
+    drawn_parts = parts if args.out_suffix else reported  # another --out: only the parts it names
+    drawn = figures(ctx, {p: result[p] for p in drawn_parts}, args.figures, args.fig_suffix)
     result["figures"] = [str(Path(d).relative_to(ROOT)) if Path(d).is_relative_to(ROOT) else d for d in drawn]
     if args.plot_only:
         _log(f"figures: {', '.join(drawn)}")

@@ -81,3 +81,36 @@ def test_gains_are_none_where_an_arm_is_missing_and_a_share_only_where_data_para
     assert rd.gains(e(2.0), e(2.1), e(1.9)) == (-0.05, 0.05, None)  # data parallel worse: no share
     assert rd.gains(e(2.0), e(None), e(1.9)) == (None, 0.05, None)  # data parallel not run yet
     assert rd.gains(None, e(1.5), e(1.7)) == (None, None, None)  # single not run yet
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("argv", "suffix"),
+    [
+        ([], ""),  # the default JSON
+        (["--out", "x/reproduce_diloco.json"], ""),  # the lane's copy of it
+        (["--out", "x/reproduce_diloco_k8.json"], "_k8"),
+        (["--model", "micro", "--out", "x/reproduce_diloco_micro_k8.json"], "_micro_k8"),
+        (["--model", "micro"], "_micro"),
+        (["--out", "x/mine.json"], "_mine"),
+    ],
+)
+def test_an_out_of_another_name_names_its_figures_after_it(argv, suffix):
+    """The lane's k = 8 invocations write reproduce_diloco_k8.json: their figures must not
+    overwrite the default JSON's (the docs' reproduce_dp.png)."""
+    args = benchmark_module("reproduce_diloco").parse_args(argv)
+    assert args.fig_suffix == suffix
+
+
+@pytest.mark.timeout(120)
+def test_an_out_of_another_name_draws_only_the_parts_it_names(tmp_path, monkeypatch):
+    rd = benchmark_module("reproduce_diloco")
+    ledger = tmp_path / "ledger"
+    shutil.copytree(RESULTS / "reproduce_ledger", ledger)
+    monkeypatch.setattr(rd, "FIGURES", tmp_path / "figures")
+    out = tmp_path / "reproduce_diloco_k8.json"
+    argv = ["--report-only", "--part", "outer", "--workdir", str(tmp_path / "work"), "--ledger", str(ledger)]
+    monkeypatch.setattr(sys, "argv", ["reproduce_diloco.py", *argv, "--out", str(out)])
+    rd.main()
+    assert sorted(p.name for p in (tmp_path / "figures").iterdir()) == ["reproduce_outer_k8.png"]
+    assert [Path(f).name for f in json.loads(out.read_text())["figures"]] == ["reproduce_outer_k8.png"]
