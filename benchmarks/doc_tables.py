@@ -169,19 +169,54 @@ def _match(e: dict) -> str:
     return "never (DiLoCo ends below)" if why.startswith("never") else "—"
 
 
+def _inner_pick(e: dict) -> str:
+    """single's or data parallel's tuned inner lr and warm-up."""
+    lr, pick = e.get("lr"), e.get("pick")
+    return TUNING if lr is None else f"inner lr {lr:g}, warm-up {pick.split()[-1]}"
+
+
+def _diloco_pick(di: dict) -> str:
+    """DiLoCo's tuned inner lr, warm-up and outer lr."""
+    if di.get("outer_lr") is None:
+        return TUNING
+    return f"inner lr {di['inner_lr']:g}, warm-up {di['warmup']}, outer lr {di['outer_lr']:g}"
+
+
 def _picks(row: dict) -> str:
     """One k's tuned settings: single's and data parallel's inner lr and warm-up, DiLoCo's inner
     lr, warm-up and outer lr."""
+    single, dp, diloco = _inner_pick(row["single"]), _inner_pick(row["dp"]), _diloco_pick(row["diloco"])
+    return f"single: {single}; data parallel: {dp}; DiLoCo: {diloco}"
 
-    def inner(e: dict) -> str:
-        lr, pick = e.get("lr"), e.get("pick")
-        return TUNING if lr is None else f"inner lr {lr:g}, warm-up {pick.split()[-1]}"
 
-    di = row["diloco"]
-    diloco = TUNING
-    if di.get("outer_lr") is not None:
-        diloco = f"inner lr {di['inner_lr']:g}, warm-up {di['warmup']}, outer lr {di['outer_lr']:g}"
-    return f"single: {inner(row['single'])}; data parallel: {inner(row['dp'])}; DiLoCo: {diloco}"
+def dp_by_H(data: dict) -> str:
+    """Part dp at each of its H values (`--dp-hs`; the lane's k = 8 files): data parallel, then
+    DiLoCo at each H, from each start, each tuned on the tuning seed and split."""
+    d = data["dp"]
+    if d.get("status") == "not run":
+        return f"| not run yet ({d['runs_planned']} runs planned) |\n| --- |\n"
+    steps = d["steps"]
+    out = [
+        f"| run ({data.get('model', 'nano')}, {steps:,} steps per worker) | start | k | syncs "
+        "| picked on the tuning seed and split | final val_loss | vs data parallel "
+        "| data parallel's steps to reach it | bytes sent per worker, data parallel / this |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for k in d["k"]:
+        for start in d["starts"]:
+            row = d["per_k"][str(k)].get(start)
+            if row is None:
+                continue
+            dp = row["dp"]
+            picked, loss = _inner_pick(dp), _loss_seeds(dp)
+            out.append(f"| data parallel | {start} | {k} | {steps:,} | {picked} | {loss} | — | — | — |")
+            for H, e in row["diloco_by_H"].items():
+                out.append(
+                    f"| DiLoCo H = {H} | {start} | {k} | {steps // int(H):,} | {_diloco_pick(e)} | "
+                    f"{_loss_seeds(e)} | {_gap_to_dp(e, dp)} | {_match(e)} | "
+                    f"{_bytes_ratio(dp.get('bytes_sent_per_worker'), e.get('bytes_sent_per_worker'))} |"
+                )
+    return "\n".join(out) + "\n"
 
 
 def dp_warm(data: dict) -> str:
@@ -519,7 +554,7 @@ def _on_seeds(e: dict, base: dict, p: dict | None) -> str | None:
     return f"{_pct(p['mean'], 2)} on {which} (paired; {len(seeds)} of {len(e.get('runs') or [])} seeds)"
 
 
-def _h500_gap(e: dict, dp: dict) -> str:
+def _gap_to_dp(e: dict, dp: dict) -> str:
     """A row's gap to data parallel: the mean's with its per-seed range, or, while either has
     seeds to run, only the seeds both have (`_on_seeds`)."""
     p = e.get("vs_dp_paired")
@@ -547,7 +582,7 @@ def h500(data: dict) -> str:
         tuned = tuned if not grids else f"{tuned} ({grids})"
         out.append(
             f"| DiLoCo H = {H} | {steps // int(H):,} | {tuned} | {_loss_seeds(e)} | "
-            f"{_h500_gap(e, dp)} | {_match(e)} | "
+            f"{_gap_to_dp(e, dp)} | {_match(e)} | "
             f"{_bytes_ratio(dp_bytes, e.get('bytes_sent_per_worker'))} |"
         )
     return "\n".join(out) + "\n"
@@ -725,6 +760,7 @@ TABLES: dict[str, Callable[[dict], str]] = {
     "lr_grid_scratch": lambda data: _lr_grid(data, "scratch"),
     "tuning": tuning,
     "h500": h500,
+    "dp_by_H": dp_by_H,
 }
 
 

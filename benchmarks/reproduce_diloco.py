@@ -90,12 +90,13 @@ folder), beside part_timing.json (each part's wall time over every invocation). 
 run in the ledger is not run again on a new machine, except a pretraining run whose model a
 new warm-started run needs: it runs again, and a result that differs from the ledger's is
 reported (the runs are meant to be deterministic). The JSON always covers every part from the
-runs in the workdir and the ledger (with `--h-k`, part H only).
+runs in the workdir and the ledger (with `--h-k`, part H only; with an `--out` of another
+name, the parts `--part` names only).
 Prints one JSON object and saves it to benchmarks/results/reproduce_diloco.json
 (`--quick`: reproduce_diloco_quick.json); figures go to docs/figures/reproduce_<part>.png
 (`--quick`: the workdir's figures/; `--model micro`: reproduce_<part>_micro.png, its runs
 in results/reproduce_micro_runs/ and its JSON reproduce_diloco_micro.json). An `--out` of
-another name draws only the parts `--part` names, each figure named after it
+another name reports and draws only the parts `--part` names, each figure named after it
 (`--out .../reproduce_diloco_k8.json`: reproduce_dp_k8.png), so it leaves the default JSON's
 figures as they are. Progress: stderr.
 
@@ -2468,7 +2469,8 @@ def main() -> None:
         for r in plan.all_runs(ctx):
             ctx.keep(r)
     ctx.ledger.save()
-    reported = PARTS if args.h_k == K else parts  # the others are the default JSON's
+    # the others are the default JSON's (an --out of another name: the parts it names only)
+    reported = PARTS if args.h_k == K and not args.out_suffix else parts
     for p in reported:
         plan, report = built[p]
         runs = [r for r in plan.all_runs(ctx) if plan.owns is None or plan.owns(r)]
@@ -2496,8 +2498,7 @@ def main() -> None:
             "jobs": t.get("jobs"),
         }
         result[p] = part
-    drawn_parts = parts if args.out_suffix else reported  # another --out: only the parts it names
-    drawn = figures(ctx, {p: result[p] for p in drawn_parts}, args.figures, args.fig_suffix)
+    drawn = figures(ctx, {p: result[p] for p in reported}, args.figures, args.fig_suffix)
     result["figures"] = [str(Path(d).relative_to(ROOT)) if Path(d).is_relative_to(ROOT) else d for d in drawn]
     if args.plot_only:
         _log(f"figures: {', '.join(drawn)}")

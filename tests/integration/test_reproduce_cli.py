@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "reproduce_diloco.py"
 
 
-def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, *args: str, out: str = "out.json") -> subprocess.CompletedProcess:
     where = ["--workdir", str(tmp_path / "runs"), "--ledger", str(tmp_path / "ledger")]
-    where += ["--out", str(tmp_path / "out.json")]
+    where += ["--out", str(tmp_path / out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args, *where],
@@ -58,9 +58,13 @@ def test_h_k_plans_part_H_alone_at_that_k(tmp_path):
     assert parts & set(out) == {"H"}  # the other parts stay the default JSON's
     # H = 10 and the baseline H = 50, and data parallel at k = 8: 3 seeds each, none run yet
     assert out["H"] == {"status": "not run", "runs_planned": 9}
-    default = _run(tmp_path, "--report-only", "--part", "H", "--hs", "10")
+    # the default JSON's name covers every part; another name only the parts it names
+    default = _run(tmp_path, "--report-only", "--part", "H", "--hs", "10", out="reproduce_diloco.json")
     assert default.returncode == 0, default.stderr
-    assert parts <= set(json.loads((tmp_path / "out.json").read_text()))
+    assert parts <= set(json.loads((tmp_path / "reproduce_diloco.json").read_text()))
+    other = _run(tmp_path, "--report-only", "--part", "H", "--hs", "10")
+    assert other.returncode == 0, other.stderr
+    assert parts & set(json.loads((tmp_path / "out.json").read_text())) == {"H"}
 
 
 def _module():
@@ -629,10 +633,12 @@ def test_part_H500_is_reported_only_once_a_run_of_its_own_steps_has_run(tmp_path
     part = json.loads((tmp_path / "out_H500.json").read_text())
     assert part["wall_time"]["runs_finished"] == 1  # its own run, not part dp's
     (tmp_path / "out_H500.json").unlink()
-    p = _run(tmp_path, "--report-only", "--part", "dp", "--ks", "8")  # another invocation's JSON
+    # another invocation, to the default JSON's name (which covers every part)
+    p = _run(tmp_path, "--report-only", "--part", "dp", "--ks", "8", out="reproduce_diloco.json")
     assert p.returncode == 0, p.stderr
-    assert json.loads((tmp_path / "out.json").read_text())["H500"]["wall_time"]["runs_finished"] == 1
-    assert not (tmp_path / "out_H500.json").exists()  # only the invocation that asks for H500 writes it
+    kept = json.loads((tmp_path / "reproduce_diloco.json").read_text())
+    assert kept["H500"]["wall_time"]["runs_finished"] == 1
+    assert not (tmp_path / "reproduce_diloco_H500.json").exists()  # only an invocation naming H500 writes it
 
 
 @pytest.mark.timeout(180)

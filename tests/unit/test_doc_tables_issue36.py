@@ -212,3 +212,34 @@ def test_the_drop_paper_table_counts_seeds_while_some_have_not_run_then_gives_th
     data["drop"]["paper_configuration"]["0.5"] = copy.deepcopy(real["drop"]["paper_configuration"]["0.5"])
     data["drop"]["paper_configuration"]["0.5"].update(per_seed={}, val_loss=None, vs_baseline_paired=None)
     assert tables.drop_paper(data).splitlines()[3] == "| p = 0.5 | not run | not run |"
+
+
+@pytest.mark.timeout(30)
+def test_the_dp_by_H_table_has_data_parallel_then_each_H_for_every_k_and_start():
+    """The fixture's part dp ran H = 10 and 20 (`--dp-hs`) at k = 4 and 8 from both starts."""
+    d = DATA["dp"]
+    lines = _tables().dp_by_H(DATA).splitlines()
+    rows = [line.split(" | ") for line in lines[2:]]
+    expected = [
+        (k, s, who) for k in d["k"] for s in d["starts"] for who in ["data parallel", "H = 10", "H = 20"]
+    ]
+    assert [(int(r[2]), r[1], r[0].removeprefix("| ").removeprefix("DiLoCo ")) for r in rows] == expected
+    # k = 4, warm: data parallel, then H = 10 (4 rounds of its 40 steps), as the JSON holds them
+    dp, h10 = rows[3], rows[4]
+    head = ["| data parallel", "warm", "4", "40", "inner lr 0.016, warm-up 30", "3.1925 (3.1610–3.2240)"]
+    assert dp == [*head, "—", "—", "— |"]
+    assert h10[3:] == [
+        "4",
+        "inner lr 0.004, warm-up 30, outer lr 0.7",
+        "3.3858 (3.3612–3.4104)",
+        "**+6.1%** (paired by seed +5.8% … +6.3%)",
+        "49%",
+        "5.6 MB / 0.6 MB = 10.0× |",
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_the_dp_by_H_table_of_a_file_not_run_says_how_many_runs_are_planned():
+    assert _tables().dp_by_H({"dp": {"status": "not run", "runs_planned": 17}}) == (
+        "| not run yet (17 runs planned) |\n| --- |\n"
+    )
