@@ -193,11 +193,12 @@ def dp_by_H(data: dict) -> str:
     """Part dp at each of its H values (`--dp-hs`; the lane's k = 8 files): data parallel, then
     DiLoCo at each H, from each start, each tuned on the tuning seed and split."""
     d = data["dp"]
+    model = data.get("model", "nano")
     if d.get("status") == "not run":
-        return f"| not run yet ({d['runs_planned']} runs planned) |\n| --- |\n"
+        return f"| {model}: not run yet ({d['runs_planned']} runs planned) |\n| --- |\n"
     steps = d["steps"]
     out = [
-        f"| run ({data.get('model', 'nano')}, {steps:,} steps per worker) | start | k | syncs "
+        f"| run ({model}, {steps:,} steps per worker) | start | k | syncs "
         "| picked on the tuning seed and split | final val_loss | vs data parallel "
         "| data parallel's steps to reach it | bytes sent per worker, data parallel / this |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",

@@ -240,6 +240,6 @@ def test_the_dp_by_H_table_has_data_parallel_then_each_H_for_every_k_and_start()
 
 @pytest.mark.timeout(30)
 def test_the_dp_by_H_table_of_a_file_not_run_says_how_many_runs_are_planned():
-    assert _tables().dp_by_H({"dp": {"status": "not run", "runs_planned": 17}}) == (
-        "| not run yet (17 runs planned) |\n| --- |\n"
+    assert _tables().dp_by_H({"model": "micro", "dp": {"status": "not run", "runs_planned": 17}}) == (
+        "| micro: not run yet (17 runs planned) |\n| --- |\n"
     )
