@@ -424,6 +424,8 @@ def drop_rules(data: dict) -> str:
 def drop_paper(data: dict) -> str:
     """Part drop in the paper's configuration (DROP_PAPER, stated before it ran): p = 0.5 against
     no drops, each mean saying how many seeds it is of while some have not run."""
+    if "paper_configuration" not in data["drop"]:  # part drop not run
+        return "| the paper's configuration | final val_loss | vs no drops, paired |\n| --- | --- | --- |\n"
     d = data["drop"]["paper_configuration"]
     base, e = d["0"], d["0.5"]
     start = "warm start" if base["warm"] else "from scratch"
@@ -551,6 +553,8 @@ def _on_seeds(e: dict, base: dict, p: dict | None) -> str | None:
     if not (_partial(e) or _partial(base)) or not p:
         return None
     seeds = sorted(set(e.get("per_seed") or {}) & set(base.get("per_seed") or {}), key=int)
+    if not seeds:
+        return None
     which = f"seed {seeds[0]}" if len(seeds) == 1 else "seeds " + ", ".join(seeds)
     return f"{_pct(p['mean'], 2)} on {which} (paired; {len(seeds)} of {len(e.get('runs') or [])} seeds)"
 

@@ -96,9 +96,11 @@ Prints one JSON object and saves it to benchmarks/results/reproduce_diloco.json
 (`--quick`: reproduce_diloco_quick.json); figures go to docs/figures/reproduce_<part>.png
 (`--quick`: the workdir's figures/; `--model micro`: reproduce_<part>_micro.png, its runs
 in results/reproduce_micro_runs/ and its JSON reproduce_diloco_micro.json). An `--out` of
-another name reports and draws only the parts `--part` names, each figure named after it
-(`--out .../reproduce_diloco_k8.json`: reproduce_dp_k8.png), so it leaves the default JSON's
-figures as they are. Progress: stderr.
+another name than the default's (which depends on `--model`, `--quick` and `--h-k`) reports and
+draws only the parts `--part` names, each figure named with what the name adds to the
+default's (`--out .../reproduce_diloco_k8.json`: reproduce_dp_k8.png; `--out mine.json`:
+reproduce_dp_mine.png), so it leaves the default JSON's figures as they are; another model's
+JSON name is refused. Progress: stderr.
 
     python benchmarks/reproduce_diloco.py --part dp            # the headline
     python benchmarks/reproduce_diloco.py --part H,codec --seeds 3
@@ -161,6 +163,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 FIGURES = ROOT / "docs" / "figures"
 sys.path.insert(0, str(ROOT / "src"))
 
+MODELS = ("nano", "micro")
 PARTS = ("dp", "single", "workers", "H", "outer", "shards", "drop", "schedule", "codec", "H500")
 DP_KS = (4, 8)
 OUTER_LR_GRID = (0.3, 0.5, 0.7, 1.0)
@@ -2306,7 +2309,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--jobs", type=int, default=2, help="diloco train subprocesses at once (one core each)")
     ap.add_argument("--steps", type=int, default=1000, help="inner steps per worker S")
     ap.add_argument("--pretrain-steps", type=int, default=1000, help="steps of the warm start's pretraining")
-    ap.add_argument("--model", default="nano", choices=("nano", "micro"))
+    ap.add_argument("--model", default="nano", choices=MODELS)
     ap.add_argument("--ks", type=_ints, default=DP_KS, help="part dp: workers k, a comma list (default 4,8)")
     ap.add_argument(
         "--serial-ks",
@@ -2351,7 +2354,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the ledger's folder (default benchmarks/results/reproduce_ledger/; --quick: the workdir's "
         "_ledger/); give main's when running from another worktree",
     )
-    ap.add_argument("--out", type=Path, help="the JSON (default benchmarks/results/reproduce_diloco.json)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="the JSON (default benchmarks/results/reproduce_diloco.json; _micro, _quick, _H_k<K> for "
+        "--model micro, --quick, --h-k); another name than the default's reports and draws only the "
+        "parts --part names, its figures named with what it adds to the default's name",
+    )
     ap.add_argument(
         "--report-only", action="store_true", help="no new runs: the JSON and figures from what exists"
     )
@@ -2383,7 +2392,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     default_out = RESULTS / f"reproduce_diloco{suffix}{'_H' if h_suffix else ''}{h_suffix}.json"
     args.out = args.out or default_out
     stem, base = args.out.stem, default_out.stem  # another name's figures carry what it adds
-    args.out_suffix = stem.removeprefix(base) if stem.startswith(base) else f"_{stem}"
+    args.out_suffix = stem.removeprefix(base) if stem == base or stem.startswith(f"{base}_") else f"_{stem}"
+    others = [f"reproduce_diloco_{m}" for m in (*MODELS, "quick") if f"_{m}" != suffix and m != "nano"]
+    for other in others:  # its figures would take that model's names
+        if stem != base and (stem == other or stem.startswith(f"{other}_")):
+            ap.error(f"--out {args.out}: {other}.json is another model's; give that --model or rename it")
     args.ledger_dir = ledger_dir = args.ledger or (
         args.workdir / "_ledger" if args.quick else RESULTS / f"reproduce{suffix}_ledger"
     )

@@ -64,7 +64,9 @@ def test_the_reproduce_json_in_git_is_what_the_ledger_in_git_gives(tmp_path, mon
     rebuild = f"python benchmarks/reproduce_diloco.py --report-only {args} --out benchmarks/results/{name}"
     rebuild = rebuild if args else REBUILD
     own, own_kept = out.with_name("reproduce_diloco_H500.json"), RESULTS / "reproduce_diloco_H500.json"
-    if not args:  # only the invocation that names part H500 writes its file
+    if args:  # only the invocation that names part H500 writes its file
+        assert not out.with_name(out.stem + "_H500.json").exists()
+    else:
         assert own.exists() == own_kept.exists(), f"reproduce_diloco_H500.json: rebuild it ({REBUILD})"
     if own.exists():
         diff += _differences(json.loads(own_kept.read_text()), json.loads(own.read_text()), "H500 file")
@@ -108,6 +110,9 @@ def test_gains_are_none_where_an_arm_is_missing_and_a_share_only_where_data_para
         (["--model", "micro", "--out", "x/reproduce_diloco_micro_k8.json"], "_micro_k8"),
         (["--model", "micro"], "_micro"),
         (["--out", "x/mine.json"], "_mine"),
+        (["--out", "x/reproduce_diloco2.json"], "_reproduce_diloco2"),  # not the default's name plus _…
+        (["--quick"], ""),
+        (["--part", "H", "--h-k", "8"], "_k8"),  # part H at another k: its own default name
     ],
 )
 def test_an_out_of_another_name_names_its_figures_after_it(argv, suffix):
@@ -115,6 +120,21 @@ def test_an_out_of_another_name_names_its_figures_after_it(argv, suffix):
     overwrite the default JSON's (the docs' reproduce_dp.png)."""
     args = benchmark_module("reproduce_diloco").parse_args(argv)
     assert args.fig_suffix == suffix
+    assert bool(args.out_suffix) == (
+        "--out" in argv and Path(argv[argv.index("--out") + 1]).stem != "reproduce_diloco"
+    )
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "argv", [["--out", "x/reproduce_diloco_micro.json"], ["--out", "reproduce_diloco_micro_k8.json"]]
+)
+def test_an_out_named_as_another_model_s_json_is_refused(argv, capsys):
+    """A nano run to the micro model's name would draw over the micro model's figures."""
+    with pytest.raises(SystemExit) as e:
+        benchmark_module("reproduce_diloco").parse_args(argv)
+    assert e.value.code == 2
+    assert "is another model's; give that --model or rename it" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)
@@ -128,4 +148,6 @@ def test_an_out_of_another_name_draws_only_the_parts_it_names(tmp_path, monkeypa
     monkeypatch.setattr(sys, "argv", ["reproduce_diloco.py", *argv, "--out", str(out)])
     rd.main()
     assert sorted(p.name for p in (tmp_path / "figures").iterdir()) == ["reproduce_outer_k8.png"]
-    assert [Path(f).name for f in json.loads(out.read_text())["figures"]] == ["reproduce_outer_k8.png"]
+    made = json.loads(out.read_text())
+    assert [Path(f).name for f in made["figures"]] == ["reproduce_outer_k8.png"]
+    assert set(rd.PARTS) & set(made) == {"outer"}  # the JSON too: the other parts are the default's
