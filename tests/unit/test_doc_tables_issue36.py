@@ -167,10 +167,11 @@ def test_the_dp_table_of_a_lane_still_tuning_says_not_run_and_tuning():
 @pytest.mark.timeout(30)
 def test_the_drop_paper_table_counts_seeds_while_some_have_not_run_then_gives_the_paired_range():
     """Part drop's paper configuration, from the rows reproduce_diloco.json holds (their shape is
-    the benchmark's): seed 0 alone, then two seeds of p = 0.5 against three of no drops, then all."""
+    the benchmark's; the gaps made by its `versus` and `versus_ppl`): seed 0 and 1 of p = 0.5
+    against three seeds of no drops, then all three, then none."""
     import copy
 
-    tables = _tables()
+    tables, rd = _tables(), benchmark_module("reproduce_diloco")
     real = json.loads((ROOT / "benchmarks" / "results" / "reproduce_diloco.json").read_text())
     data = copy.deepcopy(real)
     rows = data["drop"]["paper_configuration"]
@@ -187,31 +188,37 @@ def test_the_drop_paper_table_counts_seeds_while_some_have_not_run_then_gives_th
         row["per_seed"] = {str(s): v for s, v in enumerate(values)}
         vs = row["per_seed"].values()
         row["val_loss"] = {"mean": sum(vs) / len(vs), "min": min(vs), "max": max(vs), "n": len(vs)}
+        if row is drop:
+            rd.versus_ppl(rd.versus(row, base), base)
 
     seeds(base, [1.70, 1.72, 1.74])
-    seeds(drop, [1.71, 1.7372])  # +0.59% and +1.0% on seeds 0 and 1
-    drop["vs_baseline_paired"] = {
-        "mean": (0.01 / 1.70 + 0.0172 / 1.72) / 2,
-        "min": 0.0058824,
-        "max": 0.01,
-        "n": 2,
-    }
+    # +0.01 and +0.0172 in loss: +0.59% and +1.0% relative, exp(0.01) − 1 = 1.005% and
+    # exp(0.0172) − 1 = 1.735% in perplexity (means 0.79% and 1.37%)
+    seeds(drop, [1.71, 1.7372])
     lines = tables.drop_paper(data).splitlines()
     assert lines[0].startswith("| the paper's configuration: k = 8, warm start, `--after-drop global` |")
-    assert lines[2] == "| no drops | 1.7200 (1.7000–1.7400) | baseline |"
-    assert (
-        lines[3]
-        == "| p = 0.5 | 1.7236 (1.7100–1.7372; 2 of 3 seeds) | +0.79% on seeds 0, 1 (paired; 2 of 3 seeds) |"
+    assert lines[2] == "| no drops | 1.7200 (1.7000–1.7400) | baseline | baseline |"
+    assert lines[3] == (
+        "| p = 0.5 | 1.7236 (1.7100–1.7372; 2 of 3 seeds) | +0.79% on seeds 0, 1 (paired; 2 of 3 seeds) "
+        "| +1.37% on seeds 0, 1 (paired; 2 of 3 seeds) |"
     )
-    seeds(drop, [1.71, 1.7372, 1.75])
-    drop["vs_baseline_paired"] = {"mean": 0.007, "min": 0.0057471, "max": 0.01, "n": 3}
-    assert (
-        tables.drop_paper(data).splitlines()[3]
-        == "| p = 0.5 | 1.7324 (1.7100–1.7500) | +0.70% (+0.57% … +1.00%) |"
+    seeds(drop, [1.71, 1.7372, 1.75])  # seed 2: +0.01 again, +0.575% relative
+    assert tables.drop_paper(data).splitlines()[3] == (
+        "| p = 0.5 | 1.7324 (1.7100–1.7500) | +0.72% (+0.58% … +1.00%) | +1.2% (+1.0% … +1.7%) |"
     )
-    data["drop"]["paper_configuration"]["0.5"] = copy.deepcopy(real["drop"]["paper_configuration"]["0.5"])
-    data["drop"]["paper_configuration"]["0.5"].update(per_seed={}, val_loss=None, vs_baseline_paired=None)
-    assert tables.drop_paper(data).splitlines()[3] == "| p = 0.5 | not run | not run |"
+    rows["0.5"] = copy.deepcopy(real["drop"]["paper_configuration"]["0.5"])
+    rows["0.5"].update(per_seed={}, val_loss=None, vs_baseline_paired=None, vs_baseline_ppl_paired=None)
+    assert tables.drop_paper(data).splitlines()[3] == "| p = 0.5 | not run | not run | not run |"
+
+
+@pytest.mark.timeout(30)
+def test_versus_ppl_is_the_perplexity_ratio_per_seed_by_hand():
+    rd = benchmark_module("reproduce_diloco")
+    base = {"per_seed": {"0": 2.0, "1": 2.1, "2": 1.9}}
+    e = rd.versus_ppl({"per_seed": {"0": 2.02, "1": 2.1, "3": 5.0}}, base)  # seed 3 has no pair
+    # exp(0.02) − 1 = 0.0202013, exp(0) − 1 = 0: mean 0.0101007
+    assert e["vs_baseline_ppl_paired"] == {"mean": 0.0101, "min": 0.0, "max": 0.0202, "n": 2}
+    assert rd.versus_ppl({"per_seed": {}}, base)["vs_baseline_ppl_paired"] is None
 
 
 @pytest.mark.timeout(30)
