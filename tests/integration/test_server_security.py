@@ -98,10 +98,12 @@ def test_status_and_metrics_follow_the_run(tmp_path):
     assert status["method"] == "async" and status["inner_step_budget"] == 24
     assert 0 < status["inner_steps"] <= 24
     assert sorted(w["worker"] for w in status["workers"]) == [0, 1]
-    row = status["workers"][0]
     keys = ("host", "device", "state", "step_s", "steps", "staleness", "jobs", "bytes_sent", "last_seen_s")
-    assert all(key in row for key in keys), row
-    assert row["device"] == "cpu" and row["jobs"] >= 1 and "bytes_received" in row
+    for row in status["workers"]:
+        assert all(key in row for key in keys) and "bytes_received" in row, row
+        assert row["device"] == "cpu", row
+    # two updates have been pushed, maybe both by one worker (the other slow to start on a busy machine)
+    assert max(w["jobs"] for w in status["workers"]) >= 1, status["workers"]
     # two updates are two pushes; a first job's θ may not have crossed the wire (WorkerRef.theta)
     assert sum(w["bytes_sent"] for w in status["workers"]) > 0
     text = get(url + "/metrics", token)[1].decode()
