@@ -65,7 +65,8 @@ Parts (`--part`, repeatable or a comma list; default all):
   data parallel re-tuned at these steps around part dp's pick (inner lr ÷2, ×1, ×2 at its
   warm-up); also its own JSON
   (reproduce_diloco_H500.json: `h500_vs_dp_gap`, `h500_bytes_ratio_vs_dp`, `h50_vs_dp_gap`) and
-  a figure of loss against outer rounds; per H, the curves' `peak` above their start and the gap
+  a figure of loss against outer rounds and steps (each arm's mean over the seeds, with their
+  range); per H, the curves' `peak` above their start and the gap
   to data parallel at every evaluated step (`vs_dp_by_step`), which explain a miss by rounds; and
   a figure of the tuning picks' curves (reproduce_H500_tuning.png), drawn once every arm has picked.
 
@@ -1139,18 +1140,26 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def _mean_curve(ctx: Ctx, runs: list[str]) -> tuple[list[int], list[float]]:
-    """The runs' evaluation curves averaged at the steps all of them evaluated (a run without a
-    curve, or with an evaluation that is not a number, gives none)."""
+def _curve_band(ctx: Ctx, runs: list[str]) -> tuple[list[int], list[float], list[float], list[float]]:
+    """The runs' evaluation curves at the steps all of them evaluated: the steps, and at each the
+    mean, the lowest and the highest of the runs (a run without a curve, or with an evaluation
+    that is not a number, gives none)."""
     curves = [dict(zip(*ctx.curve(name), strict=True)) for name in runs]
     if (
         not curves
         or not all(curves)
         or any(not (isinstance(v, float) and math.isfinite(v)) for c in curves for v in c.values())
     ):
-        return [], []
+        return [], [], [], []
     steps = sorted(set.intersection(*(set(c) for c in curves)))
-    return steps, [statistics.fmean(c[x] for c in curves) for x in steps]
+    at = [[c[x] for c in curves] for x in steps]
+    return steps, [statistics.fmean(v) for v in at], [min(v) for v in at], [max(v) for v in at]
+
+
+def _mean_curve(ctx: Ctx, runs: list[str]) -> tuple[list[int], list[float]]:
+    """The runs' evaluation curves averaged at the steps all of them evaluated (`_curve_band`'s mean)."""
+    xs, ys, _, _ = _curve_band(ctx, runs)
+    return xs, ys
 
 
 def peak(xs: list[int], ys: list[float]) -> dict | None:
@@ -1941,21 +1950,23 @@ def _dp_curve_start(ctx: Ctx, r: dict) -> str:
 
 
 def _curve_runs(ctx: Ctx, part: str, r: dict) -> list[str]:
-    """The runs whose evaluation curves a part's figure plots (seed 0 of each compared method)."""
+    """The runs whose evaluation curves a part's figure plots (seed 0 of each compared method;
+    part H500: every seed, as its figure plots their mean)."""
+    if part == "H500":
+        return [name for e in (r["dp"], *r["by_H"].values()) for name in e.get("runs") or []]
     if part == "dp":
         row = r["per_k"][str(r["headline_k"])][_dp_curve_start(ctx, r)]
         entries = [row[m] for m in ("single", "dp", "diloco")]
     elif part == "single":
         entries = [r["single"], r["diloco_k1"]]
-    elif part == "H500":
-        entries = [r["dp"], *r["by_H"].values()]
     else:
         return []
     return [e["runs"][0] for e in entries if e.get("runs")]
 
 
-def _rounds_and_steps(by_round, by_step) -> None:
-    """Part H500's two x axes: outer rounds (the bytes; 0, 1, 10, 100) and inner steps (the compute)."""
+def _rounds_and_steps(by_round, by_step, ylabel: str) -> None:
+    """Part H500's two axes: x, outer rounds (the bytes; 0, 1, 10, 100) and inner steps (the
+    compute); y, val_loss on a log scale, as H = 500's first rounds rise far above the rest."""
     import matplotlib.ticker
 
     by_round.set_xscale("symlog", linthresh=1)
@@ -1963,6 +1974,16 @@ def _rounds_and_steps(by_round, by_step) -> None:
     by_round.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 1, 10, 100
     by_round.set_xlabel("outer rounds (one model-sized exchange each)")
     by_step.set_xlabel("inner steps per worker (data parallel: its steps)")
+    lo, hi = by_step.get_ylim()
+    ticks = [y for y in (1, 1.1, 1.2, 1.3, 1.4, 1.5, 1.7, 2, 2.5, 3, 4, 6, 10, 20, 40) if lo <= y <= hi]
+    for ax in (by_round, by_step):
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_ylabel(ylabel)
+        ax.legend()
+        ax.grid(alpha=0.3, which="both")
 
 
 def _h500_tuning_figure(ctx: Ctx, r: dict, where: Path, suffix: str = "") -> str | None:
@@ -1991,17 +2012,7 @@ def _h500_tuning_figure(ctx: Ctx, r: dict, where: Path, suffix: str = "") -> str
             by_round.axhline(ys[-1], color="k", ls=":", label="data parallel (its final evaluation)")
         else:
             by_round.plot([x / int(H) for x in xs], ys, marker=".", label=label)
-    _rounds_and_steps(by_round, by_step)
-    lo, hi = by_step.get_ylim()
-    ticks = [y for y in (1, 1.1, 1.2, 1.3, 1.4, 1.5, 1.7, 2, 2.5, 3, 4, 6, 10, 20, 40) if lo <= y <= hi]
-    for ax in (by_round, by_step):
-        ax.set_yscale("log")
-        ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
-        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_ylabel("val_loss (the tuning split's fixed subset, log scale)")
-        ax.legend()
-        ax.grid(alpha=0.3, which="both")
+    _rounds_and_steps(by_round, by_step, "val_loss (the tuning split's fixed subset, log scale)")
     fig.suptitle(
         f"the tuning picks: k={r['k']}, warm, {r['steps_per_worker']} steps per worker, "
         f"tuning seed {TUNE_SEED}"
@@ -2161,23 +2172,28 @@ def figures(ctx: Ctx, report: dict, where: Path, suffix: str = "") -> list[str]:
             names = list(r["by_codec"])
             _bars(ax, names, [r["by_codec"][n] for n in names])
             ax.set_title(f"outer_grad codecs, k={r['k']}, {seeds}")
-        elif part == "H500":  # seed 0 of each H against outer rounds (the bytes) and steps (the compute)
-            by_round, by_step = axes
-            for H, e in r["by_H"].items():
-                if e.get("runs"):
-                    xs, ys = ctx.curve(e["runs"][0])
-                    by_round.plot([x / int(H) for x in xs], ys, marker=".", label=f"DiLoCo H={H}")
-                    by_step.plot(xs, ys, marker=".", label=f"DiLoCo H={H}")
-            if r["dp"].get("runs"):
-                by_step.plot(*ctx.curve(r["dp"]["runs"][0]), color="k", label="data parallel (k× batch)")
-            if mean(r["dp"]) is not None:
-                by_round.axhline(mean(r["dp"]), color="k", ls=":", label="data parallel (final, mean)")
-            _rounds_and_steps(by_round, by_step)
-            for ax in axes:
-                ax.set_ylabel("val_loss (fixed subset)")
-                ax.legend()
-                ax.grid(alpha=0.3)
-            fig.suptitle(f"k={r['k']}, warm, {r['steps_per_worker']} steps per worker, seed 0")
+        elif part == "H500":  # each arm's mean curve (the JSON's per_round, peak and vs_dp_by_step)
+            by_round, by_step = axes  # against outer rounds (the bytes) and inner steps (the compute)
+            bands = {H: _curve_band(ctx, e["runs"]) for H, e in [*r["by_H"].items(), (None, r["dp"])]}
+            if not all(band[0] for band in bands.values()):
+                _log("figure H500 not redrawn: a run it plots has an evaluation that is not a number")
+                plt.close(fig)
+                continue
+            for H, (xs, ys, lo, hi) in bands.items():
+                label, colour = ("data parallel (k× batch)", "k") if H is None else (f"DiLoCo H={H}", None)
+                line = by_step.plot(xs, ys, marker=".", label=label, color=colour)[0]
+                by_step.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
+                if H is None:
+                    by_round.axhline(ys[-1], color="k", ls=":", label="data parallel (its final evaluation)")
+                else:
+                    rounds = [x / int(H) for x in xs]
+                    by_round.plot(rounds, ys, marker=".", label=label, color=line.get_color())
+                    by_round.fill_between(rounds, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
+            _rounds_and_steps(by_round, by_step, "val_loss (fixed subset, log scale)")
+            fig.suptitle(
+                f"k={r['k']}, warm, {r['steps_per_worker']} steps per worker: mean of {seeds} "
+                "(band: lowest to highest seed)"
+            )
         fig.tight_layout()
         where.mkdir(parents=True, exist_ok=True)
         path = where / f"reproduce_{part}{suffix}.png"  # suffix: another model's figures sit beside nano's
