@@ -2174,9 +2174,13 @@ def figures(ctx: Ctx, report: dict, where: Path, suffix: str = "") -> list[str]:
             ax.set_title(f"outer_grad codecs, k={r['k']}, {seeds}")
         elif part == "H500":  # each arm's mean curve (the JSON's per_round, peak and vs_dp_by_step)
             by_round, by_step = axes  # against outer rounds (the bytes) and inner steps (the compute)
-            bands = {H: _curve_band(ctx, e["runs"]) for H, e in [*r["by_H"].items(), (None, r["dp"])]}
+            arms = [*r["by_H"].items(), (None, r["dp"])]  # an arm with no pick has no runs
+            bands = {H: _curve_band(ctx, e.get("runs") or []) for H, e in arms}
             if not all(band[0] for band in bands.values()):
-                _log("figure H500 not redrawn: a run it plots has an evaluation that is not a number")
+                _log(
+                    "figure H500 not redrawn: an arm has no runs, no step all its runs evaluated, "
+                    "or an evaluation that is not a number"
+                )
                 plt.close(fig)
                 continue
             for H, (xs, ys, lo, hi) in bands.items():

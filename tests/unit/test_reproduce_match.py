@@ -180,9 +180,10 @@ def test_h500_tuning_figure_waits_for_every_pick_then_plots_their_curves(tmp_pat
 @pytest.mark.timeout(60)
 def test_h500_figure_plots_each_arms_mean_over_the_seeds_with_their_range(tmp_path, monkeypatch):
     """Part H500's figure of the reported seeds: each arm's mean curve (the one `per_round`, `peak`
-    and `vs_dp_by_step` read) with a band from the lowest to the highest seed, computed here by
-    hand; data parallel's mean final evaluation is the rounds panel's reference line; a seed whose
-    curve is not numbers leaves the figure undrawn."""
+    and `vs_dp_by_step` read) with a band from the lowest to the highest seed at each evaluation,
+    computed here by hand (3 seeds, so a band of mean ± spread would not pass); data parallel's
+    mean final evaluation is the rounds panel's reference line; an arm without a pick or a seed
+    whose curve is not numbers leaves the figure undrawn."""
     import matplotlib.figure
 
     rd = _rd()
@@ -190,16 +191,19 @@ def test_h500_figure_plots_each_arms_mean_over_the_seeds_with_their_range(tmp_pa
         {
             "dp0": [(0, 2.2), (500, 1.8), (1000, 1.4)],
             "dp1": [(0, 2.2), (500, 2.0), (1000, 1.6)],
+            "dp2": [(0, 2.2), (500, 1.9), (1000, 1.5)],
             "a0": [(0, 2.2), (500, 1.9), (1000, 1.6)],
             "a1": [(0, 2.2), (500, 2.1), (1000, 1.8)],
+            "a2": [(0, 2.2), (500, 2.3), (1000, 1.7)],
             "b0": [(0, 2.2), (500, 4.0), (1000, 1.7)],
             "b1": [(0, 2.2), (500, 3.0), (1000, 1.9)],
+            "b2": [(0, 2.2), (500, 3.2), (1000, 2.2)],
         }
     )
-    ctx.seeds = [0, 1]
+    ctx.seeds = [0, 1, 2]
     r = {"k": 4, "steps_per_worker": 1000, "wall_time": {"runs_missing": 0}}
-    r["dp"] = {"runs": ["dp0", "dp1"]}
-    r["by_H"] = {"50": {"runs": ["a0", "a1"]}, "500": {"runs": ["b0", "b1"]}}
+    r["dp"] = {"runs": ["dp0", "dp1", "dp2"]}
+    r["by_H"] = {"50": {"runs": ["a0", "a1", "a2"]}, "500": {"runs": ["b0", "b1", "b2"]}}
     saved = []
     keep = lambda fig, path, **kw: saved.append((fig, path))  # noqa: E731  (the drawn figure, unsaved)
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
@@ -209,19 +213,32 @@ def test_h500_figure_plots_each_arms_mean_over_the_seeds_with_their_range(tmp_pa
     approx = lambda xs: pytest.approx(xs, abs=1e-9)  # noqa: E731
     steps = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in by_step.lines}
     assert steps["data parallel (k× batch)"] == ([0, 500, 1000], approx([2.2, 1.9, 1.5]))
-    assert steps["DiLoCo H=500"] == ([0, 500, 1000], approx([2.2, 3.5, 1.8]))
+    assert steps["DiLoCo H=50"] == ([0, 500, 1000], approx([2.2, 2.1, 1.7]))
+    assert steps["DiLoCo H=500"] == ([0, 500, 1000], approx([2.2, 3.4, 5.8 / 3]))
     rounds = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in by_round.lines}
-    assert rounds["DiLoCo H=50"] == ([0, 10, 20], approx([2.2, 2.0, 1.7]))
+    assert rounds["DiLoCo H=50"] == ([0, 10, 20], approx([2.2, 2.1, 1.7]))
+    assert rounds["DiLoCo H=500"] == ([0, 1, 2], approx([2.2, 3.4, 5.8 / 3]))
     assert rounds["data parallel (its final evaluation)"][1] == approx([1.5, 1.5])
-    # the bands: lowest to highest seed at each evaluation (H = 500 against steps: 3.0 to 4.0 at 500)
-    bands = [c.get_paths()[0].vertices for c in by_step.collections]
-    assert len(bands) == 3 and len(by_round.collections) == 2
-    h500 = [b for b in bands if b[:, 1].max() == pytest.approx(4.0)]
-    assert len(h500) == 1 and h500[0][:, 1].min() == pytest.approx(1.7)
+
+    def edges(band):
+        """A band's (x, y) corners: each evaluation's lowest and highest seed."""
+        return {(round(x, 9), round(y, 9)) for x, y in band.get_paths()[0].vertices}
+
+    # the bands, in the order drawn (H = 50, H = 500, data parallel): lowest to highest seed
+    h50, h500, dp = by_step.collections
+    assert edges(h500) == {(0, 2.2), (500, 3.0), (500, 4.0), (1000, 1.7), (1000, 2.2)}
+    assert edges(h50) == {(0, 2.2), (500, 1.9), (500, 2.3), (1000, 1.6), (1000, 1.8)}
+    assert edges(dp) == {(0, 2.2), (500, 1.8), (500, 2.0), (1000, 1.4), (1000, 1.6)}
+    r50, r500 = by_round.collections  # data parallel has a line there, no band
+    assert edges(r500) == {(0, 2.2), (1, 3.0), (1, 4.0), (2, 1.7), (2, 2.2)}
+    assert edges(r50) == {(0, 2.2), (10, 1.9), (10, 2.3), (20, 1.6), (20, 1.8)}
     assert by_step.get_yscale() == by_round.get_yscale() == "log"
 
     saved.clear()
     ctx.curves["b1"] = [(0, 2.2), (500, float("nan")), (1000, 1.9)]  # a seed that diverged
+    assert rd.figures(ctx, {"H500": r}, tmp_path) == [] and not saved
+    ctx.curves["b1"] = [(0, 2.2), (500, 3.0), (1000, 1.9)]
+    r["by_H"]["500"] = {"val_loss": None}  # an arm whose grid had no pick: no runs
     assert rd.figures(ctx, {"H500": r}, tmp_path) == [] and not saved
 
 
