@@ -1964,11 +1964,33 @@ def _curve_runs(ctx: Ctx, part: str, r: dict) -> list[str]:
     return [e["runs"][0] for e in entries if e.get("runs")]
 
 
-def _rounds_and_steps(by_round, by_step, ylabel: str) -> None:
-    """Part H500's two axes: x, outer rounds (the bytes; 0, 1, 10, 100) and inner steps (the
-    compute); y, val_loss on a log scale, as H = 500's first rounds rise far above the rest."""
+def _h500_bands(ctx: Ctx, r: dict, runs: Callable[[dict], list[str]]) -> dict | None:
+    """Part H500's curves to draw: for each H, then data parallel (key None), `_curve_band` of
+    the runs `runs` names in its entry; None while an arm has no runs, no step they all
+    evaluated, or an evaluation that is not a number."""
+    bands = {H: _curve_band(ctx, runs(e)) for H, e in [*r["by_H"].items(), (None, r["dp"])]}
+    return bands if all(band[0] for band in bands.values()) else None
+
+
+def _h500_panels(by_round, by_step, bands: dict, ylabel: str, shade: bool) -> None:
+    """Part H500's two panels: each H's curve against outer rounds (its steps ÷ H: the bytes;
+    0, 1, 10, 100) and inner steps (the compute), data parallel's against steps, with its final
+    evaluation as the rounds panel's line; `shade`: a band from each curve's lowest run to its
+    highest. val_loss on a log scale, as H = 500's first rounds rise far above the rest."""
     import matplotlib.ticker
 
+    for H, (xs, ys, lo, hi) in bands.items():
+        label, colour = ("data parallel (k× batch)", "k") if H is None else (f"DiLoCo H={H}", None)
+        colour = by_step.plot(xs, ys, marker=".", label=label, color=colour)[0].get_color()
+        if shade:
+            by_step.fill_between(xs, lo, hi, color=colour, alpha=0.2, lw=0)
+        if H is None:
+            by_round.axhline(ys[-1], color="k", ls=":", label="data parallel (its final evaluation)")
+            continue
+        rounds = [x / int(H) for x in xs]
+        by_round.plot(rounds, ys, marker=".", label=label, color=colour)
+        if shade:
+            by_round.fill_between(rounds, lo, hi, color=colour, alpha=0.2, lw=0)
     by_round.set_xscale("symlog", linthresh=1)
     by_round.set_xlim(left=0)
     by_round.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 1, 10, 100
@@ -1990,29 +2012,17 @@ def _h500_tuning_figure(ctx: Ctx, r: dict, where: Path, suffix: str = "") -> str
     """Part H500's picks on the tuning seed and split (data parallel's and each H's tuning run at
     its picked lrs) against outer rounds and inner steps: where H = 500's rounds go, before the
     reported seeds have run. None (nothing drawn) until every arm has picked and its run has a
-    curve; a y axis on a log scale, as H = 500's first rounds rise far above the rest."""
+    curve of numbers."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
-    runs = {f"DiLoCo H={H}": e.get("tuning_run") for H, e in r["by_H"].items()}
-    runs["data parallel (k× batch)"] = r["dp"].get("tuning_run")
-    curves = {label: ctx.curve(name) if name else ([], []) for label, name in runs.items()}
-    if not all(
-        xs and all(isinstance(y, float) and math.isfinite(y) for y in ys) for xs, ys in curves.values()
-    ):
+    bands = _h500_bands(ctx, r, lambda e: [e["tuning_run"]] if e.get("tuning_run") else [])
+    if bands is None:
         return None
     fig, (by_round, by_step) = plt.subplots(1, 2, figsize=(12, 4.6))
-    for (label, (xs, ys)), H in zip(curves.items(), [*r["by_H"], None], strict=True):
-        colour = "k" if H is None else None
-        by_step.plot(xs, ys, marker=".", label=label, color=colour)
-        if H is None:
-            by_round.axhline(ys[-1], color="k", ls=":", label="data parallel (its final evaluation)")
-        else:
-            by_round.plot([x / int(H) for x in xs], ys, marker=".", label=label)
-    _rounds_and_steps(by_round, by_step, "val_loss (the tuning split's fixed subset, log scale)")
+    _h500_panels(by_round, by_step, bands, "val_loss (the tuning split's fixed subset, log scale)", False)
     fig.suptitle(
         f"the tuning picks: k={r['k']}, warm, {r['steps_per_worker']} steps per worker, "
         f"tuning seed {TUNE_SEED}"
@@ -2173,27 +2183,15 @@ def figures(ctx: Ctx, report: dict, where: Path, suffix: str = "") -> list[str]:
             _bars(ax, names, [r["by_codec"][n] for n in names])
             ax.set_title(f"outer_grad codecs, k={r['k']}, {seeds}")
         elif part == "H500":  # each arm's mean curve (the JSON's per_round, peak and vs_dp_by_step)
-            by_round, by_step = axes  # against outer rounds (the bytes) and inner steps (the compute)
-            arms = [*r["by_H"].items(), (None, r["dp"])]  # an arm with no pick has no runs
-            bands = {H: _curve_band(ctx, e.get("runs") or []) for H, e in arms}
-            if not all(band[0] for band in bands.values()):
+            bands = _h500_bands(ctx, r, lambda e: e.get("runs") or [])  # an arm with no pick: none
+            if bands is None:
                 _log(
                     "figure H500 not redrawn: an arm has no runs, no step all its runs evaluated, "
                     "or an evaluation that is not a number"
                 )
                 plt.close(fig)
                 continue
-            for H, (xs, ys, lo, hi) in bands.items():
-                label, colour = ("data parallel (k× batch)", "k") if H is None else (f"DiLoCo H={H}", None)
-                line = by_step.plot(xs, ys, marker=".", label=label, color=colour)[0]
-                by_step.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
-                if H is None:
-                    by_round.axhline(ys[-1], color="k", ls=":", label="data parallel (its final evaluation)")
-                else:
-                    rounds = [x / int(H) for x in xs]
-                    by_round.plot(rounds, ys, marker=".", label=label, color=line.get_color())
-                    by_round.fill_between(rounds, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
-            _rounds_and_steps(by_round, by_step, "val_loss (fixed subset, log scale)")
+            _h500_panels(*axes, bands, "val_loss (fixed subset, log scale)", True)
             fig.suptitle(
                 f"k={r['k']}, warm, {r['steps_per_worker']} steps per worker: mean of {seeds} "
                 "(band: lowest to highest seed)"
