@@ -121,17 +121,13 @@ def _dp(data: dict, start: str) -> str:
         f"| run ({head}) | " + " | ".join(f"k = {k}" for k in ks) + " |",
         "| --- |" + " --- |" * len(ks),
         f"| `single` (1 worker, AdamW, {steps} steps) | "
-        + cells(lambda k, r: _loss(r["single"].get("val_loss")) if k == ks[0] else "(same)")
+        + cells(lambda k, r: _loss_seeds(r["single"]) if k == ks[0] else "(same)")
         + " |",
-        f"| data parallel (k× batch, {steps} steps) | "
-        + cells(lambda k, r: _loss(r["dp"].get("val_loss")))
-        + " |",
+        f"| data parallel (k× batch, {steps} steps) | " + cells(lambda k, r: _loss_seeds(r["dp"])) + " |",
         f"| **DiLoCo** (H = {d['H']}, Nesterov, best outer lr {' / '.join(lrs) or TUNING}) | "
-        + cells(lambda k, r: f"**{_loss(r['diloco']['val_loss'])}**")
+        + cells(lambda k, r: f"**{_loss_seeds(r['diloco'])}**")
         + " |",
-        "| DiLoCo vs data parallel | "
-        + cells(lambda k, r: _paired_by_seed(r["diloco"].get("vs_dp"), r["diloco"].get("vs_dp_paired")))
-        + " |",
+        "| DiLoCo vs data parallel | " + cells(lambda k, r: _gap_to_dp(r["diloco"], r["dp"])) + " |",
     ]
     # the serial reference (warm only): every k's cell in the old JSON, the ks it ran for in issue 36's
     if start == "warm" and ("tuning" not in d or any("serial" in r for r in rows.values())):

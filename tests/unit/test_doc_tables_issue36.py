@@ -129,6 +129,28 @@ def test_the_dp_tables_show_each_start_with_every_arm_tuned_pick(start):
 
 
 @pytest.mark.timeout(30)
+def test_the_dp_table_says_how_many_seeds_a_mean_has_while_some_have_not_run():
+    """A lane half way through part dp's reported seeds (data parallel k = 4's seed 0 only): its
+    cell counts the seeds, and DiLoCo's gap is only on the seeds both arms have."""
+    import copy
+
+    tables, data = _tables(), copy.deepcopy(DATA)
+    row = data["dp"]["per_k"]["4"]["scratch"]
+    dp, di = row["dp"], row["diloco"]
+    assert len(dp["runs"]) == 2 and dp["val_loss"]["n"] == 2  # the fixture: 2 seeds, both run
+    first = dp["per_seed"]["0"]
+    dp["per_seed"] = {"0": first}
+    dp["val_loss"] = {"mean": first, "min": first, "max": first, "n": 1}
+    paired = di["per_seed"]["0"] / first - 1  # as reproduce_diloco's versus() pairs them
+    di["vs_dp_paired"] = {"mean": paired, "min": paired, "max": paired, "n": 1}
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in tables.dp_scratch(data).splitlines()}
+    assert rows["data parallel (k× batch, 40 steps)"].split(" | ")[1] == f"{first:.4f} (seed 0; 1 of 2 seeds)"
+    gap = rows["DiLoCo vs data parallel"].split(" | ")[1]
+    assert gap == f"{tables._pct(paired, 2)} on seed 0 (paired; 1 of 2 seeds)", gap
+    assert "of 2 seeds" not in tables.dp_scratch(DATA)  # every seed run: no count, the mean's gap
+
+
+@pytest.mark.timeout(30)
 def test_the_steps_to_match_cell_says_never_where_diloco_ends_below_data_parallel():
     tables = _tables()
     assert tables._match({"dp_steps_to_match": 0.5884, "vs_dp": 0.11}) == "59%"
