@@ -123,6 +123,7 @@ def _dp(data: dict, start: str) -> str:
         f"| `single` (1 worker, AdamW, {steps} steps) | "
         + cells(lambda k, r: _loss_seeds(r["single"]) if k == ks[0] else "(same)")
         + " |",
+        *_single_below(rows, ks, steps),
         f"| data parallel (k× batch, {steps} steps) | " + cells(lambda k, r: _loss_seeds(r["dp"])) + " |",
         f"| **DiLoCo** (H = {d['H']}, Nesterov, best outer lr {' / '.join(lrs) or TUNING}) | "
         + cells(lambda k, r: f"**{_loss_seeds(r['diloco'])}**")
@@ -214,6 +215,19 @@ def dp_by_H(data: dict) -> str:
                     f"{_bytes_ratio(dp.get('bytes_sent_per_worker'), e.get('bytes_sent_per_worker'))} |"
                 )
     return "\n".join(out) + "\n"
+
+
+def _single_below(rows: dict[str, dict], ks: list[str], steps: str) -> list[str]:
+    """Part dp's ablation row, single one inner-lr grid point below its pick, where the JSON has it."""
+    below = rows[ks[0]].get("single_lr_below")
+    if below is None:
+        return []
+    at = f"inner lr {_num(below['lr'])}, warm-up {below['warmup']}" if below.get("lr") else "still tuning"
+    cell = _loss_seeds(below)
+    return [
+        f"| ablation: `single` one grid point below its pick ({at}, {steps} steps) | {cell} |"
+        + " (same) |" * (len(ks) - 1)
+    ]
 
 
 def dp_warm(data: dict) -> str:

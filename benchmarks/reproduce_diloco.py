@@ -37,7 +37,10 @@ Parts (`--part`, repeatable or a comma list; default all):
   also `serial_warm_final_val_loss` and `dp_warm_vs_serial_gap`, and what each arm gains over
   `single` at the same steps, (single − arm) / single: `dp_{start}_vs_single_gain`,
   `diloco_{start}_vs_single_gain`, with `diloco_{start}_share_of_dp_gain` DiLoCo's gain over
-  data parallel's (the paper's, in log perplexity: 2.1% and 2.8%, a share above 1).
+  data parallel's (the paper's, in log perplexity: 2.1% and 2.8%, a share above 1). An ablation,
+  not a pick: `single_lr_below` (`single_{start}_lr_below_final_val_loss`), single at the
+  inner-lr grid point below its pick (÷2, the same warm-up) on the reported seeds, which says
+  how much single's row owes to a pick next to an lr where it stalls.
 - `single`: DiLoCo k = 1 vs plain AdamW (`--method single`) at equal steps.
 - `workers`: DiLoCo k ∈ {1, 2, 4, 8} at equal steps per worker (baseline k = 1).
 - `H`: H ∈ {10, 25, 50, 100, 250} (`--hs` some of them), k = 4 (`--h-k` another k, with its own
@@ -1331,12 +1334,21 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     plan = Plan()
     arms: dict[tuple[int, bool], tuple[Choice, Choice, dict[int, Diloco]]] = {}
     serial: dict[int, Follow] = {}
+    single_below: dict[bool, Follow] = {}  # an ablation: single one inner-lr grid point below its pick
     starts = [start == "warm" for start in ctx.dp_starts]
     for warm in sorted(starts, reverse=True):  # warm first: the target
         for k in ctx.dp_ks:
             arms[k, warm] = dp_arms(ctx, k, warm)
             single, dp, diloco = arms[k, warm]
             plan.tuned += [dp, *diloco.values()] + ([single] if k == ctx.dp_ks[0] else [])
+
+        def below(ctx: Ctx, warm: bool) -> list[Run]:
+            lr, w = _picked(arms[ctx.dp_ks[0], warm][0], ctx)
+            lr /= INNER_GRID_STEP
+            return [ctx.single(s, warm, fair=True, lr=lr, warmup=w) for s in ctx.seeds]
+
+        single_below[warm] = Follow(arms[ctx.dp_ks[0], warm][0], functools.partial(below, warm=warm))
+        plan.tuned.append(single_below[warm])
         if warm:  # the serial reference: one worker, k × the steps, at single's tuned settings
 
             def make(ctx: Ctx, k: int) -> list[Run]:
@@ -1382,6 +1394,9 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                 single_t, dp_t, diloco_t = arms[k, warm]
                 dp = entry(ctx, dp_t.runs(ctx), **(dp_t.report(ctx)))
                 single = versus(entry(ctx, single_t.runs(ctx), **single_t.report(ctx)), dp, "vs_dp")
+                at = _picked(single_t, ctx)
+                lower = {} if at is None else {"lr": at[0] / INNER_GRID_STEP, "warmup": at[1]}
+                lower = versus(entry(ctx, single_below[warm].runs(ctx), **lower), dp, "vs_dp")
                 tuning["arms"][f"dp k={k} {start}"] = dp_t.report(ctx)
                 tuning["arms"][f"single {start}"] = single_t.report(ctx)
                 ser = None
@@ -1404,6 +1419,7 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                 head = by_H.get(str(ctx.H)) or next(iter(by_H.values()))
                 row[start] = {
                     "single": single,
+                    "single_lr_below": lower,
                     **({"serial": ser} if ser is not None else {}),
                     "dp": dp,
                     "diloco": head,
@@ -1414,6 +1430,7 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                 row[f"dp_{start}_final_val_loss"] = mean(dp)
                 row[f"diloco_{start}_final_val_loss"] = mean(head)
                 row[f"single_{start}_final_val_loss"] = mean(single)
+                row[f"single_{start}_lr_below_final_val_loss"] = mean(lower)
                 if ser is not None:
                     row[f"serial_{start}_final_val_loss"] = mean(ser)
                     m_dp, m_serial = mean(dp), mean(ser)

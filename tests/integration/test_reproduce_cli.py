@@ -450,6 +450,38 @@ def test_diloco_tunes_its_inner_lr_at_the_paper_outer_lr_then_its_outer_lr_at_th
 
 
 @pytest.mark.timeout(60)
+def test_single_one_grid_point_below_its_pick_runs_on_the_reported_seeds_as_an_ablation(tmp_path):
+    """Part dp's ablation of single's pick: nothing until single has picked (2e-3 at warm-up 100),
+    then single at 1e-3 (÷2), warm-up 100, 1,000 steps, on the reported seeds, scored on the
+    validation split; the report gives its loss apart from single's row."""
+    mod = _module()
+
+    def ablation(ctx):
+        plan, report = mod.part_dp(ctx)
+        runs = [r for t in plan.tuned if isinstance(t, mod.Follow) for r in t.runs(ctx)]
+        return [r for r in runs if _flag(r, "--rounds") == "20"], report  # not the serial 4,000 steps
+
+    assert ablation(_ctx(mod, tmp_path))[0] == []  # single has not picked
+    single = _single_picks_2e3_at_warmup_100(mod, _ctx(mod, tmp_path))
+    below, _ = ablation(_write(tmp_path, mod, single))
+    named = ("--method", "--inner-lr", "--warmup-steps", "--eval-on")
+    assert [_settings(r, *named) for r in below] == [(s, "single", "0.001", "100", None) for s in (0, 1, 2)]
+    _write(tmp_path, mod, single)
+    with (tmp_path / "runs.jsonl").open("a") as f:  # a reported run's row has its bytes and steps
+        for r, v in zip(below, (1.8, 2.0, 2.2), strict=True):
+            summary = {"val_loss": v, "bytes_sent_per_worker": 0, "inner_steps": 1000}
+            f.write(
+                json.dumps({"name": r.name, "label": r.label, "flags": list(r.flags), "summary": summary})
+            )
+            f.write("\n")
+    row = ablation(_ctx(mod, tmp_path))[1]()["per_k"]["4"]
+    lower = row["warm"]["single_lr_below"]
+    assert (lower["lr"], lower["warmup"], lower["per_seed"]) == (1e-3, 100, {"0": 1.8, "1": 2.0, "2": 2.2})
+    assert row["single_warm_lr_below_final_val_loss"] == pytest.approx(2.0)
+    assert row["warm"]["single"]["val_loss"] is None  # single's own reported seeds have not run
+
+
+@pytest.mark.timeout(60)
 def test_diloco_inner_grid_runs_at_the_outer_grid_point_nearest_the_paper_outer_lr(tmp_path):
     """With --lr-grid 0.5,1 (no 0.7) the inner-lr grid runs at 0.5, so its pick is a point of the
     outer grid too; `--pending` counts the outer grid's other points and the seeds, at single's

@@ -151,6 +151,27 @@ def test_the_dp_table_says_how_many_seeds_a_mean_has_while_some_have_not_run():
 
 
 @pytest.mark.timeout(30)
+def test_the_dp_table_has_single_one_grid_point_below_its_pick_as_an_ablation_row_where_run():
+    """The ablation's row follows single's, with its settings and its loss (k = 8's cell the
+    same runs); a JSON without it (before the ablation) has no such row."""
+    import copy
+
+    tables, data = _tables(), copy.deepcopy(DATA)
+    row = data["dp"]["per_k"]["4"]["scratch"]
+    lower = copy.deepcopy(row["single"])  # its shape: an entry of seeds 0 and 1
+    lower.update(lr=row["single"]["lr"] / 2, warmup=30)
+    row["single_lr_below"] = lower
+    lines = tables.dp_scratch(data).splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("| `single`"))
+    want = "| ablation: `single` one grid point below its pick "
+    want += f"(inner lr {lower['lr']:g}, warm-up 30, 40 steps) "
+    assert lines[i + 1] == want + f"| {tables._loss(lower['val_loss'])} | (same) |", lines[i + 1]
+    lower.update(lr=None, warmup=None, val_loss=None, per_seed={})  # single still tuning
+    assert "(still tuning, 40 steps) | not run | (same) |" in tables.dp_scratch(data)
+    assert "ablation: `single`" not in tables.dp_scratch(DATA)
+
+
+@pytest.mark.timeout(30)
 def test_the_steps_to_match_cell_says_never_where_diloco_ends_below_data_parallel():
     tables = _tables()
     assert tables._match({"dp_steps_to_match": 0.5884, "vs_dp": 0.11}) == "59%"
