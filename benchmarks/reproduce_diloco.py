@@ -358,18 +358,18 @@ class Choice:
 
 @dataclass
 class Follow:
-    """Runs made from another grid's pick once it is known (the serial reference at single's
-    settings; part H500's data parallel at part dp's). Scheduled like a `Tuned`."""
+    """Runs at single's pick once it is known (the serial reference; the ablation one grid point
+    below it). Scheduled like a `Tuned`."""
 
-    source: Tuned | Choice
-    make: Callable[[Ctx], list[Run]]  # runs at the source's pick (called once it has one)
+    source: Choice
+    make: Callable[[float, int], list[Run]]  # runs at the source's (inner lr, warm-up)
 
     def grid_runs(self, ctx: Ctx) -> list[Run]:
         return self.source.grid_runs(ctx)
 
     def runs(self, ctx: Ctx) -> list[Run]:
-        done = self.source.pick(ctx) if isinstance(self.source, Choice) else self.source.best(ctx)
-        return [] if done is None else self.make(ctx)
+        picked = _picked(self.source, ctx)
+        return [] if picked is None else self.make(*picked)
 
 
 class Centred:
@@ -1342,8 +1342,7 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
             single, dp, diloco = arms[k, warm]
             plan.tuned += [dp, *diloco.values()] + ([single] if k == ctx.dp_ks[0] else [])
 
-        def below(ctx: Ctx, warm: bool) -> list[Run]:
-            lr, w = _picked(arms[ctx.dp_ks[0], warm][0], ctx)
+        def below(lr: float, w: int, warm: bool) -> list[Run]:
             lr /= INNER_GRID_STEP
             return [ctx.single(s, warm, fair=True, lr=lr, warmup=w) for s in ctx.seeds]
 
@@ -1351,8 +1350,7 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
         plan.tuned.append(single_below[warm])
         if warm:  # the serial reference: one worker, k × the steps, at single's tuned settings
 
-            def make(ctx: Ctx, k: int) -> list[Run]:
-                lr, w = _picked(arms[ctx.dp_ks[0], True][0], ctx)
+            def make(lr: float, w: int, k: int) -> list[Run]:
                 n = k * ctx.steps
                 return [ctx.single(s, True, steps=n, fair=True, lr=lr, warmup=w) for s in ctx.seeds]
 
@@ -2237,10 +2235,12 @@ def _work(flags: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], int]:
 def _future(t, ctx: Ctx) -> list[Run] | None:
     """The runs a tuned arm still waiting for a grid will add at least (its grid, if not yet
     made, and its reported seeds), at placeholder settings that change no run's length; None
-    where they cannot be told yet (the serial reference)."""
+    where they cannot be told yet."""
     lr, w = INNER_LR_GRID[0], WARMUPS[0]
     if t.runs(ctx):
         return []
+    if isinstance(t, Follow):  # runs at single's pick: the serial reference, the ablation below it
+        return t.make(lr, w)
     if isinstance(t, Tuned):
         return [t.make(t.base[0], s) for s in t.seeds]
     if isinstance(t, Choice):  # one option's seeds, whichever is picked

@@ -596,6 +596,29 @@ def test_pending_lists_the_runs_left_and_starts_none(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_pending_counts_the_runs_at_single_pick_before_single_has_picked(tmp_path):
+    """The serial reference (k × 1,000 steps) and the ablation one grid point below single's pick
+    wait for single's grid, yet their length is known: `--pending` counts them (3 seeds each) at
+    placeholder settings, beside single's own reported seeds, and none is left untold."""
+    mod = _module()
+    ctx = _ctx(mod, tmp_path)
+    plan, _ = mod.part_dp(ctx)
+    got = mod.pending(ctx, {"dp": plan})
+    assert got["parts"]["dp"]["runs_not_told_yet"] == 0
+    names = got["runs"]
+    assert sorted(n.split("-")[1] for n in names if n.startswith("single4000-")) == ["s0", "s1", "s2"]
+    # single's reported seeds and the ablation's, each at its own placeholder lr (not its grid)
+    assert sorted(n.split("-")[1] for n in names if n.startswith("single-s") and "-s100-" not in n) == [
+        "s0",
+        "s0",
+        "s1",
+        "s1",
+        "s2",
+        "s2",
+    ]
+
+
+@pytest.mark.timeout(60)
 def test_pending_estimates_a_run_from_the_ledger_rate_of_its_kind(tmp_path):
     """Data parallel k = 4 ran 1,000 steps in 500 s: part H500's data parallel (10,000 steps) is
     estimated at 5,000 s a run; single (no timed run) is not estimated."""
