@@ -123,12 +123,12 @@ def _dp(data: dict, start: str) -> str:
         f"| `single` (1 worker, AdamW, {steps} steps) | "
         + cells(lambda k, r: _loss_seeds(r["single"]) if k == ks[0] else "(same)")
         + " |",
-        *_single_below(rows, ks, steps),
         f"| data parallel (k× batch, {steps} steps) | " + cells(lambda k, r: _loss_seeds(r["dp"])) + " |",
         f"| **DiLoCo** (H = {d['H']}, Nesterov, best outer lr {' / '.join(lrs) or TUNING}) | "
         + cells(lambda k, r: f"**{_loss_seeds(r['diloco'])}**")
         + " |",
         "| DiLoCo vs data parallel | " + cells(lambda k, r: _gap_to_dp(r["diloco"], r["dp"])) + " |",
+        *_below(rows, ks, steps),
     ]
     # the serial reference (warm only): every k's cell in the old JSON, the ks it ran for in issue 36's
     if start == "warm" and ("tuning" not in d or any("serial" in r for r in rows.values())):
@@ -217,17 +217,38 @@ def dp_by_H(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _single_below(rows: dict[str, dict], ks: list[str], steps: str) -> list[str]:
-    """Part dp's ablation row, single one inner-lr grid point below its pick, where the JSON has it."""
-    below = rows[ks[0]].get("single_lr_below")
-    if below is None:
-        return []
-    at = f"inner lr {_num(below['lr'])}, warm-up {below['warmup']}" if below.get("lr") else "still tuning"
-    cell = _loss_seeds(below)
-    return [
-        f"| ablation: `single` one grid point below its pick ({at}, {steps} steps) | {cell} |"
-        + " (same) |" * (len(ks) - 1)
-    ]
+def _below(rows: dict[str, dict], ks: list[str], steps: str) -> list[str]:
+    """Part dp's ablations where the JSON has them: single, then data parallel (per k: its own
+    lr), one inner-lr grid point below the pick, and DiLoCo's gap to the latter on the means."""
+
+    def at(e: dict) -> str:
+        return f"inner lr {_num(e['lr'])}, warm-up {e['warmup']}" if e.get("lr") else "still tuning"
+
+    out = []
+    if (single := rows[ks[0]].get("single_lr_below")) is not None:
+        out.append(
+            f"| ablation: `single` one grid point below its pick ({at(single)}, {steps} steps) "
+            f"| {_loss_seeds(single)} |" + " (same) |" * (len(ks) - 1)
+        )
+    if any("dp_lr_below" in r for r in rows.values()):
+
+        def cell(r: dict) -> str:
+            e = r.get("dp_lr_below")
+            return "—" if e is None else f"{at(e)}: {_loss_seeds(e)}"
+
+        def gap(r: dict) -> str:
+            g = (r.get("dp_lr_below") or {}).get("diloco_vs_this")
+            return "not run" if g is None else _pct(g, 1)
+
+        out.append(
+            f"| ablation: data parallel one grid point below its pick ({steps} steps) | "
+            + " | ".join(cell(rows[k]) for k in ks)
+            + " |"
+        )
+        out.append(
+            "| DiLoCo vs that ablation (on the means) | " + " | ".join(gap(rows[k]) for k in ks) + " |"
+        )
+    return out
 
 
 def dp_warm(data: dict) -> str:

@@ -1329,25 +1329,42 @@ def ablations(
     return out
 
 
+def _below(ctx: Ctx, t: Follow) -> dict:
+    """An ablation's entry: its runs (one inner-lr grid point below the source's pick) with that
+    lr and warm-up; no settings while the source has not picked."""
+    at = _picked(t.source, ctx)
+    return entry(ctx, t.runs(ctx), **({} if at is None else {"lr": at[0] / INNER_GRID_STEP, "warmup": at[1]}))
+
+
 def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     """DiLoCo vs data parallel, every arm tuned by the tuning rules (TUNE_SEED, TUNE_FRACTION)."""
     plan = Plan()
     arms: dict[tuple[int, bool], tuple[Choice, Choice, dict[int, Diloco]]] = {}
     serial: dict[int, Follow] = {}
-    single_below: dict[bool, Follow] = {}  # an ablation: single one inner-lr grid point below its pick
+    # ablations, not picks: a baseline one inner-lr grid point below its pick on the reported
+    # seeds; single from each start (one Follow for every k), data parallel from scratch (where
+    # a pick can keep a run on the loss plateau), keyed by (arm, k, warm)
+    below: dict[tuple[str, int, bool], Follow] = {}
+
+    def single_below(lr: float, w: int, warm: bool) -> list[Run]:
+        return [ctx.single(s, warm, fair=True, lr=lr / INNER_GRID_STEP, warmup=w) for s in ctx.seeds]
+
+    def dp_below(lr: float, w: int, k: int, warm: bool) -> list[Run]:
+        return [ctx.dp(k, s, warm, fair=True, lr=lr / INNER_GRID_STEP, warmup=w) for s in ctx.seeds]
+
     starts = [start == "warm" for start in ctx.dp_starts]
     for warm in sorted(starts, reverse=True):  # warm first: the issue's target
         for k in ctx.dp_ks:
             arms[k, warm] = dp_arms(ctx, k, warm)
             single, dp, diloco = arms[k, warm]
             plan.tuned += [dp, *diloco.values()] + ([single] if k == ctx.dp_ks[0] else [])
-
-        def below(lr: float, w: int, warm: bool) -> list[Run]:
-            lr /= INNER_GRID_STEP
-            return [ctx.single(s, warm, fair=True, lr=lr, warmup=w) for s in ctx.seeds]
-
-        single_below[warm] = Follow(arms[ctx.dp_ks[0], warm][0], functools.partial(below, warm=warm))
-        plan.tuned.append(single_below[warm])
+        follows = [Follow(arms[ctx.dp_ks[0], warm][0], functools.partial(single_below, warm=warm))]
+        below.update({("single", k, warm): follows[0] for k in ctx.dp_ks})
+        if not warm:
+            for k in ctx.dp_ks:
+                below["dp", k, warm] = Follow(arms[k, warm][1], functools.partial(dp_below, k=k, warm=warm))
+                follows.append(below["dp", k, warm])
+        plan.tuned += follows
         if warm:  # the serial reference: one worker, k × the steps, at single's tuned settings
 
             def make(lr: float, w: int, k: int) -> list[Run]:
@@ -1392,9 +1409,11 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                 single_t, dp_t, diloco_t = arms[k, warm]
                 dp = entry(ctx, dp_t.runs(ctx), **(dp_t.report(ctx)))
                 single = versus(entry(ctx, single_t.runs(ctx), **single_t.report(ctx)), dp, "vs_dp")
-                at = _picked(single_t, ctx)
-                lower = {} if at is None else {"lr": at[0] / INNER_GRID_STEP, "warmup": at[1]}
-                lower = versus(entry(ctx, single_below[warm].runs(ctx), **lower), dp, "vs_dp")
+                lower = {  # the ablations below a pick
+                    arm: versus(_below(ctx, below[arm, k, warm]), dp, "vs_dp")
+                    for arm in ("single", "dp")
+                    if (arm, k, warm) in below
+                }
                 tuning["arms"][f"dp k={k} {start}"] = dp_t.report(ctx)
                 tuning["arms"][f"single {start}"] = single_t.report(ctx)
                 ser = None
@@ -1417,7 +1436,7 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                 head = by_H.get(str(ctx.H)) or next(iter(by_H.values()))
                 row[start] = {
                     "single": single,
-                    "single_lr_below": lower,
+                    **{f"{arm}_lr_below": e for arm, e in lower.items()},
                     **({"serial": ser} if ser is not None else {}),
                     "dp": dp,
                     "diloco": head,
@@ -1428,7 +1447,12 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                 row[f"dp_{start}_final_val_loss"] = mean(dp)
                 row[f"diloco_{start}_final_val_loss"] = mean(head)
                 row[f"single_{start}_final_val_loss"] = mean(single)
-                row[f"single_{start}_lr_below_final_val_loss"] = mean(lower)
+                for arm, e in lower.items():
+                    row[f"{arm}_{start}_lr_below_final_val_loss"] = mean(e)
+                if "dp" in lower:  # DiLoCo against the ablation of data parallel's pick, on the means
+                    m_di, m_below = mean(head), mean(lower["dp"])
+                    gap = round((m_di - m_below) / m_below, 6) if m_di and m_below else None
+                    lower["dp"]["diloco_vs_this"] = row[f"diloco_{start}_vs_dp_lr_below_gap"] = gap
                 if ser is not None:
                     row[f"serial_{start}_final_val_loss"] = mean(ser)
                     m_dp, m_serial = mean(dp), mean(ser)

@@ -482,6 +482,39 @@ def test_single_one_grid_point_below_its_pick_runs_on_the_reported_seeds_as_an_a
 
 
 @pytest.mark.timeout(60)
+def test_data_parallel_one_grid_point_below_its_pick_runs_from_scratch_only(tmp_path):
+    """From scratch, data parallel too gets the ablation below its pick (k = 4 picks 2e-3 at
+    warm-up 100: its ablation runs at 1e-3 with a 4× batch on the reported seeds); the report has
+    it and DiLoCo's gap to it (none before DiLoCo has run). From the warm start it has none."""
+    mod = _module()
+    ctx = _ctx(mod, tmp_path)
+    ctx.dp_starts = ("scratch",)
+    _, dp, _ = mod.dp_arms(ctx, 4, False)
+    losses = {
+        30: {5e-4: 2.4, 1e-3: 2.2, 2e-3: 2.0, 4e-3: 2.1},
+        100: {5e-4: 2.3, 1e-3: 1.9, 2e-3: 1.5, 4e-3: 1.7},
+    }
+    rows = [(dp.options[f"warmup {w}"].tune(lr), v) for w, by_lr in losses.items() for lr, v in by_lr.items()]
+    ctx = _write(tmp_path, mod, rows)
+    ctx.dp_starts = ("scratch",)
+    plan, report = mod.part_dp(ctx)
+    runs = [r for t in plan.tuned if isinstance(t, mod.Follow) for r in t.runs(ctx)]
+    named = ("--method", "--workers", "--inner-lr", "--warmup-steps", "--eval-on")
+    assert [_settings(r, *named) for r in runs] == [(s, "dp", "4", "0.001", "100", None) for s in (0, 1, 2)]
+    assert all(r.init is None for r in runs)  # from scratch
+    row = report()["per_k"]["4"]
+    assert row["scratch"]["dp_lr_below"]["lr"] == 1e-3 and row["scratch"]["dp_lr_below"]["runs"] == [
+        r.name for r in runs
+    ]
+    assert (
+        row["dp_scratch_lr_below_final_val_loss"] is None and row["diloco_scratch_vs_dp_lr_below_gap"] is None
+    )
+    ctx.dp_starts = ("warm",)
+    plan, report = mod.part_dp(ctx)
+    assert "dp_lr_below" not in report()["per_k"]["4"]["warm"]
+
+
+@pytest.mark.timeout(60)
 def test_diloco_inner_grid_runs_at_the_outer_grid_point_nearest_the_paper_outer_lr(tmp_path):
     """With --lr-grid 0.5,1 (no 0.7) the inner-lr grid runs at 0.5, so its pick is a point of the
     outer grid too; `--pending` counts the outer grid's other points and the seeds, at single's

@@ -151,24 +151,38 @@ def test_the_dp_table_says_how_many_seeds_a_mean_has_while_some_have_not_run():
 
 
 @pytest.mark.timeout(30)
-def test_the_dp_table_has_single_one_grid_point_below_its_pick_as_an_ablation_row_where_run():
-    """The ablation's row follows single's, with its settings and its loss (k = 8's cell the
-    same runs); a JSON without it (before the ablation) has no such row."""
+def test_the_dp_table_has_the_ablations_below_the_picks_as_rows_where_run():
+    """The ablations' rows follow DiLoCo's gap to data parallel: single's with its settings and
+    loss (k = 8's cell the same runs), data parallel's per k with its own settings, and DiLoCo's
+    gap to it; a JSON without them (before the ablations) has no such rows."""
     import copy
 
     tables, data = _tables(), copy.deepcopy(DATA)
-    row = data["dp"]["per_k"]["4"]["scratch"]
-    lower = copy.deepcopy(row["single"])  # its shape: an entry of seeds 0 and 1
-    lower.update(lr=row["single"]["lr"] / 2, warmup=30)
-    row["single_lr_below"] = lower
+    rows = data["dp"]["per_k"]
+    scratch = rows["4"]["scratch"]
+    lower = copy.deepcopy(scratch["single"])  # its shape: an entry of seeds 0 and 1
+    lower.update(lr=scratch["single"]["lr"] / 2, warmup=30)
+    scratch["single_lr_below"] = lower
+    for k in ("4", "8"):
+        e = copy.deepcopy(rows[k]["scratch"]["dp"])
+        e.update(
+            lr=rows[k]["scratch"]["dp"]["lr"] / 2, warmup=100, diloco_vs_this=0.1234 if k == "4" else None
+        )
+        rows[k]["scratch"]["dp_lr_below"] = e
     lines = tables.dp_scratch(data).splitlines()
-    i = next(i for i, line in enumerate(lines) if line.startswith("| `single`"))
+    i = next(i for i, line in enumerate(lines) if line.startswith("| DiLoCo vs data parallel |"))
     want = "| ablation: `single` one grid point below its pick "
     want += f"(inner lr {lower['lr']:g}, warm-up 30, 40 steps) "
     assert lines[i + 1] == want + f"| {tables._loss(lower['val_loss'])} | (same) |", lines[i + 1]
+    cells = lines[i + 2].split(" | ")
+    assert cells[0] == "| ablation: data parallel one grid point below its pick (40 steps)"
+    for k, cell in zip(("4", "8"), cells[1:], strict=True):
+        e = rows[k]["scratch"]["dp_lr_below"]
+        assert cell.rstrip(" |") == f"inner lr {e['lr']:g}, warm-up 100: {tables._loss(e['val_loss'])}", cell
+    assert lines[i + 3] == "| DiLoCo vs that ablation (on the means) | +12.3% | not run |"
     lower.update(lr=None, warmup=None, val_loss=None, per_seed={})  # single still tuning
     assert "(still tuning, 40 steps) | not run | (same) |" in tables.dp_scratch(data)
-    assert "ablation: `single`" not in tables.dp_scratch(DATA)
+    assert "ablation:" not in tables.dp_scratch(DATA) and "ablation:" not in tables.dp_warm(DATA)
 
 
 @pytest.mark.timeout(30)
