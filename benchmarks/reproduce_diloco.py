@@ -37,10 +37,12 @@ Parts (`--part`, repeatable or a comma list; default all):
   also `serial_warm_final_val_loss` and `dp_warm_vs_serial_gap`, and what each arm gains over
   `single` at the same steps, (single − arm) / single: `dp_{start}_vs_single_gain`,
   `diloco_{start}_vs_single_gain`, with `diloco_{start}_share_of_dp_gain` DiLoCo's gain over
-  data parallel's (the paper's, in log perplexity: 2.1% and 2.8%, a share above 1). An ablation,
-  not a pick: `single_lr_below` (`single_{start}_lr_below_final_val_loss`), single at the
-  inner-lr grid point below its pick (÷2, the same warm-up) on the reported seeds, which says
-  how much single's row owes to a pick next to an lr where it stalls.
+  data parallel's (the paper's, in log perplexity: 2.1% and 2.8%, a share above 1). Ablations,
+  not picks: `single_lr_below` (from each start) and `dp_lr_below` (from scratch, with
+  `diloco_vs_this`, DiLoCo's gap to it on the means), the baseline at the inner-lr grid point
+  below its pick (÷2, the same warm-up) on the reported seeds (per k
+  `{arm}_{start}_lr_below_final_val_loss`, `diloco_scratch_vs_dp_lr_below_gap`), which say how
+  much a baseline's row owes to a pick next to an lr where runs stall.
 - `single`: DiLoCo k = 1 vs plain AdamW (`--method single`) at equal steps.
 - `workers`: DiLoCo k ∈ {1, 2, 4, 8} at equal steps per worker (baseline k = 1).
 - `H`: H ∈ {10, 25, 50, 100, 250} (`--hs` some of them), k = 4 (`--h-k` another k, with its own
@@ -358,8 +360,8 @@ class Choice:
 
 @dataclass
 class Follow:
-    """Runs at single's pick once it is known (the serial reference; the ablation one grid point
-    below it). Scheduled like a `Tuned`."""
+    """Runs at a `Choice`'s pick once it is known (the serial reference at single's; a baseline's
+    ablation one grid point below its own). Scheduled like a `Tuned`."""
 
     source: Choice
     make: Callable[[float, int], list[Run]]  # runs at the source's (inner lr, warm-up)
@@ -2263,7 +2265,7 @@ def _future(t, ctx: Ctx) -> list[Run] | None:
     lr, w = INNER_LR_GRID[0], WARMUPS[0]
     if t.runs(ctx):
         return []
-    if isinstance(t, Follow):  # runs at single's pick: the serial reference, the ablation below it
+    if isinstance(t, Follow):  # runs at a Choice's pick: the serial reference, the ablations below
         return t.make(lr, w)
     if isinstance(t, Tuned):
         return [t.make(t.base[0], s) for s in t.seeds]
