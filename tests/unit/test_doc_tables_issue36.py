@@ -86,6 +86,18 @@ def test_the_h500_table_has_data_parallel_and_each_H_with_its_grids_gap_and_byte
     )
 
 
+def _dp_seed_0_only(dp: dict, diloco: dict) -> tuple[float, float]:
+    """Leaves data parallel's entry with seed 0 only (the fixture has 2 seeds, both run) and
+    DiLoCo's paired gap on it, as reproduce_diloco's versus() pairs them: (seed 0's loss, gap)."""
+    assert len(dp["runs"]) == 2 and dp["val_loss"]["n"] == 2
+    first = dp["per_seed"]["0"]
+    dp["per_seed"] = {"0": first}
+    dp["val_loss"] = {"mean": first, "min": first, "max": first, "n": 1}
+    paired = diloco["per_seed"]["0"] / first - 1
+    diloco["vs_dp_paired"] = {"mean": paired, "min": paired, "max": paired, "n": 1}
+    return first, paired
+
+
 @pytest.mark.timeout(30)
 def test_the_h500_table_says_how_many_seeds_a_mean_has_while_some_have_not_run():
     """A lane half way through part H500's reported seeds (data parallel's seed 0 only): the mean
@@ -93,13 +105,7 @@ def test_the_h500_table_says_how_many_seeds_a_mean_has_while_some_have_not_run()
     import copy
 
     tables, part = _tables(), copy.deepcopy(DATA["H500"])
-    dp, h10 = part["dp"], part["by_H"]["10"]
-    assert len(dp["runs"]) == 2 and dp["val_loss"]["n"] == 2  # the fixture: 2 seeds, both run
-    first = dp["per_seed"]["0"]
-    dp["per_seed"] = {"0": first}
-    dp["val_loss"] = {"mean": first, "min": first, "max": first, "n": 1}
-    paired = h10["per_seed"]["0"] / first - 1  # as reproduce_diloco's versus() pairs them
-    h10["vs_dp_paired"] = {"mean": paired, "min": paired, "max": paired, "n": 1}
+    first, paired = _dp_seed_0_only(part["dp"], part["by_H"]["10"])
     lines = tables.h500(part).splitlines()
     assert lines[2].endswith(f"| {first:.4f} (seed 0; 1 of 2 seeds) | — | — | — |"), lines[2]
     assert f"| {tables._pct(paired, 2)} on seed 0 (paired; 1 of 2 seeds) |" in lines[3], lines[3]
@@ -136,13 +142,7 @@ def test_the_dp_table_says_how_many_seeds_a_mean_has_while_some_have_not_run():
 
     tables, data = _tables(), copy.deepcopy(DATA)
     row = data["dp"]["per_k"]["4"]["scratch"]
-    dp, di = row["dp"], row["diloco"]
-    assert len(dp["runs"]) == 2 and dp["val_loss"]["n"] == 2  # the fixture: 2 seeds, both run
-    first = dp["per_seed"]["0"]
-    dp["per_seed"] = {"0": first}
-    dp["val_loss"] = {"mean": first, "min": first, "max": first, "n": 1}
-    paired = di["per_seed"]["0"] / first - 1  # as reproduce_diloco's versus() pairs them
-    di["vs_dp_paired"] = {"mean": paired, "min": paired, "max": paired, "n": 1}
+    first, paired = _dp_seed_0_only(row["dp"], row["diloco"])
     rows = {line.split(" | ")[0].lstrip("| "): line for line in tables.dp_scratch(data).splitlines()}
     assert rows["data parallel (k× batch, 40 steps)"].split(" | ")[1] == f"{first:.4f} (seed 0; 1 of 2 seeds)"
     gap = rows["DiLoCo vs data parallel"].split(" | ")[1]
