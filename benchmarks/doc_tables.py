@@ -219,7 +219,7 @@ def dp_by_H(data: dict) -> str:
 
 def _below(rows: dict[str, dict], ks: list[str], steps: str) -> list[str]:
     """Part dp's ablations where the JSON has them: single, then data parallel (per k: its own
-    lr), one inner-lr grid point below the pick, and DiLoCo's gap to the latter on the means."""
+    lr), one inner-lr grid point below the pick, and DiLoCo's gap to the latter."""
 
     def at(e: dict) -> str:
         return f"inner lr {_num(e['lr'])}, warm-up {e['warmup']}" if e.get("lr") else "still tuning"
@@ -231,22 +231,21 @@ def _below(rows: dict[str, dict], ks: list[str], steps: str) -> list[str]:
             f"| {_loss_seeds(single)} |" + " (same) |" * (len(ks) - 1)
         )
     if any("dp_lr_below" in r for r in rows.values()):
-
-        def cell(r: dict) -> str:
-            e = r.get("dp_lr_below")
-            return "—" if e is None else f"{at(e)}: {_loss_seeds(e)}"
-
-        def gap(r: dict) -> str:
-            g = (r.get("dp_lr_below") or {}).get("diloco_vs_this")
-            return "not run" if g is None else _pct(g, 1)
-
+        cells = [r.get("dp_lr_below") for r in (rows[k] for k in ks)]
         out.append(
             f"| ablation: data parallel one grid point below its pick ({steps} steps) | "
-            + " | ".join(cell(rows[k]) for k in ks)
+            + " | ".join("—" if e is None else f"{at(e)}: {_loss_seeds(e)}" for e in cells)
             + " |"
         )
         out.append(
-            "| DiLoCo vs that ablation (on the means) | " + " | ".join(gap(rows[k]) for k in ks) + " |"
+            "| DiLoCo vs that ablation | "
+            + " | ".join(
+                _paired_by_seed(
+                    rows[k]["diloco"].get("vs_dp_lr_below"), rows[k]["diloco"].get("vs_dp_lr_below_paired")
+                )
+                for k in ks
+            )
+            + " |"
         )
     return out
 

@@ -38,8 +38,8 @@ Parts (`--part`, repeatable or a comma list; default all):
   `single` at the same steps, (single − arm) / single: `dp_{start}_vs_single_gain`,
   `diloco_{start}_vs_single_gain`, with `diloco_{start}_share_of_dp_gain` DiLoCo's gain over
   data parallel's (the paper's, in log perplexity: 2.1% and 2.8%, a share above 1). Ablations,
-  not picks: `single_lr_below` (from each start) and `dp_lr_below` (from scratch, with
-  `diloco_vs_this`, DiLoCo's gap to it on the means), the baseline at the inner-lr grid point
+  not picks: `single_lr_below` (from each start) and `dp_lr_below` (from scratch; DiLoCo's
+  gap to it is its entry's `vs_dp_lr_below` and `_paired`), the baseline at the inner-lr grid point
   below its pick (÷2, the same warm-up) on the reported seeds (per k
   `{arm}_{start}_lr_below_final_val_loss`, `diloco_scratch_vs_dp_lr_below_gap`), which say how
   much a baseline's row owes to a pick next to an lr where runs stall.
@@ -1451,10 +1451,9 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                 row[f"single_{start}_final_val_loss"] = mean(single)
                 for arm, e in lower.items():
                     row[f"{arm}_{start}_lr_below_final_val_loss"] = mean(e)
-                if "dp" in lower:  # DiLoCo against the ablation of data parallel's pick, on the means
-                    m_di, m_below = mean(head), mean(lower["dp"])
-                    gap = round((m_di - m_below) / m_below, 6) if m_di and m_below else None
-                    lower["dp"]["diloco_vs_this"] = row[f"diloco_{start}_vs_dp_lr_below_gap"] = gap
+                if "dp" in lower:  # DiLoCo against the ablation of data parallel's pick
+                    versus(head, lower["dp"], "vs_dp_lr_below")
+                    row[f"diloco_{start}_vs_dp_lr_below_gap"] = head["vs_dp_lr_below"]
                 if ser is not None:
                     row[f"serial_{start}_final_val_loss"] = mean(ser)
                     m_dp, m_serial = mean(dp), mean(ser)
