@@ -1918,9 +1918,16 @@ BUILDERS = {
 
 
 # -- figures ------------------------------------------------------------------------------------
-def _bars(ax, labels: list[str], rows: list[dict | None], colours: list[str] | None = None) -> None:
-    """Mean final val_loss with min–max error bars; the y axis zoomed to the values."""
-    xs, ys, lo, hi, cs, names = [], [], [], [], [], []
+def _bars(
+    ax,
+    labels: list[str],
+    rows: list[dict | None],
+    colours: list[str] | None = None,
+    hatches: list[str] | None = None,
+) -> None:
+    """Mean final val_loss with min–max error bars; the y axis zoomed to the values. A hatch
+    ("//") marks a bar that is not a pick (an ablation)."""
+    xs, ys, lo, hi, cs, hs, names = [], [], [], [], [], [], []
     for i, (label, e) in enumerate(zip(labels, rows, strict=True)):
         if not e or not e.get("val_loss"):
             continue
@@ -1930,11 +1937,16 @@ def _bars(ax, labels: list[str], rows: list[dict | None], colours: list[str] | N
         lo.append(v["mean"] - v["min"])
         hi.append(v["max"] - v["mean"])
         cs.append(colours[i] if colours else f"C{i % 10}")
+        hs.append(hatches[i] if hatches else "")
         names.append(label)
     if not xs:
         return
-    ax.bar(xs, ys, color=cs, yerr=[lo, hi], capsize=4)
-    ax.set_xticks(xs, names, rotation=20, ha="right", fontsize=8)
+    bars = ax.bar(xs, ys, color=cs, yerr=[lo, hi], capsize=4)
+    for bar, hatch in zip(bars, hs, strict=True):
+        if hatch:
+            bar.set_hatch(hatch)
+            bar.set_alpha(0.55)
+    ax.set_xticks(xs, names, rotation=20 if len(xs) <= 10 else 35, ha="right", fontsize=8)
     bottom, top = (
         min(y - d for y, d in zip(ys, lo, strict=True)),
         max(y + d for y, d in zip(ys, hi, strict=True)),
@@ -2102,18 +2114,33 @@ def figures(ctx: Ctx, report: dict, where: Path, suffix: str = "") -> list[str]:
         if fig is None:
             fig, ax = plt.subplots(figsize=(7.5, 4.6))
         if part == "dp":
-            labels, rows, cols = [], [], []
-            for k in r["k"]:
-                for start in [s for s in ("scratch", "warm") if s in r["per_k"][str(k)]]:
+            # grouped by start: single once (it has no k), then each k's arms; an ablation one
+            # inner-lr grid point below a pick stands hatched beside it
+            labels, rows, cols, hatches = [], [], [], []
+            colour = {"single": "C0", "dp": "C1", "diloco": "C2", "serial": "C3"}
+            for start in ("scratch", "warm"):
+                ks = [k for k in r["k"] if start in r["per_k"][str(k)]]
+                for k in ks:
                     row = r["per_k"][str(k)][start]
-                    for j, m in enumerate(("single", "dp", "diloco", "serial")):
-                        if m not in row:
+                    for m in ("single", "dp", "diloco", "serial"):
+                        if m not in row or (m == "single" and k != ks[0]):
                             continue
-                        labels.append(f"{m} k={k} {start}" if m != "single" else f"single {start}")
-                        rows.append(row[m])
-                        cols.append(f"C{j}")
-            _bars(axes[0], labels, rows, cols)
-            axes[0].set_title(f"final val_loss, {seeds} (C0 single, C1 dp, C2 DiLoCo, C3 serial k× steps)")
+                        name = f"{m} {start}" if m == "single" else f"{m} k={k} {start}"
+                        for entry, label, hatch in (
+                            (row[m], name, ""),
+                            (row.get(f"{m}_lr_below"), f"{name} lr÷2", "//"),
+                        ):
+                            if entry:
+                                labels.append(label)
+                                rows.append(entry)
+                                cols.append(colour[m])
+                                hatches.append(hatch)
+            _bars(axes[0], labels, rows, cols, hatches)
+            axes[0].set_title(
+                f"final val_loss, {seeds} (C0 single, C1 dp, C2 DiLoCo, C3 serial k× steps;\n"
+                "hatched: ablation one inner-lr grid point below the pick)",
+                fontsize=10,
+            )
             k = r["headline_k"]
             start = _dp_curve_start(ctx, r)
             row = r["per_k"][str(k)][start]
