@@ -219,10 +219,16 @@ def dp_by_H(data: dict) -> str:
 
 def _below(rows: dict[str, dict], ks: list[str], steps: str) -> list[str]:
     """Part dp's ablations where the JSON has them: single, then data parallel (per k: its own
-    lr), one inner-lr grid point below the pick, and DiLoCo's gap to the latter."""
+    lr), one inner-lr grid point below the pick, each followed by DiLoCo's gap to it."""
 
     def at(e: dict) -> str:
         return f"inner lr {_num(e['lr'])}, warm-up {e['warmup']}" if e.get("lr") else "still tuning"
+
+    def versus(arm: str) -> str:
+        key = f"vs_{arm}_lr_below"
+        di = [rows[k]["diloco"] for k in ks]
+        cells = (_paired_by_seed(e.get(key), e.get(f"{key}_paired")) for e in di)
+        return "| DiLoCo vs that ablation | " + " | ".join(cells) + " |"
 
     out = []
     if (single := rows[ks[0]].get("single_lr_below")) is not None:
@@ -230,6 +236,7 @@ def _below(rows: dict[str, dict], ks: list[str], steps: str) -> list[str]:
             f"| ablation: `single` one grid point below its pick ({at(single)}, {steps} steps) "
             f"| {_loss_seeds(single)} |" + " (same) |" * (len(ks) - 1)
         )
+        out.append(versus("single"))
     if any("dp_lr_below" in r for r in rows.values()):
         cells = [r.get("dp_lr_below") for r in (rows[k] for k in ks)]
         out.append(
@@ -237,16 +244,7 @@ def _below(rows: dict[str, dict], ks: list[str], steps: str) -> list[str]:
             + " | ".join("—" if e is None else f"{at(e)}: {_loss_seeds(e)}" for e in cells)
             + " |"
         )
-        out.append(
-            "| DiLoCo vs that ablation | "
-            + " | ".join(
-                _paired_by_seed(
-                    rows[k]["diloco"].get("vs_dp_lr_below"), rows[k]["diloco"].get("vs_dp_lr_below_paired")
-                )
-                for k in ks
-            )
-            + " |"
-        )
+        out.append(versus("dp"))
     return out
 
 

@@ -71,13 +71,18 @@ def merge(into: Path, copies: list[Path]) -> int:
 
 def merge_timing(into: Path, copies: list[Path]) -> list[str]:
     """Merges the copies' part_timing.json into `into` (the one beside the ledger in git): a part's
-    entry from the copy that has counted the most new runs, where that is more than its own. The
+    entry from the copy that has counted the most new runs, where that is more than its own, or
+    as many over more elapsed time (a lane records its parts' time while runs are in flight). The
     parts taken, in order."""
+
+    def counted(entry: dict) -> tuple[int, float]:
+        return entry.get("new_runs", 0), entry.get("elapsed_s", 0.0)
+
     mine = json.loads(into.read_text()) if into.is_file() else {}
     taken = []
     for copy in copies:
         for part, entry in json.loads(copy.read_text()).items():
-            if entry.get("new_runs", 0) > mine.get(part, {}).get("new_runs", 0):
+            if counted(entry) > counted(mine.get(part, {})):
                 mine[part] = entry
                 taken.append(part)
     if taken:

@@ -39,10 +39,10 @@ Parts (`--part`, repeatable or a comma list; default all):
   `diloco_{start}_vs_single_gain`, with `diloco_{start}_share_of_dp_gain` DiLoCo's gain over
   data parallel's (the paper's, in log perplexity: 2.1% and 2.8%, a share above 1). Ablations,
   not picks: `single_lr_below` (from each start) and `dp_lr_below` (from scratch; DiLoCo's
-  gap to it is its entry's `vs_dp_lr_below` and `_paired`), the baseline at the inner-lr grid point
-  below its pick (÷2, the same warm-up) on the reported seeds (per k
-  `{arm}_{start}_lr_below_final_val_loss`, `diloco_scratch_vs_dp_lr_below_gap`), which say how
-  much a baseline's row owes to a pick next to an lr where runs stall.
+  gap to each is its entry's `vs_single_lr_below` / `vs_dp_lr_below` and `_paired`), the
+  baseline at the inner-lr grid point below its pick (÷2, the same warm-up) on the reported
+  seeds (per k `{arm}_{start}_lr_below_final_val_loss`, `diloco_{start}_vs_{arm}_lr_below_gap`),
+  which say how much a baseline's row owes to a pick next to an lr where runs stall.
 - `single`: DiLoCo k = 1 vs plain AdamW (`--method single`) at equal steps.
 - `workers`: DiLoCo k ∈ {1, 2, 4, 8} at equal steps per worker (baseline k = 1).
 - `H`: H ∈ {10, 25, 50, 100, 250} (`--hs` some of them), k = 4 (`--h-k` another k, with its own
@@ -961,9 +961,14 @@ class Scheduler:
     (its last run, or runs waiting for a grid) goes to the next part's runs. A run two parts
     share belongs to the first."""
 
+    TICK_S = 60.0  # how often a part with a run in flight records its elapsed time
+
     def __init__(self, ctx: Ctx, record: Callable[[str, float, int], None]):
         self.ctx = ctx
-        self.record = record  # (part, seconds from its first start to its latest finish, runs done)
+        # (part, seconds from its first start to its latest finish, or to now while a run of it is
+        # in flight, runs done): recorded each TICK_S too, so a lane killed at a session's end has
+        # counted its part's time up to the last tick, not only up to its last finish
+        self.record = record
 
     def execute(self, plans: dict[str, Plan]) -> int:
         ctx = self.ctx
@@ -1037,7 +1042,7 @@ class Scheduler:
                     if pending or waiting:  # only runs whose pretraining run cannot finish
                         _log(f"{len(pending)} runs cannot start; giving up on them")
                     break
-                finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                finished, _ = wait(list(running), timeout=self.TICK_S, return_when=FIRST_COMPLETED)
                 for fut in finished:
                     r = running.pop(fut)
                     part = part_of[r.name]
@@ -1058,6 +1063,8 @@ class Scheduler:
                         f"{part}: done {r.label}: {what}, {elapsed:.0f} s; part elapsed {span:.0f} s, "
                         f"{done_in[part]} done, {left} left{' + tuned runs' if tuning else ''}"
                     )
+                for part in dict.fromkeys(part_of[r.name] for r in running.values()):  # in flight
+                    self.record(part, time.perf_counter() - first_start[part], done_in.get(part, 0))
         return sum(done_in.values())
 
 
@@ -1451,9 +1458,9 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                 row[f"single_{start}_final_val_loss"] = mean(single)
                 for arm, e in lower.items():
                     row[f"{arm}_{start}_lr_below_final_val_loss"] = mean(e)
-                if "dp" in lower:  # DiLoCo against the ablation of data parallel's pick
-                    versus(head, lower["dp"], "vs_dp_lr_below")
-                    row[f"diloco_{start}_vs_dp_lr_below_gap"] = head["vs_dp_lr_below"]
+                for arm in lower:  # DiLoCo against the ablations below the baselines' picks
+                    versus(head, lower[arm], f"vs_{arm}_lr_below")
+                    row[f"diloco_{start}_vs_{arm}_lr_below_gap"] = head[f"vs_{arm}_lr_below"]
                 if ser is not None:
                     row[f"serial_{start}_final_val_loss"] = mean(ser)
                     m_dp, m_serial = mean(dp), mean(ser)
@@ -2606,10 +2613,13 @@ def main() -> None:
             "runs_wall_s_before_ledger": t.get("runs_wall_s_before_ledger"),
             "worker_steps_sum": sum(x.get("inner_steps", 0) for x in res if not x.get("failed")),
             # an entry that has counted no run yet (a part re-run from now on): no time to give
-            "elapsed_s": t.get("elapsed_s") if t.get("new_runs", 1) else None,
+            "elapsed_s": t.get("elapsed_s") if t.get("new_runs", 1) or t.get("elapsed_s") else None,
             "elapsed_note": "summed over the invocations that ran new runs of this part, each from "
-            "its first start to its last finish (parts overlap: a slot one part leaves idle runs the "
-            "next's runs); runs shared with parts run before it are not counted again",
+            "its first start to its last finish, or its last minute with a run in flight if later "
+            "(an invocation started before 2026-12-07 22:00 only to its last finish: one stopped at "
+            "a session's end left out its runs' time since then, which their own times count as they "
+            "resume); parts overlap: a slot one part leaves idle runs the next's runs; runs shared "
+            "with parts run before it are not counted again",
             "jobs": t.get("jobs"),
         }
         result[p] = part

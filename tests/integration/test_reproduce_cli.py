@@ -479,6 +479,7 @@ def test_single_one_grid_point_below_its_pick_runs_on_the_reported_seeds_as_an_a
     assert (lower["lr"], lower["warmup"], lower["per_seed"]) == (1e-3, 100, {"0": 1.8, "1": 2.0, "2": 2.2})
     assert row["single_warm_lr_below_final_val_loss"] == pytest.approx(2.0)
     assert row["warm"]["single"]["val_loss"] is None  # single's own reported seeds have not run
+    assert row["diloco_warm_vs_single_lr_below_gap"] is None  # nor DiLoCo's
 
 
 @pytest.mark.timeout(60)

@@ -153,8 +153,8 @@ def test_the_dp_table_says_how_many_seeds_a_mean_has_while_some_have_not_run():
 @pytest.mark.timeout(30)
 def test_the_dp_table_has_the_ablations_below_the_picks_as_rows_where_run():
     """The ablations' rows follow DiLoCo's gap to data parallel: single's with its settings and
-    loss (k = 8's cell the same runs), data parallel's per k with its own settings, and DiLoCo's
-    gap to it; a JSON without them (before the ablations) has no such rows."""
+    loss (k = 8's cell the same runs), data parallel's per k with its own settings, each followed
+    by DiLoCo's gap to it; a JSON without them (before the ablations) has no such rows."""
     import copy
 
     tables, data = _tables(), copy.deepcopy(DATA)
@@ -167,23 +167,25 @@ def test_the_dp_table_has_the_ablations_below_the_picks_as_rows_where_run():
         e = copy.deepcopy(rows[k]["scratch"]["dp"])
         e.update(lr=rows[k]["scratch"]["dp"]["lr"] / 2, warmup=100)
         rows[k]["scratch"]["dp_lr_below"] = e
-    # k = 4's DiLoCo gap to the ablation as reproduce_diloco's report makes it; k = 8's not yet
+    # k = 4's DiLoCo gaps to the ablations as reproduce_diloco's report makes them; k = 8's not yet
     di, below = rows["4"]["scratch"]["diloco"], rows["4"]["scratch"]["dp_lr_below"]
     benchmark_module("reproduce_diloco").versus(di, below, "vs_dp_lr_below")
-    m_di, m_below = (sum(x["per_seed"].values()) / len(x["per_seed"]) for x in (di, below))
+    benchmark_module("reproduce_diloco").versus(di, lower, "vs_single_lr_below")
+    m_di, m_below, m_lower = (sum(x["per_seed"].values()) / len(x["per_seed"]) for x in (di, below, lower))
     lines = tables.dp_scratch(data).splitlines()
     i = next(i for i, line in enumerate(lines) if line.startswith("| DiLoCo vs data parallel |"))
     want = "| ablation: `single` one grid point below its pick "
     want += f"(inner lr {lower['lr']:g}, warm-up 30, 40 steps) "
     assert lines[i + 1] == want + f"| {tables._loss(lower['val_loss'])} | (same) |", lines[i + 1]
-    cells = lines[i + 2].split(" | ")
+    cells = lines[i + 3].split(" | ")
     assert cells[0] == "| ablation: data parallel one grid point below its pick (40 steps)"
     for k, cell in zip(("4", "8"), cells[1:], strict=True):
         e = rows[k]["scratch"]["dp_lr_below"]
         assert cell.rstrip(" |") == f"inner lr {e['lr']:g}, warm-up 100: {tables._loss(e['val_loss'])}", cell
-    gap = lines[i + 3].split(" | ")
-    assert gap[0] == "| DiLoCo vs that ablation" and gap[2] == "not run |", gap
-    assert gap[1].startswith(f"**{tables._pct(m_di / m_below - 1, 1)}** (paired by seed "), gap[1]
+    for j, m in ((2, m_lower), (4, m_below)):  # DiLoCo against single's ablation, then dp's
+        gap = lines[i + j].split(" | ")
+        assert gap[0] == "| DiLoCo vs that ablation" and gap[2] == "not run |", gap
+        assert gap[1].startswith(f"**{tables._pct(m_di / m - 1, 1)}** (paired by seed "), gap[1]
     lower.update(lr=None, warmup=None, val_loss=None, per_seed={})  # single still tuning
     assert "(still tuning, 40 steps) | not run | (same) |" in tables.dp_scratch(data)
     assert "ablation:" not in tables.dp_scratch(DATA) and "ablation:" not in tables.dp_warm(DATA)

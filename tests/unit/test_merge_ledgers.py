@@ -59,17 +59,23 @@ def test_an_async_jitter_ledger_keeps_its_lines_and_appends_new_runs_in_order(tm
 @pytest.mark.timeout(60)
 def test_a_lane_part_timing_joins_the_one_in_git_part_by_part(tmp_path):
     """The lane's copy counted more runs of dp (it ran them); its single is the seed's copy of an
-    older entry and H500 is new: dp and H500 are taken, single stays; run as a command, as the
-    lane's sessions do."""
+    older entry, H500 is new, and its drop has as many runs over more time (recorded while a run
+    was in flight): dp, H500 and drop are taken, single stays; run as a command, as the lane's
+    sessions do."""
     git, lane = tmp_path / "git", tmp_path / "lane"
     git.mkdir(), lane.mkdir()
     _write(git / "runs.jsonl", [{"name": "a", "summary": {"val_loss": 1.0}, "curve": [[0, 2.0]]}])
     _write(lane / "runs.jsonl", [{"name": "b", "summary": {"val_loss": 1.5}, "curve": [[0, 2.0]]}])
-    mine = {"dp": {"elapsed_s": 100.0, "new_runs": 10}, "single": {"elapsed_s": 50.0, "new_runs": 5}}
+    mine = {
+        "dp": {"elapsed_s": 100.0, "new_runs": 10},
+        "single": {"elapsed_s": 50.0, "new_runs": 5},
+        "drop": {"elapsed_s": 70.0, "new_runs": 3},
+    }
     theirs = {
         "dp": {"elapsed_s": 900.0, "new_runs": 14},
         "single": {"elapsed_s": 40.0, "new_runs": 4},
         "H500": {"elapsed_s": 10.0, "new_runs": 1},
+        "drop": {"elapsed_s": 95.0, "new_runs": 3},
     }
     (git / "part_timing.json").write_text(json.dumps(mine, indent=2) + "\n")
     (lane / "part_timing.json").write_text(json.dumps(theirs, indent=2) + "\n")
@@ -80,7 +86,7 @@ def test_a_lane_part_timing_joins_the_one_in_git_part_by_part(tmp_path):
         [sys.executable, str(SCRIPT), str(git / "runs.jsonl"), str(lane / "runs.jsonl")],
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
-    assert "1 rows added" in out.stderr and "dp, H500 taken" in out.stderr
+    assert "1 rows added" in out.stderr and "dp, H500, drop taken" in out.stderr
     got = json.loads((git / "part_timing.json").read_text())
-    assert got == {"dp": theirs["dp"], "single": mine["single"], "H500": theirs["H500"]}
+    assert got == {**theirs, "single": mine["single"]}
     assert (git / "part_timing.json").read_text().endswith("}\n")

@@ -136,3 +136,30 @@ def test_a_run_killed_by_a_signal_stops_the_lane_and_is_not_recorded():
     n = scheduler.execute({"p": rd.Plan(runs=runs)})
     assert scheduler.stopped and sorted(ctx.trained) == ["k", "slow"]  # "next" never started
     assert ctx.done == {"slow"} and n == 1
+
+
+class _Slow(_One):
+    """One run that takes a while: the scheduler's ticks come while it is in flight."""
+
+    def train(self, run):
+        self.trained.append(run.name)
+        threading.Event().wait(0.5)
+        self.done.add(run.name)
+        return True, 0.5
+
+
+@pytest.mark.timeout(30)
+def test_a_part_records_its_elapsed_time_while_a_run_is_in_flight():
+    """A lane killed at a session's end (SIGKILL: nothing runs on the way out) had counted its
+    part's time only up to its last finished run; the scheduler now records it each tick too,
+    with the runs done so far, so the part's elapsed time reaches the last tick before the kill."""
+    rd = _rd()
+    calls: list[tuple[str, float, int]] = []
+    scheduler = rd.Scheduler(_Slow(), lambda part, span, done: calls.append((part, span, done)))
+    scheduler.TICK_S = 0.05
+    scheduler.execute({"p": rd.Plan(runs=[rd.Run("r", "r", 0, ("--r",))])})
+    ticks = [c for c in calls if c[2] == 0]  # before the run finished
+    assert len(ticks) >= 3 and all(part == "p" for part, _, _ in ticks)
+    spans = [span for _, span, _ in calls]
+    assert spans == sorted(spans) and 0 < ticks[0][1] < 0.5 <= calls[-1][1]  # growing, to the finish
+    assert calls[-1][0] == "p" and calls[-1][2] == 1
