@@ -285,7 +285,6 @@ UNIT_EXEMPT: dict[tuple[str, str], str] = {
     ("results.md", "MB (781) | 0.58–0.78 |"): "the lower end from another run, whose JSON was not kept",
     ("results.md", "20m fp4 × 16: 4.19 → 5.82"): SERVER_HISTORY + " (before and at e7d8f3d)",
     ("results.md", "0.84 and 1.0 GB in two runs"): "two runs' peaks that no JSON kept",
-    ("results.md", "Throughput: 0.50–0.62 of raw gRPC"): "runs of which the JSON keeps one (0.4956)",
     ("results.md", "from 0.90 to 0.38 CPU"): SERVER_HISTORY + " (before and at e7d8f3d)",
     (
         "results.md",
