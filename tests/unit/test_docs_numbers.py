@@ -375,7 +375,7 @@ UNIT_EXEMPT: dict[tuple[str, str], str] = {
     ("planning.md", "another 7.7× less"): DERIVED + " (the table's planned_gbit_s)",
     ("server.md", "ending 4.3–5.0% below sync"): DERIVED + " (1 − the loss ratios; results.md)",
     ("server.md", "0.1 s growing to 2 s apart"): "gRPC's reconnect backoff as set (settings)",
-    ("server.md", "1.8–6.7 GB before the outer step"): SERVER_HISTORY + " (before 463f789)",
+    ("server.md", "1.8–6.7 GB before)"): SERVER_HISTORY + " (before 463f789)",
     ("server.md", "(3.2×\n  more pushes per second"): DERIVED + " (8 / 2.5 bytes per parameter)",
     ("simulator.md", "give 1.7× the tokens/s"): DERIVED + " (36,899 / 21,739 tokens/s; results.md)",
     ("your_data.md", "validate on 0.04% of the text"): "an example worked by hand (91 rows)",
