@@ -42,7 +42,8 @@ Parts (`--part`, repeatable or a comma list; default all):
   gap to each is its entry's `vs_single_lr_below` / `vs_dp_lr_below` and `_paired`), the
   baseline at the inner-lr grid point below its pick (÷2, the same warm-up) on the reported
   seeds (per k `{arm}_{start}_lr_below_final_val_loss`, `diloco_{start}_vs_{arm}_lr_below_gap`),
-  which say how much a baseline's row owes to a pick next to an lr where runs stall.
+  which say how much a baseline's row owes to a pick next to an lr where runs stall; `stalls`
+  applies the stall rule (a seed more than 5% above its arm's lowest) to every arm.
 - `single`: DiLoCo k = 1 vs plain AdamW (`--method single`) at equal steps.
 - `workers`: DiLoCo k ∈ {1, 2, 4, 8} at equal steps per worker (baseline k = 1).
 - `H`: H ∈ {10, 25, 50, 100, 250} (`--hs` some of them), k = 4 (`--h-k` another k, with its own
@@ -186,6 +187,12 @@ INNER_LR_GRID, INNER_GRID_STEP = (5e-4, 1e-3, 2e-3, 4e-3), 2.0  # data parallel'
 # improving at its second widening's 1.6e-2 (1.5155 at 8e-3, 1.5057 at 1.6e-2, tuning split)
 INNER_WIDEN = 3
 WARMUPS = (30, 100)  # their warm-up steps, each with its own inner-lr grid
+# part dp's stall rule, stated before the micro model's runs from scratch: a reported seed stalls
+# where its final val_loss is more than 5% above its arm's lowest seed (on nano, single's pick
+# from scratch, +19% and +32%, and data parallel k = 8's, +13%, where every other arm's seeds
+# lie within 2%); DiLoCo then gets the ablation one inner-lr grid point below its pick, as the
+# baselines get theirs unconditionally
+STALL_RATIO = 1.05
 # `diloco train`'s inner lr and warm-up (InnerConfig), as DiLoCo ran before issue 36
 DEFAULT_INNER = (1e-3, 30)
 H500_STEPS, H500_HS = 10_000, (50, 500)
@@ -1345,6 +1352,42 @@ def _below(ctx: Ctx, t: Follow) -> dict:
     return entry(ctx, t.runs(ctx), **({} if at is None else {"lr": at[0] / INNER_GRID_STEP, "warmup": at[1]}))
 
 
+def _stalled(e: dict | None) -> list[str]:
+    """The seeds of an entry more than STALL_RATIO above its lowest (none with fewer than two)."""
+    per_seed = (e or {}).get("per_seed") or {}
+    if len(per_seed) < 2:
+        return []
+    low = min(per_seed.values())
+    return [s for s, v in per_seed.items() if v > STALL_RATIO * low]
+
+
+def _stalls(per_k: dict) -> dict:
+    """Part dp's stall rule applied to every arm of `per_k`: the arms with a stalled seed, and the
+    DiLoCo arms among them that the rule gives an ablation below their pick."""
+    seeds: dict[str, list[str]] = {}
+    for k, row in per_k.items():
+        for start in ("scratch", "warm"):
+            r = row.get(start)
+            if not r:
+                continue
+            arms = {
+                f"single {start}": r.get("single"),
+                f"single {start} lr_below": r.get("single_lr_below"),
+                f"dp k={k} {start}": r.get("dp"),
+                f"dp k={k} {start} lr_below": r.get("dp_lr_below"),
+                f"serial k={k} {start}": r.get("serial"),
+                **{f"diloco k={k} H={H} {start}": e for H, e in r["diloco_by_H"].items()},
+            }
+            seeds.update({arm: got for arm, e in arms.items() if (got := _stalled(e))})
+    return {
+        "rule": f"a reported seed stalls where its final val_loss is more than "
+        f"{round(100 * (STALL_RATIO - 1))}% above its arm's lowest seed; a DiLoCo arm with one gets "
+        "the ablation one inner-lr grid point below its pick",
+        "seeds": seeds,
+        "diloco_needs_ablation": [arm for arm in seeds if arm.startswith("diloco")],
+    }
+
+
 def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     """DiLoCo vs data parallel, every arm tuned by the tuning rules (TUNE_SEED, TUNE_FRACTION)."""
     plan = Plan()
@@ -1510,6 +1553,7 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
         out["dp_tuned_final_val_loss"] = k4.get("dp_warm_final_val_loss")
         out["diloco_warm_vs_dp_tuned_gap"] = k4.get("diloco_warm_vs_dp_gap")
         out["diloco_warm_vs_dp_tuned_gap_k8"] = k8.get("diloco_warm_vs_dp_gap")
+        out["stalls"] = _stalls(per_k)
         out["tuning"] = tuning
         out["note"] = (
             "every arm tuned by the same rules (`tuning`): settings picked on the tuning seed and "
