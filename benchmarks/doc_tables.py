@@ -245,6 +245,16 @@ def _below(rows: dict[str, dict], ks: list[str], steps: str) -> list[str]:
             + " |"
         )
         out.append(versus("dp"))
+    if any(rows[k]["diloco"].get("lr_below") for k in ks):  # the stall rule gave DiLoCo one
+        cells = [rows[k]["diloco"].get("lr_below") for k in ks]
+        out.append(
+            f"| ablation: DiLoCo one grid point below its pick (a seed of its stalled; {steps} steps) | "
+            + " | ".join(
+                "—" if e is None else f"{at(e)}, outer lr {_num(e['outer_lr'])}: {_loss_seeds(e)}"
+                for e in cells
+            )
+            + " |"
+        )
     return out
 
 

@@ -43,7 +43,8 @@ Parts (`--part`, repeatable or a comma list; default all):
   baseline at the inner-lr grid point below its pick (÷2, the same warm-up) on the reported
   seeds (per k `{arm}_{start}_lr_below_final_val_loss`, `diloco_{start}_vs_{arm}_lr_below_gap`),
   which say how much a baseline's row owes to a pick next to an lr where runs stall; `stalls`
-  applies the stall rule (a seed more than 5% above its arm's lowest) to every arm.
+  applies the stall rule (a seed more than 5% above its arm's lowest) to every arm, and a
+  DiLoCo arm with a stalled seed gets its own ablation below its pick (its entry's `lr_below`).
 - `single`: DiLoCo k = 1 vs plain AdamW (`--method single`) at equal steps.
 - `workers`: DiLoCo k ∈ {1, 2, 4, 8} at equal steps per worker (baseline k = 1).
 - `H`: H ∈ {10, 25, 50, 100, 250} (`--hs` some of them), k = 4 (`--h-k` another k, with its own
@@ -536,6 +537,31 @@ class Diloco(Centred):
             "pick": t.best(ctx) if t else None,
             "lr_at_grid_edge": t.at_edge(ctx) if t else None,
         }
+
+
+@dataclass
+class IfStalled:
+    """Part dp's stall rule for DiLoCo: once its reported seeds have all run, if one stalled
+    (`_stalled`), the arm one inner-lr grid point below its pick (÷2, at its outer lr and
+    warm-up) on the same seeds; nothing otherwise. Scheduled like a `Tuned` whose grid is the
+    arm's grids and reported runs."""
+
+    arm: Diloco
+
+    def grid_runs(self, ctx: Ctx) -> list[Run]:
+        return self.arm.grid_runs(ctx) + self.arm.runs(ctx)
+
+    def settings(self, ctx: Ctx) -> tuple[float, float, int] | None:
+        """(outer lr, inner lr, warm-up) of the ablation, once the rule gives one; None before."""
+        reported = self.arm.runs(ctx)
+        if not reported or not all(ctx.finished(r) for r in reported) or not _stalled(entry(ctx, reported)):
+            return None
+        ilr, w = self.arm.picked(ctx)
+        return self.arm.best(ctx), ilr / INNER_GRID_STEP, w
+
+    def runs(self, ctx: Ctx) -> list[Run]:
+        at = self.settings(ctx)
+        return [] if at is None else [self.arm.make(*at, s) for s in self.arm.seeds]
 
 
 @dataclass
@@ -1377,6 +1403,10 @@ def _stalls(per_k: dict) -> dict:
                 f"dp k={k} {start} lr_below": r.get("dp_lr_below"),
                 f"serial k={k} {start}": r.get("serial"),
                 **{f"diloco k={k} H={H} {start}": e for H, e in r["diloco_by_H"].items()},
+                **{
+                    f"diloco k={k} H={H} {start} lr_below": e.get("lr_below")
+                    for H, e in r["diloco_by_H"].items()
+                },
             }
             seeds.update({arm: got for arm, e in arms.items() if (got := _stalled(e))})
     return {
@@ -1384,7 +1414,7 @@ def _stalls(per_k: dict) -> dict:
         f"{round(100 * (STALL_RATIO - 1))}% above its arm's lowest seed; a DiLoCo arm with one gets "
         "the ablation one inner-lr grid point below its pick",
         "seeds": seeds,
-        "diloco_needs_ablation": [arm for arm in seeds if arm.startswith("diloco")],
+        "diloco_needs_ablation": [arm for arm in seeds if arm.startswith("diloco") and "lr_below" not in arm],
     }
 
 
@@ -1397,6 +1427,7 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     # seeds; single from each start (one Follow for every k), data parallel from scratch (where
     # a pick can keep a run on the loss plateau), keyed by (arm, k, warm)
     below: dict[tuple[str, int, bool], Follow] = {}
+    stall: dict[tuple[int, bool, int], IfStalled] = {}  # (k, warm, H): the stall rule's
 
     def single_below(lr: float, w: int, warm: bool) -> list[Run]:
         return [ctx.single(s, warm, fair=True, lr=lr / INNER_GRID_STEP, warmup=w) for s in ctx.seeds]
@@ -1417,6 +1448,10 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                 below["dp", k, warm] = Follow(arms[k, warm][1], functools.partial(dp_below, k=k, warm=warm))
                 follows.append(below["dp", k, warm])
         plan.tuned += follows
+        for k in ctx.dp_ks:  # the stall rule's ablation below DiLoCo's pick, where it gives one
+            for H, arm in arms[k, warm][2].items():
+                stall[k, warm, H] = IfStalled(arm)
+                plan.tuned.append(stall[k, warm, H])
         if warm:  # the serial reference: one worker, k × the steps, at single's tuned settings
 
             def make(lr: float, w: int, k: int) -> list[Run]:
@@ -1478,6 +1513,11 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
                     if lr is not None:
                         versus(di, dp, "vs_dp")
                         _with_match(ctx, dp, di, ctx.steps)
+                    if at := stall[k, warm, H].settings(ctx):  # the stall rule gave it an ablation
+                        lower_di = entry(
+                            ctx, stall[k, warm, H].runs(ctx), outer_lr=at[0], lr=at[1], warmup=at[2]
+                        )
+                        di["lr_below"] = versus(lower_di, dp, "vs_dp")
                     di["outer_lr_at_grid_edge"] = t.at_edge(ctx)
                     di["lr_grid_tuning"] = t.table(ctx)
                     picked = t.picked(ctx)
@@ -2344,6 +2384,8 @@ def _future(t, ctx: Ctx) -> list[Run] | None:
         return []
     if isinstance(t, Follow):  # runs at a Choice's pick: the serial reference, the ablations below
         return t.make(lr, w)
+    if isinstance(t, IfStalled):  # only if a seed stalls, which no finished run tells yet
+        return []
     if isinstance(t, Tuned):
         return [t.make(t.base[0], s) for s in t.seeds]
     if isinstance(t, Choice):  # one option's seeds, whichever is picked

@@ -313,3 +313,24 @@ def test_the_dp_by_H_table_of_a_file_not_run_says_how_many_runs_are_planned():
     assert _tables().dp_by_H({"model": "micro", "dp": {"status": "not run", "runs_planned": 17}}) == (
         "| micro: not run yet (17 runs planned) |\n| --- |\n"
     )
+
+
+@pytest.mark.timeout(30)
+def test_the_dp_table_has_diloco_s_stall_ablation_where_the_rule_gave_one():
+    """A DiLoCo arm with a stalled seed gets the ablation below its pick (reproduce_diloco's
+    IfStalled); its row names its settings per k, "—" where the rule gave none."""
+    import copy
+
+    tables, data = _tables(), copy.deepcopy(DATA)
+    rows = data["dp"]["per_k"]
+    assert "DiLoCo one grid point below" not in tables.dp_scratch(data)
+    di = rows["8"]["scratch"]["diloco"]
+    lower = copy.deepcopy(di)
+    lower.update(lr=2e-3, warmup=30, outer_lr=0.7)
+    di["lr_below"] = lower
+    line = next(x for x in tables.dp_scratch(data).splitlines() if "DiLoCo one grid point below" in x)
+    cells = line.split(" | ")
+    assert cells[1] == "—", line
+    assert (
+        cells[2].rstrip(" |") == f"inner lr 0.002, warm-up 30, outer lr 0.7: {tables._loss_seeds(lower)}"
+    ), line
