@@ -214,6 +214,13 @@ def dp_by_H(data: dict) -> str:
                     f"{_loss_seeds(e)} | {_gap_to_dp(e, dp)} | {_match(e)} | "
                     f"{_bytes_ratio(dp.get('bytes_sent_per_worker'), e.get('bytes_sent_per_worker'))} |"
                 )
+                if lower := e.get("lr_below"):  # the stall rule's ablation below DiLoCo's pick
+                    out.append(
+                        f"| ablation: DiLoCo H = {H} one grid point below its pick (a seed stalled) "
+                        f"| {start} | {k} | {steps // int(H):,} | inner lr {_num(lower['lr'])}, warm-up "
+                        f"{lower['warmup']}, outer lr {_num(lower['outer_lr'])} | {_loss_seeds(lower)} | "
+                        f"{_gap_to_dp(lower, dp)} | — | — |"
+                    )
     return "\n".join(out) + "\n"
 
 

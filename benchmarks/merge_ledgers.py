@@ -11,8 +11,9 @@ the rows those copies gained back into the ledger in git:
 - an async_jitter ledger (rows keyed by `run`) keeps its lines as they are and appends the new
   ones in the order the copies have them;
 - a reproduce ledger's part_timing.json (beside its runs.jsonl) takes, part by part, a copy's
-  entry that has counted more runs than its own (a part's totals only grow as a lane runs it;
-  the parts a lane never ran are the ledger's own, copied when the lane was seeded).
+  entry that has counted more runs than its own, or as many over more elapsed time (a part's
+  totals only grow as a lane runs it, its time each minute a run is in flight; the parts a lane
+  never ran are the ledger's own, copied when the lane was seeded).
 
     python benchmarks/merge_ledgers.py benchmarks/results/reproduce_ledger/runs.jsonl COPY...
     python benchmarks/merge_ledgers.py benchmarks/results/async_jitter_ledger.jsonl COPY...
@@ -76,7 +77,7 @@ def merge_timing(into: Path, copies: list[Path]) -> list[str]:
     parts taken, in order."""
 
     def counted(entry: dict) -> tuple[int, float]:
-        return entry.get("new_runs", 0), entry.get("elapsed_s", 0.0)
+        return entry.get("new_runs") or 0, entry.get("elapsed_s") or 0.0
 
     mine = json.loads(into.read_text()) if into.is_file() else {}
     taken = []

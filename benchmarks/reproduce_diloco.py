@@ -544,7 +544,8 @@ class IfStalled:
     """Part dp's stall rule for DiLoCo: once its reported seeds have all run, if one stalled
     (`_stalled`), the arm one inner-lr grid point below its pick (÷2, at its outer lr and
     warm-up) on the same seeds; nothing otherwise. Scheduled like a `Tuned` whose grid is the
-    arm's grids and reported runs."""
+    arm's grids and reported runs (so DiLoCo's reported seeds go first of their kind, before the
+    baselines' seeds: the ablation waits for them)."""
 
     arm: Diloco
 
@@ -557,7 +558,7 @@ class IfStalled:
         if not reported or not all(ctx.finished(r) for r in reported) or not _stalled(entry(ctx, reported)):
             return None
         ilr, w = self.arm.picked(ctx)
-        return self.arm.best(ctx), ilr / INNER_GRID_STEP, w
+        return self.arm.best(ctx), _lr_below(ilr), w
 
     def runs(self, ctx: Ctx) -> list[Run]:
         at = self.settings(ctx)
@@ -1122,7 +1123,7 @@ def entry(ctx: Ctx, runs: list[Run], **meta) -> dict:
         if res is None:
             missing.append(r.name)
         elif v is None:
-            failed.append(r.name)
+            failed.append(r)
         else:
             per_seed[str(r.seed)] = round(v, 5)
             bytes_.append(res["bytes_sent_per_worker"])
@@ -1138,7 +1139,8 @@ def entry(ctx: Ctx, runs: list[Run], **meta) -> dict:
     if missing:
         out["missing"] = missing
     if failed:
-        out["failed"] = failed
+        out["failed"] = [r.name for r in failed]
+        out["failed_seeds"] = [str(r.seed) for r in failed]
     return out
 
 
@@ -1375,16 +1377,21 @@ def _below(ctx: Ctx, t: Follow) -> dict:
     """An ablation's entry: its runs (one inner-lr grid point below the source's pick) with that
     lr and warm-up; no settings while the source has not picked."""
     at = _picked(t.source, ctx)
-    return entry(ctx, t.runs(ctx), **({} if at is None else {"lr": at[0] / INNER_GRID_STEP, "warmup": at[1]}))
+    return entry(ctx, t.runs(ctx), **({} if at is None else {"lr": _lr_below(at[0]), "warmup": at[1]}))
+
+
+def _lr_below(lr: float) -> float:
+    """The inner-lr grid point below `lr`, rounded as a widened grid's points are."""
+    return float(f"{lr / INNER_GRID_STEP:.2g}")
 
 
 def _stalled(e: dict | None) -> list[str]:
-    """The seeds of an entry more than STALL_RATIO above its lowest (none with fewer than two)."""
+    """The seeds of an entry more than STALL_RATIO above its lowest (none with fewer than two),
+    and those whose run failed (diverged: the worst stall)."""
     per_seed = (e or {}).get("per_seed") or {}
-    if len(per_seed) < 2:
-        return []
-    low = min(per_seed.values())
-    return [s for s, v in per_seed.items() if v > STALL_RATIO * low]
+    low = min(per_seed.values()) if per_seed else None
+    high = [s for s, v in per_seed.items() if len(per_seed) > 1 and v > STALL_RATIO * low]
+    return sorted(high + list((e or {}).get("failed_seeds") or []), key=int)
 
 
 def _stalls(per_k: dict) -> dict:
@@ -1430,10 +1437,10 @@ def part_dp(ctx: Ctx) -> tuple[Plan, Callable[[], dict]]:
     stall: dict[tuple[int, bool, int], IfStalled] = {}  # (k, warm, H): the stall rule's
 
     def single_below(lr: float, w: int, warm: bool) -> list[Run]:
-        return [ctx.single(s, warm, fair=True, lr=lr / INNER_GRID_STEP, warmup=w) for s in ctx.seeds]
+        return [ctx.single(s, warm, fair=True, lr=_lr_below(lr), warmup=w) for s in ctx.seeds]
 
     def dp_below(lr: float, w: int, k: int, warm: bool) -> list[Run]:
-        return [ctx.dp(k, s, warm, fair=True, lr=lr / INNER_GRID_STEP, warmup=w) for s in ctx.seeds]
+        return [ctx.dp(k, s, warm, fair=True, lr=_lr_below(lr), warmup=w) for s in ctx.seeds]
 
     starts = [start == "warm" for start in ctx.dp_starts]
     for warm in sorted(starts, reverse=True):  # warm first: the issue's target
@@ -2219,7 +2226,7 @@ def figures(ctx: Ctx, report: dict, where: Path, suffix: str = "") -> list[str]:
                         name = f"{m} {start}" if m == "single" else f"{m} k={k} {start}"
                         for entry, label, hatch in (
                             (row[m], name, ""),
-                            (row.get(f"{m}_lr_below"), f"{name} lr÷2", "//"),
+                            (row.get(f"{m}_lr_below") or row[m].get("lr_below"), f"{name} lr÷2", "//"),
                         ):
                             if entry:
                                 labels.append(label)
@@ -2652,7 +2659,9 @@ def main() -> None:
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
         timing_path.parent.mkdir(parents=True, exist_ok=True)
-        timing_path.write_text(json.dumps(timing, indent=2) + "\n")
+        tmp = timing_path.with_suffix(".tmp")  # whole or not at all: a lane is killed mid-run
+        tmp.write_text(json.dumps(timing, indent=2) + "\n")
+        os.replace(tmp, timing_path)
 
     if not (args.report_only or args.plot_only):
         _log(f"parts {', '.join(parts)}; {args.seeds} seeds; {args.jobs} jobs; runs in {args.workdir}")

@@ -334,3 +334,22 @@ def test_the_dp_table_has_diloco_s_stall_ablation_where_the_rule_gave_one():
     assert (
         cells[2].rstrip(" |") == f"inner lr 0.002, warm-up 30, outer lr 0.7: {tables._loss_seeds(lower)}"
     ), line
+
+
+@pytest.mark.timeout(30)
+def test_the_by_h_table_has_a_row_for_a_diloco_stall_ablation_at_any_h():
+    """The lane's k = 8 files report DiLoCo at H = 10 and 50: the stall rule's ablation of
+    either gets a row of its own under its arm's, with its settings and its gap to data parallel."""
+    import copy
+
+    tables, data = _tables(), copy.deepcopy(DATA)
+    row = data["dp"]["per_k"]["8"]["scratch"]
+    assert "one grid point below its pick (a seed stalled)" not in tables.dp_by_H(data)
+    H, e = next(iter(row["diloco_by_H"].items()))
+    lower = copy.deepcopy(e)
+    lower.update(lr=2e-3, warmup=30, outer_lr=0.7)
+    e["lr_below"] = lower
+    lines = tables.dp_by_H(data).splitlines()
+    i = next(i for i, x in enumerate(lines) if x.startswith(f"| ablation: DiLoCo H = {H} "))
+    assert lines[i - 1].startswith(f"| DiLoCo H = {H} | scratch | 8 |"), lines[i - 1]
+    assert f"| inner lr 0.002, warm-up 30, outer lr 0.7 | {tables._loss_seeds(lower)} |" in lines[i], lines[i]

@@ -70,12 +70,14 @@ def test_a_lane_part_timing_joins_the_one_in_git_part_by_part(tmp_path):
         "dp": {"elapsed_s": 100.0, "new_runs": 10},
         "single": {"elapsed_s": 50.0, "new_runs": 5},
         "drop": {"elapsed_s": 70.0, "new_runs": 3},
+        "codec": {"elapsed_s": None, "new_runs": 2},  # a hand-edited entry: null counts as 0
     }
     theirs = {
         "dp": {"elapsed_s": 900.0, "new_runs": 14},
         "single": {"elapsed_s": 40.0, "new_runs": 4},
         "H500": {"elapsed_s": 10.0, "new_runs": 1},
         "drop": {"elapsed_s": 95.0, "new_runs": 3},
+        "codec": {"elapsed_s": 5.0, "new_runs": 2},
     }
     (git / "part_timing.json").write_text(json.dumps(mine, indent=2) + "\n")
     (lane / "part_timing.json").write_text(json.dumps(theirs, indent=2) + "\n")
@@ -86,7 +88,7 @@ def test_a_lane_part_timing_joins_the_one_in_git_part_by_part(tmp_path):
         [sys.executable, str(SCRIPT), str(git / "runs.jsonl"), str(lane / "runs.jsonl")],
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
-    assert "1 rows added" in out.stderr and "dp, H500, drop taken" in out.stderr
+    assert "1 rows added" in out.stderr and "dp, H500, drop, codec taken" in out.stderr
     got = json.loads((git / "part_timing.json").read_text())
     assert got == {**theirs, "single": mine["single"]}
     assert (git / "part_timing.json").read_text().endswith("}\n")

@@ -21,6 +21,17 @@ def test_a_seed_more_than_five_percent_above_the_lowest_stalls():
     assert rd._stalled(_e(1.0, 1.05, 1.0501)) == ["2"]  # exactly 5% is not a stall
     assert rd._stalled(_e(1.8918, 1.9268, 1.9149)) == []  # DiLoCo k = 4: within 2%
     assert rd._stalled(_e(2.0)) == [] and rd._stalled(None) == [] and rd._stalled({}) == []
+    # a seed whose run failed (diverged) is the worst stall, even beside a single finished seed
+    assert rd._stalled({**_e(1.9), "failed_seeds": ["2"]}) == ["2"]
+    assert rd._stalled({**_e(1.9, 2.1), "failed_seeds": ["2"]}) == ["1", "2"]
+
+
+@pytest.mark.timeout(30)
+def test_the_ablation_lr_is_the_grid_point_below_rounded_as_a_widened_grid_is():
+    rd = _rd()
+    assert rd._lr_below(8e-3) == 4e-3 and rd._lr_below(3.2e-2) == 1.6e-2
+    x = rd._lr_below(2.5e-4)  # 1.25e-4 has three significant digits; a widened grid's point two
+    assert x in (1.2e-4, 1.3e-4) and x == float(f"{x:.2g}")
 
 
 @pytest.mark.timeout(30)
