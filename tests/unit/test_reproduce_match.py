@@ -313,3 +313,49 @@ def test_part_H500_headline_gaps_wait_for_every_seed_of_both_arms(tmp_path):
     assert r["target_within_2pct_at_400x_fewer_bytes"] is (r["h500_vs_dp_gap"] <= 0.02)  # bytes 500×
     curves = [(int(H), *rd._mean_curve(ctx, e["runs"])) for H, e in r["by_H"].items()]
     assert r["per_round"] == rd.per_round(*curves) == r["per_round_tuning"]  # copies of the picks' curves
+
+
+@pytest.mark.timeout(60)
+def test_dp_figure_bars_group_by_start_with_each_ablation_hatched_beside_its_pick(tmp_path, monkeypatch):
+    """Part dp's bars: per start, single once (not once per k), then each k's data parallel,
+    DiLoCo and serial; an ablation below a pick (single's, data parallel's, DiLoCo's from the
+    stall rule) hatched right after it; a bar's height the entry's mean."""
+    import matplotlib.figure
+
+    rd = _rd()
+    ctx = _Curves({n: [(0, 2.2), (1000, 1.5)] for n in ("s0", "d0", "l0")})
+    ctx.seeds = [0, 1, 2]
+
+    def e(v: float, runs=None) -> dict:
+        return {"val_loss": {"mean": v, "min": v - 0.01, "max": v + 0.01}, "runs": runs or []}
+
+    def row(base: float, warm: bool) -> dict:
+        out = {"single": e(base, ["s0"]), "dp": e(base - 0.3, ["d0"]), "diloco": e(base - 0.1, ["l0"])}
+        out["single_lr_below"] = e(base - 0.05)
+        if warm:
+            out["serial"] = e(base - 0.35)
+        else:
+            out["dp_lr_below"] = e(base - 0.32)
+            out["diloco"]["lr_below"] = e(base - 0.12)
+        return out
+
+    per_k = {str(k): {"scratch": row(2.0 + k / 100, False), "warm": row(1.8 + k / 100, True)} for k in (4, 8)}
+    r = {"k": [4, 8], "headline_k": 8, "per_k": per_k, "wall_time": {"runs_missing": 0}}
+    saved = []
+    keep = lambda fig, path, **kw: saved.append(fig)  # noqa: E731  (the drawn figure, unsaved)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    assert rd.figures(ctx, {"dp": r}, tmp_path) == [str(tmp_path / "reproduce_dp.png")]
+    bars = saved[0].axes[0]
+    labels = [t.get_text() for t in bars.get_xticklabels()]
+    assert labels == [
+        "single scratch", "single scratch lr÷2",
+        "dp k=4 scratch", "dp k=4 scratch lr÷2", "diloco k=4 scratch", "diloco k=4 scratch lr÷2",
+        "dp k=8 scratch", "dp k=8 scratch lr÷2", "diloco k=8 scratch", "diloco k=8 scratch lr÷2",
+        "single warm", "single warm lr÷2",
+        "dp k=4 warm", "diloco k=4 warm", "serial k=4 warm",
+        "dp k=8 warm", "diloco k=8 warm", "serial k=8 warm",
+    ]  # fmt: skip
+    patches = bars.patches
+    assert [bool(p.get_hatch()) for p in patches] == ["lr÷2" in x for x in labels]
+    assert patches[5].get_height() == pytest.approx(2.04 - 0.12)  # DiLoCo k = 4's stall ablation
+    assert patches[0].get_height() == pytest.approx(2.04)  # single from scratch at k = 4's row
