@@ -154,7 +154,7 @@ def test_eval_export_and_resume_of_wrong_paths_advise_what_works(tmp_path, small
 
 
 @pytest.mark.timeout(60)
-def test_eval_json_of_a_diverged_model_is_strict_json_with_null(tmp_path, small):
+def test_eval_of_a_diverged_model_is_strict_json_with_null_and_prints_overflow(tmp_path, small):
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -173,6 +173,10 @@ def test_eval_json_of_a_diverged_model_is_strict_json_with_null(tmp_path, small)
 
     result = json.loads(proc.stdout, parse_constant=refuse)
     assert result["val_loss"] is None and result["val_ppl"] is None and result["tokens"] > 0
+    # the plain printout of the same model says so too, instead of failing on a missing number
+    proc = _cli(tmp_path, "eval", "run", "--data", "some.txt", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "val_loss nan   val_ppl overflow   tokens" in proc.stdout, proc.stdout
 
 
 @pytest.mark.timeout(90)

@@ -29,7 +29,9 @@ def use_command(args: argparse.Namespace) -> int:
             print(to_json(result))
         else:
             loss, ppl, tokens = result["val_loss"], result["val_ppl"], result["tokens"]
-            print(f"val_loss {loss:.4f}   val_ppl {ppl:.3f}   tokens {tokens:,}")
+            loss_s = "nan" if loss is None else f"{loss:.4f}"  # a diverged model, as summary.txt says it
+            ppl_s = "overflow" if ppl is None else f"{ppl:.3f}"
+            print(f"val_loss {loss_s}   val_ppl {ppl_s}   tokens {tokens:,}")
     elif args.command == "generate":
         print(
             use.generate(

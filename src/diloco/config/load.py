@@ -14,7 +14,7 @@ from typing import Any
 
 from diloco import settings
 from diloco.config.parsers import is_pretrained_dir, read_model_config
-from diloco.config.sections import MODEL_PRESETS
+from diloco.config.sections import MODEL_PRESETS, SPARSELOCO_DEFAULTS
 from diloco.config.train import TrainConfig
 from diloco.errors import UserError
 
@@ -90,17 +90,6 @@ def _inline_model(values: dict[str, Any]) -> dict[str, Any]:
             model["hf_config"] = json.dumps(loaded, sort_keys=True)
             values = {**values, "model": model}
     return values
-
-
-# What `--outer-opt sparseloco` sends unless told otherwise (SparseLoCo, Sarfi et al. 2025:
-# top-k per chunk of 4096 values in 2 bits, each worker's error-feedback accumulator decayed)
-SPARSELOCO_DEFAULTS = {
-    "codec": "topk",
-    "error_feedback": True,
-    "topk_chunk": 4096,
-    "topk_bits": 2,
-    "ef_decay": 0.95,
-}
 
 
 def _sparseloco(values: dict[str, Any]) -> dict[str, Any]:

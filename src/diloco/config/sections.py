@@ -31,6 +31,16 @@ ON_SIM, ON_COLLECTIVE, ON_SERVER = ("runtime", "sim"), ("runtime", "collective")
 ON_SIM_OR_COLLECTIVE = ("runtime", "in", ("sim", "collective"))  # emulated devices (runtime/clock.py)
 ON_ASYNC, ON_DILOCO = ("method", "async"), ("method", "diloco")
 ON_DYLU_METHODS = ("method", "in", ("async", "diloco"))  # DyLU: async jobs, or sync rounds
+# What `--outer-opt sparseloco` sends unless told otherwise (SparseLoCo, Sarfi et al. 2025:
+# top-k per chunk of 4096 values in 2 bits, each worker's error-feedback accumulator decayed;
+# config/load.py fills them in)
+SPARSELOCO_DEFAULTS = {
+    "codec": "topk",
+    "error_feedback": True,
+    "topk_chunk": 4096,
+    "topk_bits": 2,
+    "ef_decay": 0.95,
+}
 # The groups of `diloco train --help`, in order, by the name a top-level setting gives with `group=`
 # (each must give one: tests/unit/test_cli_flags.py). A section's settings are in the section's
 # group ("" here: titled by the section's docstring) unless they name another.
@@ -185,7 +195,13 @@ class OuterConfig:
     """The outer optimizer applied to the averaged outer_grad (docs/method.md §1)."""
 
     # sgd with lr 1.0 and momentum 0 is FedAvg
-    opt: str = setting("nesterov", flag="--outer-opt", choices=OUTER_OPTS, help="outer optimizer")
+    opt: str = setting(
+        "nesterov",
+        flag="--outer-opt",
+        choices=OUTER_OPTS,
+        help="outer optimizer; sparseloco also sets, where not given, "
+        + ", ".join(f"{k} {str(v).lower()}" for k, v in SPARSELOCO_DEFAULTS.items()),
+    )
     lr: float = setting(0.7, flag="--outer-lr", help="outer lr (the paper's best; adam wants 0.1 or less)")
     momentum: float = setting(0.9, flag="--outer-momentum", help="outer momentum of nesterov and sgd")
     adam_beta1: float = setting(0.9, help="the outer Adam's β1 (--outer-opt adam)")

@@ -62,7 +62,8 @@ class TrainConfig:
         group="model",
         default_help="random, from --seed",
         help="start from these parameters: a finished run directory, a model.safetensors, or a "
-        "save_pretrained folder (with --model-config) of the same model",
+        "save_pretrained folder of the same model (its config.json is the model's unless "
+        "--model-config is given)",
     )
     # benchmarks/overhead.py: on 2 cores 2 threads give 1.7x the tokens/s of 1 (results/overhead.json)
     threads: int = setting(
@@ -171,7 +172,13 @@ class TrainConfig:
         0.0, flag="--target-loss", group="output", help="report reaching this val loss; 0: off"
     )
     # collective runs under torchrun (docs/distributed.md)
-    runtime: str = setting("sim", flag="--runtime", group="run", choices=RUNTIMES, help="where workers run")
+    runtime: str = setting(
+        "sim",
+        flag="--runtime",
+        group="run",
+        choices=RUNTIMES,
+        help="where workers run; server only by `diloco serve` (diloco train refuses it)",
+    )
     procs_per_worker: int = setting(
         1,
         flag="--procs-per-worker",
