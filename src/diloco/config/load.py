@@ -14,8 +14,9 @@ from typing import Any
 
 from diloco import settings
 from diloco.config.parsers import is_pretrained_dir, read_model_config
-from diloco.config.sections import MODEL_PRESETS, SPARSELOCO_DEFAULTS
+from diloco.config.sections import MODEL_PRESETS
 from diloco.config.train import TrainConfig
+from diloco.core.outer import SPARSELOCO_DEFAULTS
 from diloco.errors import UserError
 
 # the tables of a TOML file: model, data, inner, outer, sim, async

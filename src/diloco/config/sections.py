@@ -14,7 +14,7 @@ from diloco.core.async_policy import DYLU_BY
 from diloco.core.async_rules import ASYNC_RULES, AsyncRule, build_async_rule
 from diloco.core.codec import CODECS as _CODECS
 from diloco.core.codec import Codec, build_codec
-from diloco.core.outer import OUTER_OPTS, OuterOpt, build_outer_opt
+from diloco.core.outer import OUTER_OPT_HELP, OUTER_OPTS, OuterOpt, build_outer_opt
 from diloco.core.streaming import Schedule
 from diloco.settings import setting
 
@@ -31,16 +31,6 @@ ON_SIM, ON_COLLECTIVE, ON_SERVER = ("runtime", "sim"), ("runtime", "collective")
 ON_SIM_OR_COLLECTIVE = ("runtime", "in", ("sim", "collective"))  # emulated devices (runtime/clock.py)
 ON_ASYNC, ON_DILOCO = ("method", "async"), ("method", "diloco")
 ON_DYLU_METHODS = ("method", "in", ("async", "diloco"))  # DyLU: async jobs, or sync rounds
-# What `--outer-opt sparseloco` sends unless told otherwise (SparseLoCo, Sarfi et al. 2025:
-# top-k per chunk of 4096 values in 2 bits, each worker's error-feedback accumulator decayed;
-# config/load.py fills them in)
-SPARSELOCO_DEFAULTS = {
-    "codec": "topk",
-    "error_feedback": True,
-    "topk_chunk": 4096,
-    "topk_bits": 2,
-    "ef_decay": 0.95,
-}
 # The groups of `diloco train --help`, in order, by the name a top-level setting gives with `group=`
 # (each must give one: tests/unit/test_cli_flags.py). A section's settings are in the section's
 # group ("" here: titled by the section's docstring) unless they name another.
@@ -195,13 +185,7 @@ class OuterConfig:
     """The outer optimizer applied to the averaged outer_grad (docs/method.md §1)."""
 
     # sgd with lr 1.0 and momentum 0 is FedAvg
-    opt: str = setting(
-        "nesterov",
-        flag="--outer-opt",
-        choices=OUTER_OPTS,
-        help="outer optimizer; sparseloco also sets, where not given, "
-        + ", ".join(f"{k} {str(v).lower()}" for k, v in SPARSELOCO_DEFAULTS.items()),
-    )
+    opt: str = setting("nesterov", flag="--outer-opt", choices=OUTER_OPTS, help=OUTER_OPT_HELP)
     lr: float = setting(0.7, flag="--outer-lr", help="outer lr (the paper's best; adam wants 0.1 or less)")
     momentum: float = setting(0.9, flag="--outer-momentum", help="outer momentum of nesterov and sgd")
     adam_beta1: float = setting(0.9, help="the outer Adam's β1 (--outer-opt adam)")

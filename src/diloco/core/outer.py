@@ -20,6 +20,19 @@ import torch
 
 Tensors = list[torch.Tensor]
 OUTER_OPTS = ("nesterov", "sgd", "adam", "sparseloco")  # --outer-opt (`build_outer_opt`)
+# What `--outer-opt sparseloco` sends unless told otherwise (SparseLoCo, Sarfi et al. 2025:
+# top-k per chunk of 4096 values in 2 bits, each worker's error-feedback accumulator decayed;
+# config/load.py fills them in, config/sections.py names them in the flag's help)
+SPARSELOCO_DEFAULTS = {
+    "codec": "topk",
+    "error_feedback": True,
+    "topk_chunk": 4096,
+    "topk_bits": 2,
+    "ef_decay": 0.95,
+}
+OUTER_OPT_HELP = "outer optimizer; sparseloco also sets, where not given, " + ", ".join(
+    f"{k} {str(v).lower()}" for k, v in SPARSELOCO_DEFAULTS.items()
+)
 
 
 def weighted_average(outer_grads: list[Tensors], weights: list[float]) -> Tensors:
