@@ -127,6 +127,10 @@ def test_a_mixed_async_run_with_deadline_jobs_completes_and_replays_and_a_group_
     assert replay(tmp_path / "run")["bitwise_equal"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert sorted(w["ranks"] for w in summary["workers"]) == [1, 2]
+    # every step of either worker computed 2 × --batch-size rows (it counted one batch's tokens)
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    rows = cfg["data"]["batch_size"] * cfg["procs_per_worker"]
+    assert summary["tokens"] == summary["inner_steps"] * rows * cfg["model"]["seq_len"] > 0
 
 
 @pytest.mark.slow  # the suite's 10 minutes; in `make test-all` (pytest -m slow)

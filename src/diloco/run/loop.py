@@ -207,7 +207,8 @@ def run_async(run: Run, *, start_round: int, stop_after: int | None, run_dir: Pa
     k, H = trainer.num_workers, cfg.inner_steps
     per_round = k * H
     every = (cfg.eval_every or H) * k  # in inner steps summed over workers
-    tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
+    # a server worker of M ranks, or one process in its place, computes M batches a step
+    tokens_per_step = cfg.data.batch_size * cfg.model.seq_len * cfg.procs_per_worker
     bar = _progress(cfg, trainer.step_budget, trainer.applied, "step", progress)
     last_round = start_round  # the last round boundary handled
     try:
