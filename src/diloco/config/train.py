@@ -43,6 +43,9 @@ STREAMING_NEEDS_ROUNDS = (
 )
 
 
+RUNTIME_HELP = "where workers run; server only by `diloco serve` (diloco train refuses it)"
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run. `diloco train` with no flags runs exactly these defaults."""
@@ -172,13 +175,7 @@ class TrainConfig:
         0.0, flag="--target-loss", group="output", help="report reaching this val loss; 0: off"
     )
     # collective runs under torchrun (docs/distributed.md)
-    runtime: str = setting(
-        "sim",
-        flag="--runtime",
-        group="run",
-        choices=RUNTIMES,
-        help="where workers run; server only by `diloco serve` (diloco train refuses it)",
-    )
+    runtime: str = setting("sim", flag="--runtime", group="run", choices=RUNTIMES, help=RUNTIME_HELP)
     procs_per_worker: int = setting(
         1,
         flag="--procs-per-worker",
